@@ -1,0 +1,108 @@
+"""``python -m gateway --config backends.yaml [--host H] [--port P] [--log-level L]``.
+
+Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM), 2 for a user error (bad
+config, address in use), 1 for anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import json
+import logging
+import signal
+import sys
+import time
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import ConfigError, load_config
+from gateway.demo import DemoFleetError
+
+log = logging.getLogger("gateway")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, backlog=1024)
+        await site.start()
+        addr = runner.addresses[0]
+        log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
+        print(f"turbo-gateway listening on http://{addr[0]}:{addr[1]}", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gateway",
+                                 description="turbo-gateway: an OpenAI-compatible, traffic-aware LLM gateway")
+    ap.add_argument("--config", required=True, help="path to backends.yaml")
+    ap.add_argument("--host", help="listen address (overrides listen.host; default 127.0.0.1)")
+    ap.add_argument("--port", type=int, help="listen port (overrides listen.port; default 8080)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = ap.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    host = args.host or cfg.listen.host
+    port = cfg.listen.port if args.port is None else args.port
+    if not 0 <= port <= 65535:
+        print(f"error: --port {port} is not a valid TCP port", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    started = time.monotonic()
+    try:
+        run(_serve(create_app(cfg), host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            print(f"error: cannot listen on {host}:{port}: the address is already in use "
+                  "(another process holds that port; pick another with --port)", file=sys.stderr)
+            return 2
+        if e.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
+            print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
+            return 2
+        raise
+    except DemoFleetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    log.debug("ran for %.1f s", time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The aiohttp application: routes, middleware and lifecycle.
+
+:func:`create_app` builds the app from a :class:`~gateway.config.GatewayConfig`;
+handlers are thin and hand completion requests to :class:`~gateway.proxy.Proxy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.demo import DemoFleet
+from gateway.errors import ClientError, error_response
+from gateway.health import HealthChecker
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import models_list, parse_completion_request, read_json_body
+from gateway.proxy import REQUEST_ID_HEADER, BackendClient, ClientGone, Exchange, Proxy
+from routing import BackendSpec, Fleet, Router, UnknownModel, make_policy
+
+log = logging.getLogger("gateway")
+
+CONFIG = web.AppKey("config", GatewayConfig)
+STATE = web.AppKey("state", "GatewayState")
+
+
+class GatewayState:
+    """Everything one running gateway holds; created at startup."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.fleet = Fleet([BackendSpec(b.name, frozenset(b.models), b.pool, b.weight) for b in cfg.backends])
+        self.router = Router(self.fleet, make_policy(cfg.routing.policy))
+        self.metrics = GatewayMetrics(self.fleet)
+        self.clients: dict[str, BackendClient] = {}
+        self.proxy: Proxy | None = None
+        self.health: HealthChecker | None = None
+        self.created = int(time.time())
+
+
+def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None) -> web.Application:
+    """Build the gateway application.
+
+    ``backend_urls`` overrides backends' base URLs by name (used when simulated demo
+    backends were started elsewhere). Simulated backends without a URL are started as
+    a child process at startup.
+    """
+    app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[_middleware])
+    app[CONFIG] = cfg
+    state = GatewayState(cfg)
+    app[STATE] = state
+    app.cleanup_ctx.append(_lifecycle(backend_urls or {}))
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def _lifecycle(backend_urls: dict[str, str]):
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        state = app[STATE]
+        cfg = state.cfg
+        urls = dict(backend_urls)
+        demo = None
+        to_simulate = [b for b in cfg.backends if b.simulate and b.name not in urls]
+        if to_simulate:
+            demo = await DemoFleet.start(to_simulate)
+            urls.update(demo.urls)
+            log.info("started simulated demo fleet: %s", ", ".join(f"{k}={v}" for k, v in demo.urls.items()))
+        sessions: list[aiohttp.ClientSession] = []
+        for b in cfg.backends:
+            t = cfg.timeouts_for(b)
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+            session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s),
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                auto_decompress=False,
+            )
+            sessions.append(session)
+            auth = f"Bearer {os.environ[b.api_key_env]}" if b.api_key_env else None
+            state.clients[b.name] = BackendClient(state.fleet.backends[b.name], urls.get(b.name) or b.url or "",
+                                                  session, t, auth)
+        state.proxy = Proxy(cfg, state.router, state.clients, state.metrics)
+        paths = {b.name: b.health_path or cfg.health.path for b in cfg.backends}
+        state.health = HealthChecker(cfg.health, state.clients.values(), paths)
+        await state.health.check_all()
+        health_task = asyncio.create_task(state.health.run())
+        try:
+            yield
+        finally:
+            health_task.cancel()
+            try:
+                await health_task
+            except asyncio.CancelledError:
+                pass
+            for s in sessions:
+                await s.close()
+            if demo is not None:
+                await demo.stop()
+
+    return ctx
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler) -> web.StreamResponse:
+    rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    request["request_id"] = rid
+    try:
+        resp = await handler(request)
+    except ClientError as e:
+        resp = e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        messages = {404: f"Unknown route {request.method} {request.path}.",
+                    405: f"Method {request.method} is not allowed on {request.path}.",
+                    413: "Request body too large."}
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        resp = error_response(messages.get(e.status, e.reason), e.status, headers=headers)
+    except (asyncio.CancelledError, ClientGone):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s (request %s)", request.method, request.path, rid)
+        resp = error_response("The gateway hit an internal error.", 500, code="internal_error")
+    if not resp.prepared:
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp
+
+
+async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse:
+    arrival = asyncio.get_running_loop().time()
+    state = request.app[STATE]
+    body, data = await read_json_body(request, state.cfg.limits.max_body_bytes)
+    parsed = parse_completion_request(endpoint, body, data)
+    try:
+        state.fleet.candidates(parsed.model)
+    except UnknownModel as e:
+        raise ClientError(404, str(e), param="model", code="model_not_found") from None
+    ex = Exchange(request, parsed, request["request_id"], arrival)
+    assert state.proxy is not None
+    try:
+        return await state.proxy.forward(ex)
+    except ClientGone:
+        return ex.response or web.Response(status=499)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "completions")
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.Response(body=orjson.dumps(models_list(state.fleet.models(), state.created)),
+                        content_type="application/json")
+
+
+async def _model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in state.fleet.by_model:
+        raise ClientError(404, f"The model `{name}` does not exist or is not served by this gateway.",
+                          param="model", code="model_not_found")
+    return web.Response(body=orjson.dumps(models_list([name], state.created)["data"][0]),
+                        content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    up = sorted(b.name for b in state.fleet.backends.values() if b.healthy)
+    if state.health is not None and state.health.ready():
+        return web.json_response({"status": "ready", "healthy_backends": up})
+    return web.json_response({"status": "not ready", "healthy_backends": up}, status=503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -1,0 +1,62 @@
+"""Active health checks: one background task probing every backend periodically."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+import aiohttp
+
+from gateway.config import HealthChecks
+
+log = logging.getLogger("gateway.health")
+
+
+class HealthChecker:
+    """Probes ``GET {base_url}{path}``; updates ``BackendState.healthy`` and
+    ``checked``. A backend is marked down after ``unhealthy_threshold`` consecutive
+    failed probes and up after one successful probe."""
+
+    def __init__(self, cfg: HealthChecks, clients: Iterable, paths: dict[str, str]) -> None:
+        self.cfg = cfg
+        self.clients = list(clients)
+        self.paths = paths
+        self.failures: dict[str, int] = {}
+        self.checked: set[str] = set()
+
+    async def probe(self, client) -> bool:
+        try:
+            async with client.session.get(client.base_url + self.paths[client.state.name],
+                                          timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
+                await r.read()
+                return 200 <= r.status < 300
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def check_all(self) -> None:
+        """One round over every backend, concurrently."""
+        results = await asyncio.gather(*(self.probe(c) for c in self.clients))
+        for c, ok in zip(self.clients, results):
+            name = c.state.name
+            self.checked.add(name)
+            if ok:
+                if not c.state.healthy:
+                    log.warning("backend %s is healthy again", name)
+                self.failures[name] = 0
+                c.state.healthy = True
+            else:
+                n = self.failures[name] = self.failures.get(name, 0) + 1
+                if n >= self.cfg.unhealthy_threshold and c.state.healthy:
+                    log.warning("backend %s failed %d health checks; marking it down", name, n)
+                    c.state.healthy = False
+
+    def ready(self) -> bool:
+        """At least one backend passed its last check."""
+        return any(c.state.healthy and c.state.name in self.checked and self.failures.get(c.state.name, 0) == 0
+                   for c in self.clients)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            await self.check_all()

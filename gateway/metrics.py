@@ -1,0 +1,80 @@
+"""Prometheus metrics of one gateway process (its own registry, so that several
+gateways can live in one test process).
+
+Names follow Prometheus conventions (base units: seconds, tokens) under the
+``turbo_gateway_`` prefix. Per-backend gauges are read from the fleet at scrape time,
+so the request path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from routing.fleet import Fleet
+
+# TTFT and end-to-end buckets span a cached short prompt (ms) to a long prefill under
+# load (minutes); ITL buckets span 1 ms to 2 s gaps between chunks.
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily("turbo_gateway_backend_in_flight",
+                                      "Requests dispatched to the backend and not yet settled", labels=["backend"])
+        healthy = GaugeMetricFamily("turbo_gateway_backend_healthy",
+                                    "1 when the backend's last health check passed", labels=["backend"])
+        for b in self.fleet.backends.values():
+            in_flight.add_metric([b.name], b.in_flight)
+            healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
+        yield in_flight
+        yield healthy
+
+
+class GatewayMetrics:
+    """All metric families of the gateway. Label values are cached per
+    (model, backend) by prometheus_client itself."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("turbo_gateway_requests", "Requests answered, by final HTTP status",
+                                ["model", "backend", "status"], registry=r)
+        self.ttft = Histogram("turbo_gateway_ttft_seconds",
+                              "Time from request arrival to the first response byte sent to the client",
+                              ["model"], buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("turbo_gateway_itl_seconds", "Gap between consecutive streamed chunks (inter-token latency)",
+                             ["model"], buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram("turbo_gateway_e2e_seconds", "Request arrival to last byte sent",
+                             ["model"], buckets=E2E_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("turbo_gateway_prompt_tokens", "Prompt tokens reported by backends (usage)",
+                                     ["model"], registry=r)
+        self.completion_tokens = Counter("turbo_gateway_completion_tokens",
+                                         "Completion tokens reported by backends (usage), or streamed events when usage is absent",
+                                         ["model"], registry=r)
+        self.cached_tokens = Counter("turbo_gateway_cached_prompt_tokens",
+                                     "Prompt tokens the backends served from their prefix cache (usage.prompt_tokens_details.cached_tokens)",
+                                     ["model"], registry=r)
+        self.retries = Counter("turbo_gateway_retries", "Retries, by the failure that caused them", ["reason"], registry=r)
+        self.upstream_errors = Counter("turbo_gateway_upstream_errors", "Failed upstream attempts",
+                                       ["backend", "reason"], registry=r)
+        self.stream_errors = Counter("turbo_gateway_stream_errors",
+                                     "Streams that failed after bytes had reached the client",
+                                     ["backend", "reason"], registry=r)
+        self.client_disconnects = Counter("turbo_gateway_client_disconnects",
+                                          "Requests whose client went away before the response ended",
+                                          ["backend"], registry=r)
+        self.decisions = Counter("turbo_gateway_routing_decisions", "Routing decisions by policy and reason",
+                                 ["policy", "reason"], registry=r)
+        r.register(_FleetCollector(fleet))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,140 @@
+"""Reading and validating OpenAI request bodies.
+
+Validation is permissive by design (DESIGN.md section 1): the few fields the gateway
+reads are checked, and every other field passes through to the backend untouched,
+because the gateway forwards the original body bytes, never a re-serialization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import ClientError
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """What the gateway reads from a completion request.
+
+    ``body`` is the exact bytes received (forwarded as is); ``prompt_bytes`` is the
+    byte length of the prompt text (messages' content or ``prompt``), for routing.
+    """
+
+    endpoint: str
+    body: bytes
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    prompt_bytes: int
+
+
+def _is_json_type(content_type: str) -> bool:
+    ct = content_type.lower()
+    return ct == "application/json" or (ct.startswith("application/") and ct.endswith("+json"))
+
+
+async def read_json_body(request: web.Request, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
+    """Read and parse the request body as a JSON object.
+
+    Raises :class:`ClientError` 415 (non-JSON content type), 413 (body over
+    ``max_bytes`` bytes) or 400 (malformed JSON, not an object).
+    """
+    if request.content_type and request.headers.get("Content-Type") and not _is_json_type(request.content_type):
+        raise ClientError(415, f"Unsupported content type `{request.content_type}`; send `Content-Type: application/json`.",
+                          code="unsupported_media_type")
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise ClientError(413, f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.",
+                          code="request_too_large")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large") from None
+    if len(body) > max_bytes:
+        raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ClientError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ClientError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body, data
+
+
+def _content_bytes(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content.encode("utf-8", "surrogatepass"))
+    if isinstance(content, list):
+        n = 0
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                n += len(part["text"].encode("utf-8", "surrogatepass"))
+        return n
+    return 0
+
+
+def _check_optional_int(data: dict[str, Any], field: str, minimum: int) -> int | None:
+    v = data.get(field)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ClientError(400, f"`{field}` must be an integer >= {minimum}.", param=field, code="invalid_value")
+    return v
+
+
+def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any]) -> ParsedRequest:
+    """Validate the fields the gateway reads. ``endpoint`` is ``chat`` or ``completions``.
+
+    Raises :class:`ClientError` 400 naming the offending field.
+    """
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise ClientError(400, "`model` is required and must be a non-empty string.", param="model",
+                          code="invalid_value" if "model" in data else "missing_required_parameter")
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ClientError(400, "`stream` must be a boolean.", param="stream", code="invalid_type")
+    opts = data.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise ClientError(400, "`stream_options` must be an object.", param="stream_options", code="invalid_type")
+        include_usage = bool(opts.get("include_usage", False))
+    max_tokens = _check_optional_int(data, "max_tokens", 1)
+    mct = _check_optional_int(data, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = mct
+    if endpoint == "chat":
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ClientError(400, "`messages` is required and must be a non-empty array.", param="messages",
+                              code="invalid_value" if "messages" in data else "missing_required_parameter")
+        prompt_bytes = 0
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ClientError(400, f"`messages[{i}]` must be an object with a string `role`.",
+                                  param=f"messages[{i}]", code="invalid_value")
+            prompt_bytes += _content_bytes(m.get("content"))
+    else:
+        prompt = data.get("prompt")
+        if isinstance(prompt, str):
+            prompt_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+        elif isinstance(prompt, list) and prompt:
+            # a list of strings, a list of token ids, or a list of such lists
+            prompt_bytes = sum(len(p.encode("utf-8", "surrogatepass")) if isinstance(p, str) else 4 for p in prompt)
+        else:
+            raise ClientError(400, "`prompt` is required and must be a string or a non-empty array.", param="prompt",
+                              code="invalid_value" if "prompt" in data else "missing_required_parameter")
+    return ParsedRequest(endpoint, body, model, stream, include_usage, max_tokens, prompt_bytes)
+
+
+def models_list(models: list[str], created: int) -> dict[str, Any]:
+    """The ``GET /v1/models`` body (OpenAI list format)."""
+    return {"object": "list",
+            "data": [{"id": m, "object": "model", "created": created, "owned_by": "turbo-gateway"} for m in models]}

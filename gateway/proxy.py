@@ -1,0 +1,413 @@
+"""Upstream attempts, retries and the SSE relay: one request from route to settle.
+
+Follow a request here: :meth:`Proxy.forward` routes, reserves, runs one
+:meth:`Proxy._attempt` per backend tried (retrying with backoff while no byte has
+reached the client), and releases the reservation exactly once in the attempt's
+``finally``. Streams are relayed chunk by chunk, byte for byte; the gateway scans the
+bytes only to count events, catch the final ``usage`` and the ``[DONE]`` marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.config import GatewayConfig, Timeouts
+from gateway.errors import (
+    BackendStatus,
+    ConnectFailed,
+    ConnectTimeout,
+    Disconnected,
+    FirstByteTimeout,
+    IdleTimeout,
+    TotalTimeout,
+    UpstreamError,
+    error_body,
+    error_response,
+    sse_error_event,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import ParsedRequest
+from routing import NoBackendAvailable, Router, RouteRequest
+from routing.fleet import BackendState
+
+log = logging.getLogger("gateway.proxy")
+
+BACKEND_HEADER = "x-turbo-backend"
+REQUEST_ID_HEADER = "x-request-id"
+_MAX_ERROR_BODY_BYTES = 64 * 1024
+_MAX_SCAN_TAIL_BYTES = 1024 * 1024
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the response was being written."""
+
+
+@dataclass(slots=True)
+class BackendClient:
+    """How to reach one backend: its base URL, pooled session, auth and timeouts."""
+
+    state: BackendState
+    base_url: str
+    session: aiohttp.ClientSession
+    timeouts: Timeouts
+    auth_header: str | None = None
+
+
+@dataclass(slots=True)
+class StreamScan:
+    """Incremental scan of an SSE byte stream: counts ``data:`` events, keeps the last
+    ``usage`` object seen and whether ``data: [DONE]`` arrived. Only complete lines are
+    inspected; a partial line waits in ``tail``."""
+
+    tail: bytes = b""
+    events: int = 0
+    done: bool = False
+    usage: dict[str, Any] | None = None
+    overflow: bool = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.overflow:
+            return
+        nl = chunk.rfind(b"\n")
+        if nl < 0:
+            self.tail += chunk
+            if len(self.tail) > _MAX_SCAN_TAIL_BYTES:
+                self.overflow, self.tail = True, b""
+            return
+        complete = self.tail + chunk[: nl + 1] if self.tail else chunk[: nl + 1]
+        self.tail = chunk[nl + 1:]
+        self.events += complete.count(b"data:")
+        if b"[DONE]" in complete:
+            self.done = True
+        if b'"usage"' in complete:
+            for line in reversed(complete.split(b"\n")):
+                if line.startswith(b"data:") and b'"usage"' in line:
+                    try:
+                        obj = orjson.loads(line[5:])
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                        self.usage = obj["usage"]
+                        break
+
+    @property
+    def content_events(self) -> int:
+        """``data:`` events that were neither ``[DONE]`` nor a usage-only chunk."""
+        return max(self.events - (1 if self.done else 0) - (1 if self.usage else 0), 0)
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request's progress across attempts."""
+
+    request: web.Request
+    parsed: ParsedRequest
+    request_id: str
+    arrival: float
+    response: web.StreamResponse | None = None  # set once bytes went to the client
+    backend: str = ""
+    scan: StreamScan | None = None  # the stream being relayed, if any
+    attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` as seconds (delta-seconds or an HTTP date), or ``None``."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - time.time(), 0.0)
+
+
+def full_jitter_backoff(retry: int, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Sleep before retry number ``retry`` (1-based): ``uniform(0, min(cap, base*2**(retry-1)))``
+    seconds ("full jitter", AWS Architecture Blog, 2015)."""
+    return rng.uniform(0.0, min(cap_s, base_s * (2 ** (retry - 1))))
+
+
+class Proxy:
+    """Forwards parsed completion requests to the fleet."""
+
+    def __init__(self, cfg: GatewayConfig, router: Router, clients: dict[str, BackendClient],
+                 metrics: GatewayMetrics, rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.clients = clients
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+
+    async def forward(self, ex: Exchange) -> web.StreamResponse:
+        """Route, attempt and retry; return the response the client gets (already
+        written when it is a stream). Never raises an :class:`UpstreamError`."""
+        loop = asyncio.get_running_loop()
+        retries = self.cfg.retries
+        parsed = ex.parsed
+        excluded: set[str] = set()
+        last: UpstreamError | None = None
+        t0 = loop.time()
+        while True:
+            now = loop.time()
+            try:
+                decision, reservation = self.router.route(
+                    RouteRequest(parsed.model, frozenset(excluded), parsed.prompt_bytes), now)
+            except NoBackendAvailable as e:
+                wait = e.retry_after_s
+                if wait is not None and len(ex.attempts) < retries.max_attempts and \
+                        now + wait - t0 <= retries.budget_s and wait <= retries.max_retry_after_s:
+                    await asyncio.sleep(wait)
+                    continue
+                return self._final_failure(ex, last, no_backend=e)
+            self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+            backend = decision.backend
+            client = self.clients[backend.name]
+            ex.backend = backend.name
+            ex.attempts.append((backend.name, now, "started"))
+            try:
+                return await self._attempt(ex, client)
+            except UpstreamError as err:
+                reservation.release()
+                ex.attempts[-1] = (backend.name, now, err.reason)
+                self.metrics.upstream_errors.labels(backend.name, err.reason).inc()
+                if ex.response is not None:  # bytes already reached the client: end the stream
+                    return await self._end_stream_with_error(ex, err)
+                last = err
+                now = loop.time()
+                if err.retry_after_s is not None:
+                    self.router.fleet.cool_down(backend, now + min(err.retry_after_s, retries.max_retry_after_s))
+                elif isinstance(err, (ConnectFailed, ConnectTimeout)):
+                    self.router.fleet.cool_down(backend, now + retries.failed_backend_cooldown_s)
+                if not err.retryable or len(ex.attempts) >= retries.max_attempts:
+                    return self._final_failure(ex, err)
+                delay = full_jitter_backoff(len(ex.attempts), retries.base_backoff_s, retries.max_backoff_s, self.rng)
+                if now + delay - t0 > retries.budget_s:
+                    return self._final_failure(ex, err)
+                excluded.add(backend.name)
+                self.metrics.retries.labels(err.reason).inc()
+                log.info("retrying request %s after %s from %s (attempt %d)", ex.request_id, err.reason,
+                         backend.name, len(ex.attempts))
+                await asyncio.sleep(delay)
+            finally:
+                reservation.release()
+
+    # ---- one attempt -------------------------------------------------------------
+
+    async def _attempt(self, ex: Exchange, client: BackendClient) -> web.StreamResponse:
+        """Send the request to one backend and relay its answer.
+
+        Raises an :class:`UpstreamError` subclass on failure (with ``ex.response`` set
+        when bytes had already been written to the client) and :class:`ClientGone`
+        is handled here: the upstream response is closed at once.
+        """
+        loop = asyncio.get_running_loop()
+        t = client.timeouts
+        parsed = ex.parsed
+        name = client.state.name
+        start = loop.time()
+        total_deadline = start + t.total_s if t.total_s else None
+
+        def deadline(phase_s: float | None) -> float | None:
+            d = loop.time() + phase_s if phase_s else None
+            if total_deadline is not None and (d is None or total_deadline < d):
+                return total_deadline
+            return d
+
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: ex.request_id,
+                   "Accept": "text/event-stream" if parsed.stream else "application/json"}
+        if client.auth_header:
+            headers["Authorization"] = client.auth_header
+        phase = "ttft"
+        resp: aiohttp.ClientResponse | None = None
+        completed = False
+        try:
+            async with asyncio.timeout(deadline(t.ttft_s)) as cm:
+                try:
+                    resp = await client.session.post(client.base_url + _PATHS[parsed.endpoint],
+                                                     data=parsed.body, headers=headers)
+                except aiohttp.ConnectionTimeoutError as e:
+                    raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
+                except aiohttp.ClientConnectorError as e:
+                    raise ConnectFailed(name, f"could not connect to backend {name}: {e.os_error.strerror or e}") from e
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as e:
+                    raise Disconnected(name, f"backend {name} closed the connection before answering") from e
+
+                if resp.status != 200:
+                    body = await self._read_error_body(resp)
+                    raise BackendStatus(name, resp.status, body, resp.content_type,
+                                        parse_retry_after(resp.headers.get("Retry-After")))
+                if not parsed.stream or not resp.content_type.startswith("text/event-stream"):
+                    try:
+                        data = await resp.read()
+                    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                        raise Disconnected(name, f"backend {name} closed the connection mid-response") from e
+                    completed = True
+                    return await self._relay_whole(ex, resp, data)
+
+                # streaming: wait for the first chunk before answering the client, so
+                # that everything up to here can still be retried elsewhere
+                try:
+                    chunk = await resp.content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                    raise Disconnected(name, f"backend {name} closed the stream before the first byte") from e
+                if not chunk:
+                    raise Disconnected(name, f"backend {name} ended the stream without sending an event")
+                phase = "stream"
+                first_at = loop.time()
+                self.metrics.ttft.labels(parsed.model).observe(first_at - ex.arrival)
+                out = web.StreamResponse(status=200, headers={
+                    "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                    "Cache-Control": "no-cache", BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id})
+                out.enable_chunked_encoding()
+                try:
+                    await out.prepare(ex.request)
+                except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+                    raise ClientGone() from e
+                ex.response = out
+                scan = StreamScan()
+                itl = self.metrics.itl.labels(parsed.model)
+                last_at = first_at
+                read = resp.content.readany
+                while chunk:
+                    scan.feed(chunk)
+                    try:
+                        await out.write(chunk)
+                    except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+                        raise ClientGone() from e
+                    cm.reschedule(deadline(t.idle_s))
+                    try:
+                        chunk = await read()
+                    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                        ex.scan = scan
+                        raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
+                    now = loop.time()
+                    itl.observe(now - last_at)
+                    last_at = now
+                if not scan.done:
+                    ex.scan = scan
+                    raise Disconnected(name, f"backend {name} ended the stream without `data: [DONE]`")
+                completed = True
+                self._account(parsed.model, scan.usage, scan.content_events)
+                try:
+                    await out.write_eof()
+                except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    pass
+                self._finish(ex, 200)
+                return out
+        except TimeoutError as e:
+            if total_deadline is not None and loop.time() >= total_deadline:
+                raise TotalTimeout(name, f"backend {name} exceeded the total timeout of {t.total_s} s") from e
+            if phase == "ttft":
+                raise FirstByteTimeout(name, f"backend {name} sent no first byte within {t.ttft_s} s") from e
+            raise IdleTimeout(name, f"backend {name} stalled for more than {t.idle_s} s between chunks") from e
+        except (ClientGone, asyncio.CancelledError):
+            self.metrics.client_disconnects.labels(name).inc()
+            self._finish(ex, 499)
+            raise
+        finally:
+            if resp is not None:
+                if completed:
+                    resp.release()
+                else:
+                    resp.close()  # drop the connection: the backend sees the client go away
+
+    async def _read_error_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.content.read(_MAX_ERROR_BODY_BYTES)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            return b""
+
+    async def _relay_whole(self, ex: Exchange, resp: aiohttp.ClientResponse, data: bytes) -> web.Response:
+        parsed = ex.parsed
+        usage = None
+        if b'"usage"' in data:
+            try:
+                obj = orjson.loads(data)
+                usage = obj.get("usage") if isinstance(obj, dict) else None
+            except orjson.JSONDecodeError:
+                pass
+        self._account(parsed.model, usage, 0)
+        now = asyncio.get_running_loop().time()
+        self.metrics.ttft.labels(parsed.model).observe(now - ex.arrival)
+        self._finish(ex, 200)
+        return web.Response(status=200, body=data, headers={
+            "Content-Type": resp.headers.get("Content-Type", "application/json"), BACKEND_HEADER: ex.backend})
+
+    # ---- settling ----------------------------------------------------------------
+
+    def _account(self, model: str, usage: Any, events: int) -> None:
+        m = self.metrics
+        if isinstance(usage, dict):
+            pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(pt, int):
+                m.prompt_tokens.labels(model).inc(pt)
+            if isinstance(ct, int):
+                m.completion_tokens.labels(model).inc(ct)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                m.cached_tokens.labels(model).inc(details["cached_tokens"])
+        elif events:
+            m.completion_tokens.labels(model).inc(events)
+
+    def _finish(self, ex: Exchange, status: int) -> None:
+        now = asyncio.get_running_loop().time()
+        self.metrics.requests.labels(ex.parsed.model, ex.backend or "none", str(status)).inc()
+        if status == 200:
+            self.metrics.e2e.labels(ex.parsed.model).observe(now - ex.arrival)
+
+    async def _end_stream_with_error(self, ex: Exchange, err: UpstreamError) -> web.StreamResponse:
+        out = ex.response
+        assert out is not None
+        self.metrics.stream_errors.labels(err.backend, err.reason).inc()
+        prefix = b"\n\n" if ex.scan is not None and ex.scan.tail else b""
+        log.warning("stream %s from %s failed after the first byte: %s", ex.request_id, err.backend, err.message)
+        try:
+            await out.write(prefix + sse_error_event(err.message, err.reason))
+            await out.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass
+        self._finish(ex, err.status)
+        return out
+
+    def _final_failure(self, ex: Exchange, err: UpstreamError | None,
+                       no_backend: NoBackendAvailable | None = None) -> web.Response:
+        headers = {REQUEST_ID_HEADER: ex.request_id}
+        if ex.backend:
+            headers[BACKEND_HEADER] = ex.backend
+        if isinstance(err, BackendStatus):
+            if err.retry_after_s is not None:
+                headers["Retry-After"] = str(max(int(err.retry_after_s + 0.999), 1))
+            body = err.body
+            try:
+                ok = isinstance(orjson.loads(body), dict)
+            except orjson.JSONDecodeError:
+                ok = False
+            if not ok:
+                body = error_body(f"Backend {err.backend} answered HTTP {err.status}.", err.status,
+                                  code=f"backend_status_{err.status}")
+            self._finish(ex, err.status)
+            return web.Response(status=err.status, body=body, content_type="application/json", headers=headers)
+        if err is not None:
+            self._finish(ex, err.status)
+            return error_response(err.message, err.status, code=err.reason, headers=headers)
+        assert no_backend is not None
+        if no_backend.retry_after_s is not None:
+            headers["Retry-After"] = str(max(int(no_backend.retry_after_s + 0.999), 1))
+        self._finish(ex, 503)
+        return error_response(str(no_backend), 503, code="no_backend_available", headers=headers)

@@ -1,0 +1,133 @@
+"""The fleet view: which backends exist, what they serve and how loaded they are.
+
+A :class:`Fleet` holds one :class:`BackendState` per configured backend. Load is
+changed only through :class:`Reservation` objects, whose :meth:`Reservation.release`
+is idempotent, so every exit path of a request (success, error, timeout, cancel) can
+call it and the backend's counters move back exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RoutingError(Exception):
+    """Base class of the errors a routing decision can raise."""
+
+
+class UnknownModel(RoutingError):
+    """No backend in the fleet serves the requested model (maps to HTTP 404)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist or is not served by this gateway.")
+        self.model = model
+
+
+class NoBackendAvailable(RoutingError):
+    """The model is known but every backend that serves it is excluded or cooling down
+    (maps to HTTP 503).
+
+    ``retry_after_s`` is the time in seconds until the earliest cooling backend becomes
+    eligible again, or ``None`` when none will by itself.
+    """
+
+    def __init__(self, model: str, retry_after_s: float | None = None) -> None:
+        super().__init__(f"No backend is currently available for model `{model}`.")
+        self.model = model
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """The static description of one backend, taken from the config.
+
+    ``weight`` is a relative capacity (unitless, > 0) used by load-aware policies to
+    normalise load; ``pool`` names the pool the backend belongs to.
+    """
+
+    name: str
+    models: frozenset[str]
+    pool: str = "mixed"
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class BackendState:
+    """Live state of one backend as this gateway process sees it.
+
+    - ``in_flight``: requests dispatched and not yet settled (count).
+    - ``cooldown_until``: monotonic time in seconds before which the backend should not
+      be chosen (set after a 429 with ``Retry-After`` or a connect failure).
+    - ``healthy``: result of the last active health check (``True`` until one fails).
+    """
+
+    spec: BackendSpec
+    in_flight: int = 0
+    dispatched_total: int = 0
+    cooldown_until: float = 0.0
+    healthy: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(slots=True)
+class Reservation:
+    """The load one request put on one backend; release it exactly once.
+
+    :meth:`release` may be called any number of times from any exit path: only the
+    first call changes the backend's counters.
+    """
+
+    backend: BackendState
+    released: bool = field(default=False)
+
+    def release(self) -> bool:
+        """Return the reserved load to the backend. Returns ``True`` on the first call,
+        ``False`` on later calls (which change nothing)."""
+        if self.released:
+            return False
+        self.released = True
+        self.backend.in_flight -= 1
+        return True
+
+
+class Fleet:
+    """All backends, indexed by name and by model served.
+
+    Raises :class:`ValueError` on duplicate backend names.
+    """
+
+    def __init__(self, specs: list[BackendSpec]) -> None:
+        self.backends: dict[str, BackendState] = {}
+        self.by_model: dict[str, list[BackendState]] = {}
+        for spec in specs:
+            if spec.name in self.backends:
+                raise ValueError(f"duplicate backend name {spec.name!r}")
+            state = BackendState(spec)
+            self.backends[spec.name] = state
+            for model in sorted(spec.models):
+                self.by_model.setdefault(model, []).append(state)
+
+    def models(self) -> list[str]:
+        """The served model names, sorted."""
+        return sorted(self.by_model)
+
+    def candidates(self, model: str) -> list[BackendState]:
+        """Backends serving ``model``, in config order. Raises :class:`UnknownModel`."""
+        try:
+            return self.by_model[model]
+        except KeyError:
+            raise UnknownModel(model) from None
+
+    def reserve(self, backend: BackendState) -> Reservation:
+        """Count one more in-flight request on ``backend`` and return its reservation."""
+        backend.in_flight += 1
+        backend.dispatched_total += 1
+        return Reservation(backend)
+
+    def cool_down(self, backend: BackendState, until: float) -> None:
+        """Keep ``backend`` out of routing until monotonic time ``until`` (seconds)."""
+        if until > backend.cooldown_until:
+            backend.cooldown_until = until
