@@ -30,6 +30,7 @@ log = logging.getLogger("gateway")
 
 CONFIG = web.AppKey("config", GatewayConfig)
 STATE = web.AppKey("state", "GatewayState")
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 class GatewayState:
@@ -117,7 +118,7 @@ def _lifecycle(backend_urls: dict[str, str]):
 @web.middleware
 async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    request["request_id"] = rid
+    request[REQUEST_ID] = rid
     try:
         resp = await handler(request)
     except ClientError as e:
@@ -149,7 +150,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         state.fleet.candidates(parsed.model)
     except UnknownModel as e:
         raise ClientError(404, str(e), param="model", code="model_not_found") from None
-    ex = Exchange(request, parsed, request["request_id"], arrival)
+    ex = Exchange(request, parsed, request[REQUEST_ID], arrival)
     assert state.proxy is not None
     try:
         return await state.proxy.forward(ex)

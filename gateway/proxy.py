@@ -191,7 +191,10 @@ class Proxy:
                 last = err
                 now = loop.time()
                 if err.retry_after_s is not None:
-                    self.router.fleet.cool_down(backend, now + min(err.retry_after_s, retries.max_retry_after_s))
+                    # keep every request off this backend for as long as it asked; this
+                    # request waits for it only if no other backend can serve it and the
+                    # wait is within max_retry_after_s and the retry budget
+                    self.router.fleet.cool_down(backend, now + err.retry_after_s)
                 elif isinstance(err, (ConnectFailed, ConnectTimeout)):
                     self.router.fleet.cool_down(backend, now + retries.failed_backend_cooldown_s)
                 if not err.retryable or len(ex.attempts) >= retries.max_attempts:
@@ -237,7 +240,7 @@ class Proxy:
         resp: aiohttp.ClientResponse | None = None
         completed = False
         try:
-            async with asyncio.timeout(deadline(t.ttft_s)) as cm:
+            async with asyncio.timeout_at(deadline(t.ttft_s)) as cm:
                 try:
                     resp = await client.session.post(client.base_url + _PATHS[parsed.endpoint],
                                                      data=parsed.body, headers=headers)

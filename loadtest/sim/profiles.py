@@ -297,7 +297,7 @@ H100_LLAMA3_8B_PREFILL = _register(
 
 # Decode-optimized: H200 (43% more bandwidth, 76% more memory than H100, same compute)
 # with a small token budget (512) so prefill chunks barely disturb inter-token latency,
-# and many sequences. step_overhead 4.3 ms, ~57k blocks (~0.9M KV tokens).
+# and many sequences. step_overhead 4.35 ms, ~51.8k blocks (~829k KV tokens).
 H200_LLAMA3_8B_DECODE = _register(
     derive_profile(
         "h200-llama3-8b-decode",

@@ -1,0 +1,868 @@
+"""Virtual-time model of one vLLM-like inference engine, plus an asyncio driver.
+
+No HTTP here: the simulator server drives :class:`AsyncEngineRunner` (or
+:class:`Engine` directly) and maps its counters to ``vllm:*`` metric names.
+
+Interface
+---------
+::
+
+    engine = Engine(profile, speed=1.0)             # profile: loadtest.sim.profiles.Profile
+    engine.add_request(req_id, prompt_token_ids, max_tokens, *,
+                       arrival_time,                # caller's clock, seconds
+                       prefill_only=False,          # do_remote_decode: stop after prefill
+                       remote_prefill_tokens=0,     # do_remote_prefill: KV arrives by transfer
+                       output_tokens=None,          # emit EOS after this many tokens ("stop")
+                       seed=None)                   # output-token seed (default: from prompt)
+    engine.abort(req_id)                            # frees its KV blocks at once
+    dt, outputs = engine.step(now)                  # one engine step starting at `now`
+    engine.has_work() -> bool
+
+``step`` returns ``dt`` in seconds of the caller's clock (emulated GPU seconds divided
+by ``speed``) and a list of :class:`RequestOutput` (a NamedTuple: ``req_id,
+new_token_ids, finished, finish_reason, num_cached_tokens, num_prompt_tokens,
+kv_transfer_params``), one per request that produced a token this step. The outputs
+are "as of" ``now + dt`` (when the step's forward pass ends). When nothing can be
+scheduled but a KV transfer is in flight, ``step`` returns ``(seconds until the first
+transfer lands, [])``; with no work at all it returns ``(0.0, [])``.
+
+All timestamps (``arrival_time``, ``now``) and latency samples (TTFT, ITL, e2e) are in
+the caller's clock. Multiply by ``engine.speed`` to get emulated-GPU seconds.
+
+Scheduler (one step, after vLLM V1's ``Scheduler.schedule``)
+-------------------------------------------------------------
+1. Running requests, in order: each gets ``min(tokens still to compute, budget)``
+   tokens from the step's token budget (``max_num_batched_tokens``): one for a decode,
+   a chunk for a prompt still in prefill (chunked prefill). Blocks are allocated for
+   exactly the tokens scheduled. If the KV cache has no free block, the *last* running
+   request is preempted (recompute mode, like vLLM V1: its blocks are freed, it goes to
+   the front of the waiting queue and later recomputes prompt + generated tokens,
+   helped by whatever of its blocks are still in the prefix cache).
+2. If nothing was preempted this step, waiting requests are admitted in FCFS order
+   while ``len(running) < max_num_seqs``, budget remains and the KV cache has the
+   blocks for their first chunk; the first one that does not fit blocks the rest
+   (head-of-line, as vLLM). On admission the prefix cache is queried.
+3. A request that has computed all its tokens samples one new token.
+
+Step duration (emulated GPU seconds; coefficients from the profile)::
+
+    step_s = step_overhead_s                                    # weights read once
+           + prefill_s_per_token           * P                  # P: prefill tokens scheduled
+           + prefill_attn_s_per_token_pair * A                  # A: sum over prefill chunks of
+                                                                #    n * c + n * (n + 1) / 2
+                                                                #    (n new tokens after c computed)
+           + decode_s_per_seq              * D                  # D: decode sequences (1 token each)
+           + kv_read_s_per_token           * C                  # C: sum of decode context lengths
+    dt = step_s / speed
+
+So a decode batch of ``B`` sequences of context ``L`` costs ``step_overhead_s + B *
+(decode_s_per_seq + L * kv_read_s_per_token)``: the slope in batch size is
+``decode_s_per_seq + L * kv_read_s_per_token``.
+
+Paged KV cache and automatic prefix caching (after vLLM's design doc,
+https://docs.vllm.ai/en/latest/design/prefix_caching/)
+------------------------------------------------------------------------------------
+* ``num_gpu_blocks`` blocks of ``block_size`` tokens; a request holds
+  ``ceil(computed tokens / block_size)`` blocks.
+* Every *full* block of a request's tokens (prompt and generated) gets a chained hash:
+  ``h_i = blake2b-64(h_{i-1} || token ids of block i as little-endian uint32)``, with
+  ``h_{-1} = 0``, so ``h_i`` covers blocks ``0..i``. Once computed, a full block is
+  registered in the cache under its hash (the first block with a hash wins).
+* A new request looks up its leading block hashes; the longest run of cached blocks
+  is reused and skips prefill compute. As in vLLM, the last prompt token is always
+  recomputed (the hit is capped at ``num_tokens - 1`` tokens, whole blocks only).
+  ``num_cached_tokens`` (-> ``usage.prompt_tokens_details.cached_tokens``) is the number
+  of tokens computed when the request is first scheduled: local hits plus, for a
+  remote-prefill request, the transferred tokens (vLLM V1 semantics).
+* Freed blocks keep their hash and join the tail of an LRU free queue (a request's
+  blocks are freed last-block-first, so a shared prefix outlives its tail). Allocation
+  takes from the head and evicts the hash of a reused block. Blocks without a hash
+  (partial blocks) go to the head, so they are reused before any cached block
+  (a small deviation from vLLM, which appends them to the tail too).
+* Counters follow vLLM: ``prefix_cache_queries`` += tokens of the request at each
+  lookup, ``prefix_cache_hits`` += tokens found; ``kv_cache_usage`` = fraction of
+  blocks referenced by requests (cached-but-free blocks count as free).
+
+Disaggregated prefill/decode (emulates vLLM's NixlConnector flow)
+-----------------------------------------------------------------
+* ``prefill_only=True`` (``kv_transfer_params.do_remote_decode``): the request generates
+  one token and finishes; its output carries ``kv_transfer_params`` with
+  ``do_remote_prefill=True``, ``remote_engine_id``, ``remote_block_ids``,
+  ``remote_block_hashes`` (hex) and ``num_tokens``; the server adds host and port. Its
+  blocks are freed at once but stay in the prefix cache until evicted.
+* ``remote_prefill_tokens=N`` (``do_remote_prefill``): on admission, local prefix hits
+  are used first; the other ``min(N, prompt_len - 1) - hits`` tokens arrive over the
+  link in ``tokens * kv_bytes_per_token / link_bandwidth_bytes_per_s`` seconds, during
+  which the request holds its blocks but no running slot, and other requests keep
+  running. Then it computes the last prompt token locally and decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import itertools
+import time
+import zlib
+from array import array
+from typing import AsyncIterator, NamedTuple
+
+from loadtest.sim import tokenizer
+from loadtest.sim.profiles import Profile
+
+WAITING, TRANSFERRING, RUNNING, FINISHED = "waiting", "transferring", "running", "finished"
+
+_engine_ids = itertools.count()
+
+
+class RequestOutput(NamedTuple):
+    """Per-request result of one step.
+
+    ``new_token_ids``: tokens generated this step (one, or none when the request was
+    finished by EOS). ``finish_reason``: ``"length"`` | ``"stop"`` | None.
+    ``num_cached_tokens``: prompt tokens served from cache/transfer (vLLM
+    ``num_cached_tokens``). ``kv_transfer_params``: set on the final output of a
+    ``prefill_only`` request, else None.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    kv_transfer_params: dict | None = None
+
+
+def block_hash(parent: int, token_ids) -> int:
+    """Chained hash of one full block: blake2b-64 of parent hash and uint32 LE token ids."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(array("I", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (the engine's own scheme)."""
+    out, parent = [], 0
+    for i in range(len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class KVCache:
+    """Paged KV cache: ``num_blocks`` blocks, ref counts, hash -> block map, LRU free queue."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        # Free blocks in eviction order: head (first) is reused first.
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (b, None) for b in range(num_blocks)
+        )
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_evictions = 0  # cached blocks whose hash was dropped on reuse
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not referenced by any request (includes cached-but-free blocks)."""
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (vLLM ``kv_cache_usage_perc``, 0..1)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """Blocks of the longest cached prefix of ``hashes`` (no state change)."""
+        out = []
+        cached = self.cached
+        for h in hashes:
+            b = cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks (removing free ones from the LRU queue)."""
+        ref, free = self.ref_cnt, self.free
+        for b in blocks:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks from the head of the free queue, or None if not enough."""
+        free = self.free
+        if n > len(free):
+            return None
+        out = []
+        ref, bh, cached = self.ref_cnt, self.block_hash, self.cached
+        for _ in range(n):
+            b, _ = free.popitem(last=False)
+            h = bh[b]
+            if h is not None:
+                if cached.get(h) == b:
+                    del cached[h]
+                bh[b] = None
+                self.num_evictions += 1
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference on each block; unreferenced ones become free.
+
+        Blocks are released last-first, so a request's tail is evicted before its
+        prefix; blocks with no hash go to the head (reused first).
+        """
+        ref, free, bh = self.ref_cnt, self.free, self.block_hash
+        for b in reversed(blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                free[b] = None
+                if bh[b] is None:
+                    free.move_to_end(b, last=False)
+
+    def register(self, block: int, h: int) -> None:
+        """Make a computed full block findable under hash ``h`` (first one wins)."""
+        if h not in self.cached and self.block_hash[block] is None:
+            self.cached[h] = block
+            self.block_hash[block] = h
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all hashes (vLLM ``/reset_prefix_cache``); referenced blocks stay."""
+        for b in range(self.num_blocks):
+            self.block_hash[b] = None
+        self.cached.clear()
+
+
+class Request:
+    """Engine-side state of one request (internal)."""
+
+    __slots__ = (
+        "req_id", "token_ids", "prompt_len", "max_tokens", "output_tokens", "seed",
+        "num_output", "num_computed", "blocks", "hashes", "num_registered", "status",
+        "num_cached_tokens", "prefill_only", "remote_prefill_tokens", "kv_ready_at",
+        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
+    )
+
+    def __init__(self, req_id, prompt, max_tokens, arrival_time, prefill_only,
+                 remote_prefill_tokens, output_tokens, seed):
+        self.req_id = req_id
+        self.token_ids = list(prompt)  # prompt + generated, grows
+        self.prompt_len = len(prompt)
+        self.max_tokens = max_tokens
+        self.output_tokens = output_tokens
+        self.seed = seed
+        self.num_output = 0
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.hashes: list[int] = []
+        self.num_registered = 0
+        self.status = WAITING
+        self.num_cached_tokens = -1
+        self.prefill_only = prefill_only
+        self.remote_prefill_tokens = remote_prefill_tokens
+        self.kv_ready_at = 0.0
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+
+class Engine:
+    """One simulated engine (see module docstring for the model and the interface).
+
+    Raises ValueError from ``add_request`` for an empty prompt, ``max_tokens < 1``,
+    ``prompt + max_tokens > max_model_len``, a duplicate id, or a request that cannot
+    fit in the whole KV cache.
+    """
+
+    def __init__(self, profile: Profile, speed: float = 1.0, engine_id: str | None = None):
+        if speed <= 0:
+            raise ValueError("speed must be > 0")
+        self.profile = profile
+        self.speed = float(speed)
+        self.engine_id = engine_id or f"sim-{profile.name}-{next(_engine_ids)}"
+        self.block_size = profile.block_size
+        self.kv = KVCache(profile.num_gpu_blocks, profile.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.transferring: list[Request] = []
+        # Monotonic counters (vLLM names in comments).
+        self.prefix_cache_queries = 0  # vllm:prefix_cache_queries (tokens)
+        self.prefix_cache_hits = 0  # vllm:prefix_cache_hits (tokens)
+        self.num_preemptions = 0  # vllm:num_preemptions
+        self.prompt_tokens_total = 0  # vllm:prompt_tokens
+        self.generation_tokens_total = 0  # vllm:generation_tokens
+        self.request_success: collections.Counter[str] = collections.Counter()  # by finish reason
+        self.num_aborted = 0
+        self.kv_transfer_tokens_total = 0  # tokens received over the link
+        self.num_steps = 0  # non-idle steps
+        self.busy_s_total = 0.0  # sum of step dt (caller's clock)
+        self.prefill_tokens_computed_total = 0  # prefill compute actually spent (tokens)
+        # Latency samples in the caller's clock; drained by pop_samples().
+        self._samples: dict[str, list[float]] = {
+            "ttft_s": [], "itl_s": [], "e2e_s": [], "queue_s": [], "prefill_s": [],
+            "decode_s": [], "prompt_tokens": [], "generation_tokens": [],
+        }
+        # Last step, for tests and debugging.
+        self.last_step: dict = {}
+
+    # --- public API -----------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        """vllm:num_requests_running."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """vllm:num_requests_waiting (includes requests waiting for remote KV)."""
+        return len(self.waiting) + len(self.transferring)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """vllm:kv_cache_usage_perc, a fraction in [0, 1]."""
+        return self.kv.usage
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.transferring)
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        arrival_time: float,
+        prefill_only: bool = False,
+        remote_prefill_tokens: int = 0,
+        output_tokens: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Queue a request (see module docstring for the flags). Units: tokens, seconds."""
+        p = self.profile
+        n = len(prompt_token_ids)
+        if req_id in self.requests:
+            raise ValueError(f"duplicate request id {req_id!r}")
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        if prefill_only:
+            max_tokens = 1
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if n + max_tokens > p.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {p.max_model_len} tokens. However, "
+                f"you requested {n + max_tokens} tokens ({n} in the messages, {max_tokens} "
+                f"in the completion)."
+            )
+        if -(-(n + max_tokens) // p.block_size) > p.num_gpu_blocks:
+            raise ValueError(f"request needs more KV blocks than the cache has ({p.num_gpu_blocks})")
+        if seed is None:
+            seed = zlib.crc32(array("I", prompt_token_ids).tobytes())
+        req = Request(req_id, prompt_token_ids, max_tokens, arrival_time, prefill_only,
+                      max(0, int(remote_prefill_tokens)), output_tokens, seed)
+        self.requests[req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> None:
+        """Drop a request wherever it is and free its KV blocks now (no-op if unknown)."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        if req.status == RUNNING:
+            self.running.remove(req)
+        elif req.status == WAITING:
+            self.waiting.remove(req)
+        elif req.status == TRANSFERRING:
+            self.transferring.remove(req)
+        self.kv.release(req.blocks)
+        req.blocks = []
+        req.status = FINISHED
+        self.num_aborted += 1
+        self.request_success["abort"] += 1
+
+    def pop_samples(self) -> dict[str, list[float]]:
+        """Return and clear the latency samples collected since the last call.
+
+        Keys: ``ttft_s``, ``itl_s``, ``e2e_s``, ``queue_s`` (arrival -> first scheduled),
+        ``prefill_s`` (first scheduled -> first token), ``decode_s`` (first -> last
+        token), ``prompt_tokens`` and ``generation_tokens`` (per finished request).
+        Seconds are in the caller's clock.
+        """
+        out = self._samples
+        self._samples = {k: [] for k in out}
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        """Snapshot of gauges and counters as plain numbers (for /metrics)."""
+        return {
+            "num_requests_running": self.num_running,
+            "num_requests_waiting": self.num_waiting,
+            "kv_cache_usage_perc": self.kv.usage,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "prompt_tokens": self.prompt_tokens_total,
+            "generation_tokens": self.generation_tokens_total,
+            "request_success": dict(self.request_success),
+            "kv_evictions": self.kv.num_evictions,
+            "kv_transfer_tokens": self.kv_transfer_tokens_total,
+            "num_steps": self.num_steps,
+            "busy_s": self.busy_s_total,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.kv.num_blocks,
+        }
+
+    # --- the step ---------------------------------------------------------------------
+
+    def step(self, now: float) -> tuple[float, list[RequestOutput]]:
+        """Run one scheduling step + forward pass starting at ``now``.
+
+        Returns ``(dt, outputs)``; see module docstring. Pure and synchronous.
+        """
+        p = self.profile
+        kv = self.kv
+        bs = self.block_size
+        speed = self.speed
+
+        # KV transfers that have landed: back to the front of the waiting queue.
+        if self.transferring:
+            landed = [r for r in self.transferring if r.kv_ready_at <= now]
+            if landed:
+                self.transferring = [r for r in self.transferring if r.kv_ready_at > now]
+                for r in reversed(landed):
+                    self._register_full_blocks(r)
+                    r.status = WAITING
+                    self.waiting.appendleft(r)
+
+        budget = p.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        running = self.running
+        preempted = False
+
+        # 1. Running requests.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = len(req.token_ids) - req.num_computed
+            if n > budget:
+                n = budget
+            need = -(-(req.num_computed + n) // bs) - len(req.blocks)
+            ok = True
+            while need > 0:
+                new = kv.allocate(need)
+                if new is not None:
+                    req.blocks.extend(new)
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    ok = False
+                    break
+            if not ok:
+                break
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests (not in a step that preempted).
+        if not preempted:
+            waiting = self.waiting
+            max_seqs = p.max_num_seqs
+            while waiting and budget > 0 and len(running) < max_seqs:
+                req = waiting[0]
+                num_tokens = len(req.token_ids)
+                hit: list[int] = []
+                fresh = not req.blocks
+                if fresh:
+                    n_lookup = (num_tokens - 1) // bs
+                    hashes = self._hashes(req, n_lookup)
+                    hit = kv.lookup(hashes[:n_lookup])
+                    computed = len(hit) * bs
+                else:  # KV already in place (landed transfer)
+                    computed = req.num_computed
+                remote = 0
+                if fresh and req.remote_prefill_tokens:
+                    remote = max(0, min(req.remote_prefill_tokens, num_tokens - 1) - computed)
+                if remote:
+                    n = 0
+                    need = -(-(computed + remote) // bs) - len(hit)
+                else:
+                    n = min(num_tokens - computed, budget)
+                    need = -(-(computed + n) // bs) - len(req.blocks) - len(hit)
+                n_hit_free = sum(1 for b in hit if kv.ref_cnt[b] == 0)
+                if need > kv.num_free - n_hit_free:
+                    break  # head-of-line: wait for blocks
+                waiting.popleft()
+                if fresh:
+                    self.prefix_cache_queries += num_tokens
+                    self.prefix_cache_hits += computed
+                    kv.touch(hit)
+                    req.blocks = hit
+                    req.num_registered = len(hit)
+                    req.num_computed = computed
+                if need > 0:
+                    req.blocks.extend(kv.allocate(need))
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = computed + remote
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    self._samples["queue_s"].append(max(0.0, now - req.arrival_time))
+                if remote:
+                    req.num_computed = computed + remote
+                    req.remote_prefill_tokens = 0
+                    req.status = TRANSFERRING
+                    req.kv_ready_at = now + p.kv_transfer_s(remote) / speed
+                    self.kv_transfer_tokens_total += remote
+                    self.transferring.append(req)
+                    continue
+                req.status = RUNNING
+                running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+
+        if not scheduled:
+            self.last_step = {"idle": True}
+            if self.transferring:
+                return max(0.0, min(r.kv_ready_at for r in self.transferring) - now), []
+            return 0.0, []
+
+        # 3. Cost of the step.
+        prefill_tokens = 0
+        attn_pairs = 0
+        decode_seqs = 0
+        decode_ctx = 0
+        for req, n in scheduled:
+            c = req.num_computed
+            if n == 1 and c == len(req.token_ids) - 1 and c >= req.prompt_len:
+                decode_seqs += 1
+                decode_ctx += c + 1
+            else:
+                prefill_tokens += n
+                attn_pairs += n * c + n * (n + 1) // 2
+        step_s = (
+            p.step_overhead_s
+            + p.prefill_s_per_token * prefill_tokens
+            + p.prefill_attn_s_per_token_pair * attn_pairs
+            + p.decode_s_per_seq * decode_seqs
+            + p.kv_read_s_per_token * decode_ctx
+        )
+        dt = step_s / speed
+        t_end = now + dt
+        self.num_steps += 1
+        self.busy_s_total += dt
+        self.prefill_tokens_computed_total += prefill_tokens
+        self.last_step = {
+            "idle": False, "prefill_tokens": prefill_tokens, "attn_pairs": attn_pairs,
+            "decode_seqs": decode_seqs, "decode_ctx_tokens": decode_ctx,
+            "num_scheduled": len(scheduled), "step_s": step_s, "dt": dt,
+        }
+
+        # 4. Advance requests, sample tokens, finish.
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        samples = self._samples
+        for req, n in scheduled:
+            req.num_computed += n
+            if req.num_computed // bs > req.num_registered:
+                self._register_full_blocks(req)
+            if req.num_computed < len(req.token_ids):
+                continue  # partial prefill chunk
+            # Sample one token.
+            k = req.num_output
+            if req.output_tokens is not None and k >= req.output_tokens:
+                tok = tokenizer.EOS_TOKEN_ID
+                new_ids: list[int] = []
+                reason = "stop"
+            else:
+                tok = tokenizer.output_token_id(req.seed, k)
+                new_ids = [tok]
+                req.token_ids.append(tok)
+                req.num_output = k + 1
+                self.generation_tokens_total += 1
+                reason = None
+                if req.num_output >= req.max_tokens:
+                    reason = "length"
+                elif req.output_tokens is not None and req.num_output >= req.output_tokens:
+                    reason = "stop"
+            if req.first_token_time is None:
+                req.first_token_time = t_end
+                samples["ttft_s"].append(t_end - req.arrival_time)
+                samples["prefill_s"].append(t_end - req.first_scheduled_time)
+                self.prompt_tokens_total += req.prompt_len
+            elif new_ids:
+                samples["itl_s"].append(t_end - req.last_token_time)
+            if new_ids:
+                req.last_token_time = t_end
+            kvp = None
+            if reason is not None:
+                finished.append(req)
+                if req.prefill_only:
+                    kvp = self._kv_transfer_params(req)
+            outputs.append(RequestOutput(
+                req.req_id, new_ids, reason is not None, reason,
+                max(req.num_cached_tokens, 0), req.prompt_len, kvp,
+            ))
+            if reason is not None:
+                self._finish(req, reason, t_end)
+        if finished:
+            done = set(id(r) for r in finished)
+            self.running = [r for r in self.running if id(r) not in done]
+        return dt, outputs
+
+    # --- internals --------------------------------------------------------------------
+
+    def _hashes(self, req: Request, n_blocks: int) -> list[int]:
+        """Chained hashes of the first ``n_blocks`` full blocks of ``req`` (memoized)."""
+        hs = req.hashes
+        if len(hs) < n_blocks:
+            bs = self.block_size
+            toks = req.token_ids
+            parent = hs[-1] if hs else 0
+            for i in range(len(hs), n_blocks):
+                parent = block_hash(parent, toks[i * bs : (i + 1) * bs])
+                hs.append(parent)
+        return hs
+
+    def _register_full_blocks(self, req: Request) -> None:
+        n_full = min(req.num_computed // self.block_size, len(req.blocks))
+        if n_full <= req.num_registered:
+            return
+        hs = self._hashes(req, n_full)
+        reg = self.kv.register
+        for i in range(req.num_registered, n_full):
+            reg(req.blocks[i], hs[i])
+        req.num_registered = n_full
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.release(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_registered = 0
+        req.status = WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _finish(self, req: Request, reason: str, t_end: float) -> None:
+        self.kv.release(req.blocks)
+        req.blocks = []
+        req.status = FINISHED
+        self.requests.pop(req.req_id, None)
+        self.request_success[reason] += 1
+        s = self._samples
+        s["e2e_s"].append(t_end - req.arrival_time)
+        s["decode_s"].append(t_end - (req.first_token_time or t_end))
+        s["prompt_tokens"].append(req.prompt_len)
+        s["generation_tokens"].append(req.num_output)
+
+    def _kv_transfer_params(self, req: Request) -> dict:
+        n_full = req.prompt_len // self.block_size
+        return {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": list(req.blocks),
+            "remote_block_hashes": [f"{h:016x}" for h in self._hashes(req, n_full)],
+            "remote_host": None,
+            "remote_port": None,
+            "num_tokens": req.prompt_len,
+        }
+
+
+class _Stat:
+    """Count / sum / max plus a bounded window of recent samples (seconds)."""
+
+    __slots__ = ("count", "total", "max", "recent")
+
+    def __init__(self, window: int = 4096):
+        self.count = 0
+        self.total = 0.0
+        self.max = 0.0
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.total += x
+        if x > self.max:
+            self.max = x
+        self.recent.append(x)
+
+    def summary(self) -> dict:
+        r = sorted(self.recent)
+        pct = (lambda q: r[min(len(r) - 1, int(q * len(r)))]) if r else (lambda q: 0.0)
+        return {
+            "count": self.count,
+            "mean": self.total / self.count if self.count else 0.0,
+            "max": self.max,
+            "p50": pct(0.50),
+            "p99": pct(0.99),
+        }
+
+
+_DONE = object()
+
+
+class AsyncEngineRunner:
+    """Drives an :class:`Engine` in real time on the running asyncio loop.
+
+    One background task runs ``engine.step(now)`` with ``now = loop.time()``, sleeps
+    until ``now + dt`` (so the Python cost of the step is absorbed, not added), then
+    delivers the step's outputs. The next step starts at ``now + dt`` on the emulated
+    timeline even if the wake-up was a little late (up to ``max_catchup_s``), so
+    event-loop jitter does not accumulate into a slower emulated GPU. It waits on an
+    event, not a busy loop, when there is no work. Health of the emulator itself (is Python keeping up?):
+
+    * ``compute`` - wall seconds spent inside ``engine.step``.
+    * ``overrun`` - how late each step's outputs were delivered versus ``now + dt``
+      (positive part). It is the sum of event-loop lag and any step whose Python cost
+      exceeded its emulated duration. ``stats()`` summarizes both (count, mean, max,
+      p50, p99 over the last 4096 steps), plus ``late_steps`` (overrun > 1 ms).
+
+    Use ``async with runner:`` (or ``start()`` / ``stop()``), then::
+
+        async with contextlib.aclosing(runner.generate(rid, ids, 64)) as stream:
+            async for out in stream:        # RequestOutput per step with a token
+                ...
+
+    Cancelling the consumer, or closing the iterator early, aborts the request in the
+    engine (its KV blocks are freed at once).
+    """
+
+    def __init__(self, engine: Engine, *, max_catchup_s: float = 0.05):
+        self.engine = engine
+        self.max_catchup_s = max_catchup_s
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.compute = _Stat()
+        self.overrun = _Stat()
+        self.late_steps = 0
+
+    async def __aenter__(self) -> "AsyncEngineRunner":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop (idempotent)."""
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        """Stop the step loop; pending streams end with ``RuntimeError``."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for q in self._queues.values():
+            q.put_nowait(RuntimeError("engine stopped"))
+
+    def stats(self) -> dict:
+        """Emulator health: step compute and overrun summaries (seconds), late steps."""
+        return {
+            "steps": self.compute.count,
+            "compute_s": self.compute.summary(),
+            "overrun_s": self.overrun.summary(),
+            "late_steps": self.late_steps,
+        }
+
+    async def generate(
+        self, req_id: str, prompt_token_ids: list[int], max_tokens: int, **kw
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its :class:`RequestOutput` per step until finished.
+
+        ``kw`` goes to :meth:`Engine.add_request` (``prefill_only``,
+        ``remote_prefill_tokens``, ``output_tokens``, ``seed``). Raises ValueError
+        from ``add_request`` before yielding anything.
+        """
+        if self._task is None:
+            raise RuntimeError("runner not started")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self.engine.add_request(req_id, prompt_token_ids, max_tokens,
+                                arrival_time=loop.time(), **kw)
+        self._queues[req_id] = q
+        self._wake.set()
+        done = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if out.finished:
+                    done = True
+                yield out
+                if done:
+                    return
+        finally:
+            self._queues.pop(req_id, None)
+            if not done:
+                self.engine.abort(req_id)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        wake = self._wake
+        queues = self._queues
+        perf = time.perf_counter
+        catchup = self.max_catchup_s
+        now = None  # start of the next step on the emulated timeline
+        while True:
+            if not engine.has_work():
+                wake.clear()
+                await wake.wait()
+                now = None
+            if now is None:
+                now = loop.time()
+            c0 = perf()
+            dt, outputs = engine.step(now)
+            self.compute.add(perf() - c0)
+            if not outputs and engine.last_step.get("idle"):
+                # Only KV transfers in flight (or nothing): wait for them or new work.
+                wake.clear()
+                if engine.has_work():
+                    dt = max(dt, 1e-3)  # never spin, even if nothing could be scheduled
+                    try:
+                        async with asyncio.timeout(now + dt - loop.time()):
+                            await wake.wait()
+                    except TimeoutError:
+                        pass
+                now = None
+                continue
+            target = now + dt
+            delay = target - loop.time()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            t = loop.time()
+            late = t - target
+            if late < 0:
+                late = 0.0
+            self.overrun.add(late)
+            if late > 1e-3:
+                self.late_steps += 1
+            for out in outputs:
+                q = queues.get(out.req_id)
+                if q is not None:
+                    q.put_nowait(out)
+            # Correct for overrun: the next step starts at the planned time, so small
+            # wake-up delays do not accumulate into a slower emulated GPU; a large one
+            # (> max_catchup_s) is accepted as lost time instead of bursting to catch up.
+            now = target if late <= catchup else t
