@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -80,23 +80,15 @@ class SpeedHints(_Strict):
     kv_capacity_tokens: int | None = Field(None, gt=0)
 
 
-class SimulatedBackend(_Strict):
-    """A demo backend that the gateway starts itself (``loadtest.sim``) on a free
-    loopback port. Times are in seconds."""
-
-    ttft_base_s: float = Field(0.02, ge=0)
-    prefill_s_per_token: float = Field(0.00002, ge=0)
-    itl_s: float = Field(0.01, ge=0)
-    max_tokens_default: int = Field(64, ge=1)
-
-
 class Backend(_Strict):
     """One upstream OpenAI-compatible server.
 
     ``url`` is the server's base URL without ``/v1`` (e.g. ``http://10.0.0.5:8000``);
     request paths (``/v1/chat/completions``...) are appended. ``api_key_env`` names an
     environment variable holding the key sent to this backend as ``Authorization:
-    Bearer``. Exactly one of ``url`` and ``simulate`` must be set.
+    Bearer``. Exactly one of ``url`` and ``simulate`` must be set: ``simulate`` holds
+    the options of a demo backend that the gateway starts itself with
+    ``python -m loadtest.sim`` (validated there; see ``loadtest/README.md``).
     """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -108,7 +100,7 @@ class Backend(_Strict):
     hints: SpeedHints = SpeedHints()
     timeouts: TimeoutOverrides = TimeoutOverrides()
     health_path: str | None = None
-    simulate: SimulatedBackend | None = None
+    simulate: dict[str, Any] | None = None
 
     @field_validator("url")
     @classmethod

@@ -33,7 +33,7 @@ class DemoFleet:
         """Start every backend with a ``simulate`` section on a free loopback port.
         Returns the fleet with ``urls`` = ``{name: base_url}``. Raises
         :class:`DemoFleetError`."""
-        spec = [{"name": b.name, "models": b.models, **b.simulate.model_dump()} for b in backends if b.simulate]
+        spec = [{"name": b.name, "models": b.models, **b.simulate} for b in backends if b.simulate]
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

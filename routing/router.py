@@ -42,4 +42,6 @@ class Router:
     def route(self, request: RouteRequest, now: float) -> tuple[Decision, Reservation]:
         """Choose a backend and reserve its load. Raises what :meth:`eligible` raises."""
         decision = self.policy.choose(request, self.eligible(request, now))
-        return decision, self.fleet.reserve(decision.backend)
+        reservation = self.fleet.reserve(decision.backend)
+        self.policy.on_dispatch(request, decision)
+        return decision, reservation

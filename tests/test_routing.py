@@ -38,7 +38,7 @@ def test_least_requests_follows_in_flight_and_weight():
 
 
 def test_least_requests_breaks_ties_at_random():
-    from routing.policies import LeastRequests
+    from routing.policies.least_requests import LeastRequests
     f = fleet("a", "b", "c")
     p = LeastRequests(random.Random(7))
     picks = Counter(p.choose(RouteRequest("m"), list(f.backends.values())).backend.name for _ in range(300))

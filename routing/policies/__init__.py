@@ -1,0 +1,99 @@
+"""Routing policies behind one interface, one module per policy.
+
+A policy's :meth:`Policy.choose` is a pure function of (request, eligible candidates)
+to a :class:`Decision`: it does no I/O. State a policy keeps for itself (a cursor, a
+radix tree) is updated only in the :meth:`Policy.on_dispatch` hook, which the router
+calls once the choice is made; what the fleet learns from responses flows through
+:mod:`routing.load`, not through policies (the llm-d scheduler's split between
+scorers and lifecycle hooks).
+
+Adding a policy means one module in this package and one line in :data:`POLICIES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from routing.fleet import BackendState
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What a policy may know about a request.
+
+    - ``model``: the requested model name.
+    - ``exclude``: backend names that must not be chosen (they already failed it).
+    - ``prompt_text``: the canonical prompt text (see :mod:`routing.estimate`), the
+      string the ``cache_aware`` baseline matches in its radix trees.
+    - ``prompt_bytes``: its length in UTF-8 bytes.
+    - ``block_hashes``: chained hashes of its fixed-size blocks (block ``i``'s hash
+      covers blocks ``0..i``), the key of the prefix index.
+    - ``prompt_tokens``: estimated prompt length in tokens.
+    - ``output_tokens``: expected completion length in tokens.
+    """
+
+    model: str
+    exclude: frozenset[str] = frozenset()
+    prompt_text: str = ""
+    prompt_bytes: int = 0
+    block_hashes: tuple[int, ...] = ()
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's choice and why it was made.
+
+    ``reason`` is a short token for metrics (``round_robin``, ``least_requests``,
+    ``tie``...); ``detail`` carries numbers for the explanation header.
+    """
+
+    backend: BackendState
+    policy: str
+    reason: str
+    detail: dict[str, float] = field(default_factory=dict)
+
+
+class Policy(Protocol):
+    """The policy interface.
+
+    ``choose`` gets a non-empty list of eligible candidates (healthy, not excluded, not
+    cooling down) and returns the decision without side effects; ``on_dispatch`` is
+    called once after the router reserved the chosen backend.
+    """
+
+    name: str
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision: ...
+
+    def on_dispatch(self, request: RouteRequest, decision: Decision) -> None: ...
+
+
+class BasePolicy:
+    """Convenience base: a no-op :meth:`on_dispatch`."""
+
+    name = "base"
+
+    def on_dispatch(self, request: RouteRequest, decision: Decision) -> None:
+        return None
+
+
+def _registry() -> dict[str, Callable[[], Policy]]:
+    from routing.policies.least_requests import LeastRequests
+    from routing.policies.round_robin import RoundRobin
+
+    return {p.name: p for p in (RoundRobin, LeastRequests)}
+
+
+POLICIES: dict[str, Callable[[], Policy]] = _registry()
+
+
+def make_policy(name: str) -> Policy:
+    """Build the policy registered under ``name``. Raises :class:`KeyError` with the
+    known names when ``name`` is not registered."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise KeyError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None

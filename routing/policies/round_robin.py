@@ -1,0 +1,22 @@
+"""``round_robin``: the simplest baseline."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from routing.fleet import BackendState
+from routing.policies import BasePolicy, Decision, RouteRequest
+
+
+class RoundRobin(BasePolicy):
+    """Cycle through the eligible candidates in config order (one cursor per model)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._cursor: dict[str, int] = {}
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+        i = self._cursor.get(request.model, 0)
+        self._cursor[request.model] = i + 1
+        return Decision(candidates[i % len(candidates)], self.name, "round_robin")
