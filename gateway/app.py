@@ -25,6 +25,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_api import models_list, parse_completion_request, read_json_body
 from gateway.proxy import REQUEST_ID_HEADER, BackendClient, ClientGone, Exchange, Proxy
 from routing import BackendSpec, Fleet, Router, UnknownModel, make_policy
+from routing.estimate import TokenEstimator
+from routing.prefix_index import PrefixIndex
 
 log = logging.getLogger("gateway")
 
@@ -38,8 +40,14 @@ class GatewayState:
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
-        self.fleet = Fleet([BackendSpec(b.name, frozenset(b.models), b.pool, b.weight) for b in cfg.backends])
-        self.router = Router(self.fleet, make_policy(cfg.routing.policy))
+        roles = {p.name: p.role for p in cfg.pools}
+        self.fleet = Fleet([BackendSpec(b.name, frozenset(b.models), b.pool, b.weight, roles[b.pool],
+                                        b.hints.prefill_tokens_per_s, b.hints.decode_tokens_per_s,
+                                        b.hints.kv_capacity_tokens) for b in cfg.backends])
+        r = cfg.routing
+        self.estimator = TokenEstimator(block_tokens=r.block_tokens)
+        index = PrefixIndex(ttl_s=r.prefix_ttl_s, max_blocks=r.prefix_index_max_blocks)
+        self.router = Router(self.fleet, make_policy(r.policy), index, block_tokens=r.block_tokens)
         self.metrics = GatewayMetrics(self.fleet)
         self.clients: dict[str, BackendClient] = {}
         self.proxy: Proxy | None = None
@@ -94,7 +102,7 @@ def _lifecycle(backend_urls: dict[str, str]):
             auth = f"Bearer {os.environ[b.api_key_env]}" if b.api_key_env else None
             state.clients[b.name] = BackendClient(state.fleet.backends[b.name], urls.get(b.name) or b.url or "",
                                                   session, t, auth)
-        state.proxy = Proxy(cfg, state.router, state.clients, state.metrics)
+        state.proxy = Proxy(cfg, state.router, state.clients, state.metrics, state.estimator)
         paths = {b.name: b.health_path or cfg.health.path for b in cfg.backends}
         state.health = HealthChecker(cfg.health, state.clients.values(), paths)
         await state.health.check_all()

@@ -144,7 +144,26 @@ class Listen(_Strict):
 
 
 class Routing(_Strict):
-    policy: str = "least_requests"
+    """How a backend is chosen.
+
+    - ``policy``: one of :data:`routing.POLICIES` (default ``estimated_ttft``).
+    - ``block_tokens``: prefix-index block size in tokens (blocks are cut every
+      ``4 * block_tokens`` bytes of canonical prompt text).
+    - ``prefix_ttl_s``: an indexed block unused this long counts as evicted.
+    - ``prefix_index_max_blocks``: memory bound of the index (about 100 bytes a block).
+    - ``long_prompt_tokens``: a request with more uncached prompt tokens than this goes
+      to a ``prefill`` pool when one exists (or, with a ``decode`` pool too, runs the
+      disaggregated two-step flow).
+    - ``scrape_interval_s``: how often backends' ``/metrics`` are read to correct the
+      load estimate (0 disables); samples older than 3 intervals are ignored.
+    """
+
+    policy: str = "estimated_ttft"
+    block_tokens: int = Field(64, ge=1, le=65536)
+    prefix_ttl_s: float = Field(600.0, gt=0)
+    prefix_index_max_blocks: int = Field(2_000_000, ge=1000)
+    long_prompt_tokens: int = Field(8192, ge=1)
+    scrape_interval_s: float = Field(2.0, ge=0)
 
     @field_validator("policy")
     @classmethod

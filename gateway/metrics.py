@@ -32,11 +32,30 @@ class _FleetCollector(Collector):
                                       "Requests dispatched to the backend and not yet settled", labels=["backend"])
         healthy = GaugeMetricFamily("turbo_gateway_backend_healthy",
                                     "1 when the backend's last health check passed", labels=["backend"])
+        queued = GaugeMetricFamily("turbo_gateway_backend_queued_prefill_tokens",
+                                   "Estimated uncached prompt tokens waiting for prefill", labels=["backend"])
+        running = GaugeMetricFamily("turbo_gateway_backend_running_streams",
+                                    "Streams past their first token", labels=["backend"])
+        kv = GaugeMetricFamily("turbo_gateway_backend_kv_tokens", "Estimated KV cache tokens in use",
+                               labels=["backend"])
+        kv_cap = GaugeMetricFamily("turbo_gateway_backend_kv_capacity_tokens", "KV cache capacity in tokens",
+                                   labels=["backend"])
+        rate = GaugeMetricFamily("turbo_gateway_backend_prefill_tokens_per_second",
+                                 "Learned prefill rate", labels=["backend"])
+        itl = GaugeMetricFamily("turbo_gateway_backend_itl_seconds",
+                                "Learned inter-token latency at the current number of running streams",
+                                labels=["backend"])
         for b in self.fleet.backends.values():
             in_flight.add_metric([b.name], b.in_flight)
             healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
-        yield in_flight
-        yield healthy
+            load = b.load
+            queued.add_metric([b.name], load.queued_prefill_tokens)
+            running.add_metric([b.name], load.running)
+            kv.add_metric([b.name], load.kv_tokens)
+            kv_cap.add_metric([b.name], load.kv_capacity_tokens)
+            rate.add_metric([b.name], load.prefill_tokens_per_s)
+            itl.add_metric([b.name], load.itl_s())
+        yield from (in_flight, healthy, queued, running, kv, kv_cap, rate, itl)
 
 
 class GatewayMetrics:
@@ -62,6 +81,15 @@ class GatewayMetrics:
         self.cached_tokens = Counter("turbo_gateway_cached_prompt_tokens",
                                      "Prompt tokens the backends served from their prefix cache (usage.prompt_tokens_details.cached_tokens)",
                                      ["model"], registry=r)
+        self.predicted_cached_tokens = Counter(
+            "turbo_gateway_predicted_cached_tokens",
+            "Prompt tokens the gateway's prefix index predicted cached on the chosen backend "
+            "(counted for responses that report cached_tokens, beside turbo_gateway_usage_prompt_tokens)",
+            ["model"], registry=r)
+        self.reported_prompt_tokens = Counter(
+            "turbo_gateway_usage_prompt_tokens",
+            "Prompt tokens of responses that report cached_tokens (denominator of both hit ratios)",
+            ["model"], registry=r)
         self.retries = Counter("turbo_gateway_retries", "Retries, by the failure that caused them", ["reason"], registry=r)
         self.upstream_errors = Counter("turbo_gateway_upstream_errors", "Failed upstream attempts",
                                        ["backend", "reason"], registry=r)

@@ -14,14 +14,16 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import ClientError
+from routing.estimate import canonical_prompt
 
 
 @dataclass(slots=True)
 class ParsedRequest:
     """What the gateway reads from a completion request.
 
-    ``body`` is the exact bytes received (forwarded as is); ``prompt_bytes`` is the
-    byte length of the prompt text (messages' content or ``prompt``), for routing.
+    ``body`` is the exact bytes received (forwarded as is); ``prompt_text`` is the
+    canonical prompt (:func:`routing.estimate.canonical_prompt`), for routing;
+    ``cache_salt`` is vLLM's per-tenant prefix-cache salt when the caller sent one.
     """
 
     endpoint: str
@@ -30,7 +32,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     max_tokens: int | None
-    prompt_bytes: int
+    prompt_text: str
+    cache_salt: str | None = None
 
 
 def _is_json_type(content_type: str) -> bool:
@@ -63,18 +66,6 @@ async def read_json_body(request: web.Request, max_bytes: int) -> tuple[bytes, d
     if not isinstance(data, dict):
         raise ClientError(400, "The request body must be a JSON object.", code="invalid_json")
     return body, data
-
-
-def _content_bytes(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content.encode("utf-8", "surrogatepass"))
-    if isinstance(content, list):
-        n = 0
-        for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                n += len(part["text"].encode("utf-8", "surrogatepass"))
-        return n
-    return 0
 
 
 def _check_optional_int(data: dict[str, Any], field: str, minimum: int) -> int | None:
@@ -115,23 +106,18 @@ def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any]) -
         if not isinstance(messages, list) or not messages:
             raise ClientError(400, "`messages` is required and must be a non-empty array.", param="messages",
                               code="invalid_value" if "messages" in data else "missing_required_parameter")
-        prompt_bytes = 0
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ClientError(400, f"`messages[{i}]` must be an object with a string `role`.",
                                   param=f"messages[{i}]", code="invalid_value")
-            prompt_bytes += _content_bytes(m.get("content"))
     else:
         prompt = data.get("prompt")
-        if isinstance(prompt, str):
-            prompt_bytes = len(prompt.encode("utf-8", "surrogatepass"))
-        elif isinstance(prompt, list) and prompt:
-            # a list of strings, a list of token ids, or a list of such lists
-            prompt_bytes = sum(len(p.encode("utf-8", "surrogatepass")) if isinstance(p, str) else 4 for p in prompt)
-        else:
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise ClientError(400, "`prompt` is required and must be a string or a non-empty array.", param="prompt",
                               code="invalid_value" if "prompt" in data else "missing_required_parameter")
-    return ParsedRequest(endpoint, body, model, stream, include_usage, max_tokens, prompt_bytes)
+    salt = data.get("cache_salt")
+    return ParsedRequest(endpoint, body, model, stream, include_usage, max_tokens, canonical_prompt(endpoint, data),
+                         salt if isinstance(salt, str) else None)
 
 
 def models_list(models: list[str], created: int) -> dict[str, Any]:

@@ -37,12 +37,14 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ParsedRequest
-from routing import NoBackendAvailable, Router, RouteRequest
+from routing import Decision, NoBackendAvailable, Reservation, Router, RouteRequest
+from routing.estimate import PromptEstimate, TokenEstimator
 from routing.fleet import BackendState
 
 log = logging.getLogger("gateway.proxy")
 
 BACKEND_HEADER = "x-turbo-backend"
+ROUTE_HEADER = "x-turbo-route"
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _MAX_SCAN_TAIL_BYTES = 1024 * 1024
@@ -117,6 +119,8 @@ class Exchange:
     arrival: float
     response: web.StreamResponse | None = None  # set once bytes went to the client
     backend: str = ""
+    estimate: PromptEstimate | None = None
+    decision: Decision | None = None
     scan: StreamScan | None = None  # the stream being relayed, if any
     attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
 
@@ -147,12 +151,23 @@ class Proxy:
     """Forwards parsed completion requests to the fleet."""
 
     def __init__(self, cfg: GatewayConfig, router: Router, clients: dict[str, BackendClient],
-                 metrics: GatewayMetrics, rng: random.Random | None = None) -> None:
+                 metrics: GatewayMetrics, estimator: TokenEstimator, rng: random.Random | None = None) -> None:
         self.cfg = cfg
         self.router = router
         self.clients = clients
         self.metrics = metrics
+        self.estimator = estimator
         self.rng = rng or random.Random()
+
+    def route_header(self, decision: Decision) -> str:
+        """The explanation header: policy, backend, reason, matched prefix tokens and
+        the estimate that decided (when the policy made one)."""
+        d = decision.detail
+        parts = [f"policy={decision.policy}", f"backend={decision.backend.name}", f"reason={decision.reason}",
+                 f"matched_tokens={int(d.get('matched_tokens', 0))}"]
+        if "ttft_est_s" in d:
+            parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
+        return "; ".join(parts)
 
     async def forward(self, ex: Exchange) -> web.StreamResponse:
         """Route, attempt and retry; return the response the client gets (already
@@ -163,11 +178,15 @@ class Proxy:
         excluded: set[str] = set()
         last: UpstreamError | None = None
         t0 = loop.time()
+        est = ex.estimate = self.estimator.estimate(parsed.model, parsed.prompt_text, parsed.max_tokens,
+                                                    parsed.cache_salt)
+        tokens_per_block = self.estimator.block_bytes / self.estimator.stats(parsed.model).bytes_per_token
         while True:
             now = loop.time()
             try:
                 decision, reservation = self.router.route(
-                    RouteRequest(parsed.model, frozenset(excluded), parsed.prompt_bytes), now)
+                    RouteRequest(parsed.model, frozenset(excluded), est.text, est.size_bytes, est.hashes,
+                                 est.prompt_tokens, est.output_tokens, tokens_per_block), now)
             except NoBackendAvailable as e:
                 wait = e.retry_after_s
                 if wait is not None and len(ex.attempts) < retries.max_attempts and \
@@ -179,11 +198,12 @@ class Proxy:
             backend = decision.backend
             client = self.clients[backend.name]
             ex.backend = backend.name
+            ex.decision = decision
             ex.attempts.append((backend.name, now, "started"))
             try:
-                return await self._attempt(ex, client)
+                return await self._attempt(ex, client, reservation)
             except UpstreamError as err:
-                reservation.release()
+                reservation.release(loop.time())
                 ex.attempts[-1] = (backend.name, now, err.reason)
                 self.metrics.upstream_errors.labels(backend.name, err.reason).inc()
                 if ex.response is not None:  # bytes already reached the client: end the stream
@@ -208,11 +228,11 @@ class Proxy:
                          backend.name, len(ex.attempts))
                 await asyncio.sleep(delay)
             finally:
-                reservation.release()
+                reservation.release(loop.time())
 
     # ---- one attempt -------------------------------------------------------------
 
-    async def _attempt(self, ex: Exchange, client: BackendClient) -> web.StreamResponse:
+    async def _attempt(self, ex: Exchange, client: BackendClient, reservation: Reservation) -> web.StreamResponse:
         """Send the request to one backend and relay its answer.
 
         Raises an :class:`UpstreamError` subclass on failure (with ``ex.response`` set
@@ -261,7 +281,7 @@ class Proxy:
                     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                         raise Disconnected(name, f"backend {name} closed the connection mid-response") from e
                     completed = True
-                    return await self._relay_whole(ex, resp, data)
+                    return await self._relay_whole(ex, resp, data, reservation)
 
                 # streaming: wait for the first chunk before answering the client, so
                 # that everything up to here can still be retried elsewhere
@@ -273,10 +293,12 @@ class Proxy:
                     raise Disconnected(name, f"backend {name} ended the stream without sending an event")
                 phase = "stream"
                 first_at = loop.time()
+                reservation.first_token(first_at)
                 self.metrics.ttft.labels(parsed.model).observe(first_at - ex.arrival)
                 out = web.StreamResponse(status=200, headers={
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                    "Cache-Control": "no-cache", BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id})
+                    "Cache-Control": "no-cache", BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id,
+                    ROUTE_HEADER: self.route_header(ex.decision)})
                 out.enable_chunked_encoding()
                 try:
                     await out.prepare(ex.request)
@@ -306,7 +328,7 @@ class Proxy:
                     ex.scan = scan
                     raise Disconnected(name, f"backend {name} ended the stream without `data: [DONE]`")
                 completed = True
-                self._account(parsed.model, scan.usage, scan.content_events)
+                self._settle(ex, reservation, scan.usage, scan.content_events)
                 try:
                     await out.write_eof()
                 except (ConnectionError, aiohttp.ClientConnectionResetError):
@@ -336,7 +358,8 @@ class Proxy:
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             return b""
 
-    async def _relay_whole(self, ex: Exchange, resp: aiohttp.ClientResponse, data: bytes) -> web.Response:
+    async def _relay_whole(self, ex: Exchange, resp: aiohttp.ClientResponse, data: bytes,
+                           reservation: Reservation) -> web.Response:
         parsed = ex.parsed
         usage = None
         if b'"usage"' in data:
@@ -345,28 +368,46 @@ class Proxy:
                 usage = obj.get("usage") if isinstance(obj, dict) else None
             except orjson.JSONDecodeError:
                 pass
-        self._account(parsed.model, usage, 0)
         now = asyncio.get_running_loop().time()
         self.metrics.ttft.labels(parsed.model).observe(now - ex.arrival)
+        self._settle(ex, reservation, usage, 0, whole=True)
         self._finish(ex, 200)
         return web.Response(status=200, body=data, headers={
-            "Content-Type": resp.headers.get("Content-Type", "application/json"), BACKEND_HEADER: ex.backend})
+            "Content-Type": resp.headers.get("Content-Type", "application/json"), BACKEND_HEADER: ex.backend,
+            ROUTE_HEADER: self.route_header(ex.decision)})
 
     # ---- settling ----------------------------------------------------------------
 
-    def _account(self, model: str, usage: Any, events: int) -> None:
+    def _settle(self, ex: Exchange, reservation: Reservation, usage: Any, events: int, whole: bool = False) -> None:
+        """A response completed: count its tokens, teach the estimator and the load
+        model, and release the reservation."""
         m = self.metrics
+        model = ex.parsed.model
+        completion: int | None = events or None
+        prompt: int | None = None
         if isinstance(usage, dict):
             pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(pt, int):
+                prompt = pt
                 m.prompt_tokens.labels(model).inc(pt)
             if isinstance(ct, int):
-                m.completion_tokens.labels(model).inc(ct)
+                completion = ct
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 m.cached_tokens.labels(model).inc(details["cached_tokens"])
-        elif events:
-            m.completion_tokens.labels(model).inc(events)
+                if ex.decision is not None:
+                    predicted = ex.decision.detail.get("matched_tokens", 0)
+                    m.predicted_cached_tokens.labels(model).inc(predicted)
+                    m.reported_prompt_tokens.labels(model).inc(prompt or 0)
+        if completion:
+            m.completion_tokens.labels(model).inc(completion)
+        if ex.estimate is not None:
+            self.estimator.observe_usage(model, ex.estimate.size_bytes, prompt, completion)
+        now = asyncio.get_running_loop().time()
+        if whole:  # no token timing for a whole response: learn no TTFT or ITL from it
+            reservation.release(now)
+        else:
+            reservation.release(now, completion)
 
     def _finish(self, ex: Exchange, status: int) -> None:
         now = asyncio.get_running_loop().time()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from routing.load import BackendLoad, RequestLoad
+
 
 class RoutingError(Exception):
     """Base class of the errors a routing decision can raise."""
@@ -49,6 +51,10 @@ class BackendSpec:
     models: frozenset[str]
     pool: str = "mixed"
     weight: float = 1.0
+    role: str = "mixed"  # the pool's role: mixed | prefill | decode
+    prefill_tokens_per_s: float | None = None  # speed hints (seeds of the load model)
+    decode_tokens_per_s: float | None = None
+    kv_capacity_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +72,13 @@ class BackendState:
     dispatched_total: int = 0
     cooldown_until: float = 0.0
     healthy: bool = True
+    load: BackendLoad = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.load is None:
+            self.load = BackendLoad(prefill_tokens_per_s=self.spec.prefill_tokens_per_s,
+                                    decode_tokens_per_s=self.spec.decode_tokens_per_s,
+                                    kv_capacity_tokens=self.spec.kv_capacity_tokens)
 
     @property
     def name(self) -> str:
@@ -81,15 +94,25 @@ class Reservation:
     """
 
     backend: BackendState
+    request_load: RequestLoad | None = None
     released: bool = field(default=False)
 
-    def release(self) -> bool:
+    def first_token(self, now: float) -> None:
+        """The first token arrived at monotonic time ``now`` (s): the request's prefill
+        tokens leave the backend's queue and it counts as a running decode stream."""
+        if self.request_load is not None and not self.released:
+            self.request_load.first_token(now)
+
+    def release(self, now: float = 0.0, completion_tokens: int | None = None) -> bool:
         """Return the reserved load to the backend. Returns ``True`` on the first call,
-        ``False`` on later calls (which change nothing)."""
+        ``False`` on later calls (which change nothing). ``completion_tokens``, when
+        known, teaches the backend's inter-token latency."""
         if self.released:
             return False
         self.released = True
         self.backend.in_flight -= 1
+        if self.request_load is not None:
+            self.request_load.finish(now, completion_tokens)
         return True
 
 
@@ -121,11 +144,12 @@ class Fleet:
         except KeyError:
             raise UnknownModel(model) from None
 
-    def reserve(self, backend: BackendState) -> Reservation:
-        """Count one more in-flight request on ``backend`` and return its reservation."""
+    def reserve(self, backend: BackendState, request_load: RequestLoad | None = None) -> Reservation:
+        """Count one more in-flight request on ``backend`` (with its token load, if
+        given) and return its reservation."""
         backend.in_flight += 1
         backend.dispatched_total += 1
-        return Reservation(backend)
+        return Reservation(backend, request_load)
 
     def cool_down(self, backend: BackendState, until: float) -> None:
         """Keep ``backend`` out of routing until monotonic time ``until`` (seconds)."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from routing.fleet import BackendState, Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Policy, RouteRequest
+from routing.prefix_index import PrefixIndex
+
+EXPIRE_EVERY_S = 1.0
 
 
 class Router:
@@ -16,9 +19,25 @@ class Router:
     first one is eligible.
     """
 
-    def __init__(self, fleet: Fleet, policy: Policy) -> None:
+    def __init__(self, fleet: Fleet, policy: Policy, index: PrefixIndex | None = None,
+                 block_tokens: int = 64) -> None:
         self.fleet = fleet
         self.policy = policy
+        self.index = index or PrefixIndex()
+        self.block_tokens = block_tokens
+        self._next_expire = 0.0
+        for b in fleet.backends.values():
+            self.index.set_capacity(b.name, self.capacity_blocks(b))
+
+    def capacity_blocks(self, b: BackendState) -> int:
+        """``b``'s KV capacity in prefix-index blocks."""
+        return max(1, int(b.load.kv_capacity_tokens // self.block_tokens))
+
+    def set_kv_capacity(self, b: BackendState, tokens: int) -> None:
+        """Learned ``b``'s KV cache size (tokens), e.g. from ``vllm:cache_config_info``."""
+        b.load.kv_capacity_tokens = float(tokens)
+        b.load.kv_capacity_known = True
+        self.index.set_capacity(b.name, self.capacity_blocks(b))
 
     def eligible(self, request: RouteRequest, now: float) -> list[BackendState]:
         """Backends the policy may choose from at monotonic time ``now`` (seconds).
@@ -40,8 +59,22 @@ class Router:
         return warm
 
     def route(self, request: RouteRequest, now: float) -> tuple[Decision, Reservation]:
-        """Choose a backend and reserve its load. Raises what :meth:`eligible` raises."""
-        decision = self.policy.choose(request, self.eligible(request, now))
-        reservation = self.fleet.reserve(decision.backend)
+        """Choose a backend and reserve its load: the request's uncached prompt tokens
+        join the backend's prefill queue and its blocks are recorded in the prefix
+        index. Raises what :meth:`eligible` raises."""
+        candidates = self.eligible(request, now)
+        if now >= self._next_expire:
+            self.index.expire(now)
+            self._next_expire = now + EXPIRE_EVERY_S
+        request.now = now
+        request.matched_blocks = self.index.match(request.block_hashes, now)
+        decision = self.policy.choose(request, candidates)
+        b = decision.backend
+        cached = request.cached_tokens(b.name)
+        decision.detail.setdefault("matched_tokens", cached)
+        load = b.load.admit(uncached_tokens=request.prompt_tokens - cached, prompt_tokens=request.prompt_tokens,
+                            output_tokens=request.output_tokens, now=now)
+        self.index.record(b.name, request.block_hashes, now)
+        reservation = self.fleet.reserve(b, load)
         self.policy.on_dispatch(request, decision)
         return decision, reservation

@@ -31,6 +31,9 @@ class RouteRequest:
       covers blocks ``0..i``), the key of the prefix index.
     - ``prompt_tokens``: estimated prompt length in tokens.
     - ``output_tokens``: expected completion length in tokens.
+    - ``tokens_per_block``: estimated tokens in one prefix block.
+    - Set by the router before ``choose``: ``now`` (monotonic seconds) and
+      ``matched_blocks`` (per backend, leading blocks it probably holds).
     """
 
     model: str
@@ -40,6 +43,13 @@ class RouteRequest:
     block_hashes: tuple[int, ...] = ()
     prompt_tokens: int = 0
     output_tokens: int = 0
+    tokens_per_block: float = 64.0
+    now: float = 0.0
+    matched_blocks: dict[str, int] = field(default_factory=dict)
+
+    def cached_tokens(self, backend: str) -> float:
+        """Prompt tokens ``backend`` probably holds in its prefix cache."""
+        return min(self.matched_blocks.get(backend, 0) * self.tokens_per_block, float(self.prompt_tokens))
 
 
 @dataclass(slots=True)
@@ -81,10 +91,11 @@ class BasePolicy:
 
 
 def _registry() -> dict[str, Callable[[], Policy]]:
+    from routing.policies.estimated_ttft import EstimatedTTFT
     from routing.policies.least_requests import LeastRequests
     from routing.policies.round_robin import RoundRobin
 
-    return {p.name: p for p in (RoundRobin, LeastRequests)}
+    return {p.name: p for p in (RoundRobin, LeastRequests, EstimatedTTFT)}
 
 
 POLICIES: dict[str, Callable[[], Policy]] = _registry()

@@ -1,0 +1,82 @@
+"""``estimated_ttft`` (the default): send each request where its first token comes soonest.
+
+For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
+
+    TTFT_est(b) = overhead_b
+                + (queued_prefill_b + uncached_b) / prefill_rate_b      # queue + own prefill
+                + steps * itl_per_stream_b * running_b                  # decode interference
+                + kv_wait_b                                             # KV pressure
+
+- ``uncached_b`` = prompt tokens minus those ``b`` probably holds (prefix index), so a
+  prefix hit is worth exactly the prefill time it saves, and a hot backend loses once
+  its queue costs more than recomputing elsewhere: no hand-set affinity thresholds.
+- ``queued_prefill_b`` includes load the engine reports that this gateway did not send.
+- Decode interference: with chunked prefill each engine step also runs one token of every
+  running stream, so the prefill's ``steps = ceil(work / CHUNK_TOKENS)`` steps each cost
+  ``running * itl_per_stream`` more (the learned ITL slope).
+- KV pressure: when in-use KV tokens plus this request's prompt and expected output
+  exceed capacity, the request waits for running streams to free blocks; the wait is
+  the overflow's share of capacity times the mean remaining decode time there.
+
+The lowest estimate wins; candidates within ``TIE_RELATIVE`` (2%) + ``TIE_ABSOLUTE_S``
+(0.5 ms) of the best are ties broken at random, so that several gateway replicas with
+the same view do not herd onto one backend.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Sequence
+
+from routing.fleet import BackendState
+from routing.policies import BasePolicy, Decision, RouteRequest
+
+# vLLM's default token budget per step with chunked prefill (max_num_batched_tokens
+# 2048 for online serving: vllm/engine/arg_utils.py, "default_max_num_batched_tokens").
+CHUNK_TOKENS = 2048
+TIE_RELATIVE = 0.02
+TIE_ABSOLUTE_S = 0.0005
+
+
+def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]:
+    """(estimated TTFT in seconds, uncached prompt tokens) of ``request`` on ``b``."""
+    load = b.load
+    now = request.now
+    uncached = request.prompt_tokens - request.cached_tokens(b.name)
+    work = load.queued_prefill_tokens + load.external_queued_tokens(now) + uncached
+    est = load.ttft_overhead_s + work / load.prefill_tokens_per_s
+    running = load.running + load.external_running(now)
+    if running:
+        est += math.ceil(work / CHUNK_TOKENS) * load.itl_fit.slope * running
+        need = request.prompt_tokens + request.output_tokens
+        overflow = load.kv_used_tokens(now) + need - load.kv_capacity_tokens
+        if overflow > 0:
+            mean_remaining = load.decode_tokens_remaining / max(load.running, 1)
+            est += min(overflow / load.kv_capacity_tokens, 1.0) * mean_remaining * load.itl_s()
+    return est, uncached
+
+
+class EstimatedTTFT(BasePolicy):
+    """Lowest estimated time to first token wins; near-ties broken at random."""
+
+    name = "estimated_ttft"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+        scored = [(estimate_ttft(b, request), b) for b in candidates]
+        best = min(s[0][0] for s in scored)
+        limit = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
+        ties = [s for s in scored if s[0][0] <= limit]
+        (est, uncached), chosen = ties[0] if len(ties) == 1 else self._rng.choice(ties)
+        cached = request.prompt_tokens - uncached
+        if len(ties) > 1:
+            reason = "tie"
+        elif cached > 0 and uncached < min(s[0][1] for s in scored if s[1] is not chosen):
+            reason = "prefix_hit"
+        else:
+            reason = "least_load"
+        return Decision(chosen, self.name, reason, {"ttft_est_s": est, "matched_tokens": cached,
+                                                    "uncached_tokens": uncached})
