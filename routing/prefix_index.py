@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+_NEVER = float("-inf")
+
 
 @dataclass(slots=True)
 class _BackendBlocks:
@@ -137,7 +139,7 @@ class PrefixIndex:
             o = owners.get(hashes[i])
             if o is None:
                 break
-            gone = [b for b in alive if o.get(b, -1.0) < cutoff]
+            gone = [b for b in alive if o.get(b, _NEVER) < cutoff]
             for b in gone:
                 result[b] = i
                 alive.discard(b)

@@ -131,6 +131,13 @@ class RunningGateway:
     def in_flight(self, backend: str) -> int:
         return self.state.fleet.backends[backend].in_flight
 
+    def idle(self, backend: str) -> bool:
+        """Every load counter of ``backend`` is back to exactly zero."""
+        b = self.state.fleet.backends[backend]
+        load = b.load
+        return (b.in_flight, load.queued, load.running, load.queued_prefill_tokens, load.kv_tokens,
+                load.decode_tokens_remaining) == (0, 0, 0, 0.0, 0.0, 0.0)
+
     def metric(self, name: str, **labels: str) -> float:
         """A sample's value from the gateway's Prometheus registry (0 when absent)."""
         v = self.state.metrics.registry.get_sample_value(name, labels)

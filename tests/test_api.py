@@ -17,8 +17,8 @@ from tests.servers import ScriptedBackend, free_port, gateway_config, running_ga
 
 @pytest.fixture
 async def demo_gateway():
-    runners, urls = await start_backends([SimBackendConfig(name=n, models=["demo-model"], itl_s=0.001,
-                                                           ttft_base_s=0.001) for n in ("s1", "s2")])
+    runners, urls = await start_backends([SimBackendConfig(name=n, models=["demo-model"], profile="demo",
+                                                           speed=20.0) for n in ("s1", "s2")])
     cfg = gateway_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()],
                          routing={"policy": "least_requests"})
     try:
@@ -57,7 +57,7 @@ async def test_openai_sdk_async_stream_and_non_stream(demo_gateway):
             await client.chat.completions.create(model="no-such-model", messages=MESSAGES)
         assert e.value.body["code"] == "model_not_found"
     assert demo_gateway.metric("turbo_gateway_completion_tokens_total", model="demo-model") == 5 + 4 + 3 + 3
-    assert demo_gateway.in_flight("s1") == demo_gateway.in_flight("s2") == 0
+    assert demo_gateway.idle("s1") and demo_gateway.idle("s2")
 
 
 def _sync_calls(base_url: str) -> tuple[str, object, str]:
@@ -111,7 +111,7 @@ async def test_client_errors_are_openai_shaped(data, headers, status, code):
             assert hdrs["Content-Type"].startswith("application/json")
             assert "x-request-id" in hdrs
             assert be.bodies == []  # nothing reached the backend
-            assert gw.in_flight("b") == 0
+            assert gw.idle("b")
 
 
 async def test_oversized_body_without_content_length_is_413():

@@ -43,7 +43,7 @@ async def test_refused_backend_is_retried_elsewhere():
                 assert headers["x-turbo-backend"] == "good"
             assert gw.metric("turbo_gateway_retries_total", reason="connect") >= 1
             assert gw.metric("turbo_gateway_upstream_errors_total", backend="dead", reason="connect") >= 1
-            assert gw.in_flight("dead") == 0 and gw.in_flight("good") == 0
+            assert gw.idle("dead") and gw.idle("good")
 
 
 async def test_429_retry_after_is_honoured():
@@ -61,7 +61,7 @@ async def test_429_retry_after_is_honoured():
             assert len(be.attempt_times) == 2
             assert be.attempt_times[1] - be.attempt_times[0] >= 1.0
             assert gw.metric("turbo_gateway_retries_total", reason="status_429") == 1
-            assert gw.in_flight("only") == 0
+            assert gw.idle("only")
 
 
 async def test_429_exhausted_is_relayed_with_retry_after():
@@ -78,7 +78,7 @@ async def test_429_exhausted_is_relayed_with_retry_after():
             assert headers["Retry-After"] == "30"
             assert orjson.loads(body)["error"]["message"] == "busy"
             assert len(be.attempt_times) == 1
-            assert gw.in_flight("only") == 0
+            assert gw.idle("only")
 
 
 async def test_failure_after_first_bytes_ends_stream_with_error_event():
@@ -108,7 +108,7 @@ async def test_failure_after_first_bytes_ends_stream_with_error_event():
             assert err["error"]["code"] == "disconnected"
             assert b"[DONE]" not in body
             assert len(be.attempt_times) == 1  # never retried after bytes reached the client
-            assert gw.in_flight("flaky") == 0
+            assert gw.idle("flaky")
             assert gw.metric("turbo_gateway_stream_errors_total", backend="flaky", reason="disconnected") == 1
 
 
@@ -134,7 +134,7 @@ async def test_client_disconnect_cancels_upstream():
                     await r.content.readany()
                     r.close()  # the client goes away mid-stream
             await asyncio.wait_for(be.disconnected.wait(), 10)
-            await wait_until(lambda: gw.in_flight("long") == 0)
+            await wait_until(lambda: gw.idle("long"))
             await wait_until(lambda: gw.metric("turbo_gateway_client_disconnects_total", backend="long") == 1)
 
 
@@ -159,7 +159,7 @@ async def test_client_disconnect_before_first_token_cancels_upstream():
                 with pytest.raises(asyncio.CancelledError):
                     await task
             await asyncio.wait_for(be.disconnected.wait(), 10)
-            await wait_until(lambda: gw.in_flight("slow") == 0)
+            await wait_until(lambda: gw.idle("slow"))
 
 
 # SSE events cut at awkward offsets: inside the JSON, inside a multi-byte UTF-8
@@ -193,7 +193,7 @@ async def test_sse_split_at_arbitrary_offsets_is_relayed_byte_exact():
             status, _, body = await post(gw.url, {**CHAT, "stream": True})
             assert status == 200
             assert body == events
-            assert gw.in_flight("split") == 0
+            assert gw.idle("split")
 
 
 async def test_unknown_fields_pass_through_untouched():
@@ -265,7 +265,7 @@ async def test_first_token_timeout_retries_elsewhere_and_idle_timeout_ends_strea
             assert status == 200
             assert body.startswith(sse_chunk(0, "a"))
             assert orjson.loads(body[len(sse_chunk(0, "a")) + 6:])["error"]["code"] == "idle_timeout"
-            assert gw.in_flight("stall") == 0
+            assert gw.idle("stall")
 
 
 async def test_all_backends_down_is_502_with_openai_error():
@@ -278,4 +278,4 @@ async def test_all_backends_down_is_502_with_openai_error():
         err = orjson.loads(body)["error"]
         assert err["code"] == "connect" and err["type"] == "server_error"
         assert "x-request-id" in headers
-        assert gw.in_flight("x") == 0 and gw.in_flight("y") == 0
+        assert gw.idle("x") and gw.idle("y")

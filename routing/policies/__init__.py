@@ -91,11 +91,15 @@ class BasePolicy:
 
 
 def _registry() -> dict[str, Callable[[], Policy]]:
+    from routing.policies.cache_aware import CacheAware, CacheAwareMinLoad
     from routing.policies.estimated_ttft import EstimatedTTFT
     from routing.policies.least_requests import LeastRequests
+    from routing.policies.power_of_two import PowerOfTwo
+    from routing.policies.prefix_hash import PrefixHash
     from routing.policies.round_robin import RoundRobin
 
-    return {p.name: p for p in (RoundRobin, LeastRequests, EstimatedTTFT)}
+    return {p.name: p for p in (RoundRobin, LeastRequests, PowerOfTwo, PrefixHash, CacheAware, CacheAwareMinLoad,
+                                       EstimatedTTFT)}
 
 
 POLICIES: dict[str, Callable[[], Policy]] = _registry()
