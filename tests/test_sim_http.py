@@ -429,3 +429,16 @@ def test_fleet_cli_starts_six_backends_and_writes_gateway_config(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, proc.stderr.read().decode()
+
+
+def test_calibration_bench_matches_the_profile_in_virtual_time():
+    from loadtest.sim.calibrate import bench
+    from loadtest.sim.profiles import get_profile
+    p = get_profile("a100-llama3-8b")
+    r = bench("a100-llama3-8b", 1, num_prompts=2)
+    assert r["requests"] == 2
+    # batch-1 decode step = overhead + one sequence's GEMM + its KV read (context ~1024..1152)
+    lo = p.step_overhead_s + p.decode_s_per_seq + 1024 * p.kv_read_s_per_token
+    hi = p.step_overhead_s + p.decode_s_per_seq + 1152 * p.kv_read_s_per_token
+    assert lo <= r["tpot_s"] <= hi
+    assert bench("a100-llama3-8b", 8, num_prompts=16)["output_tok_per_s"] > 4 * r["output_tok_per_s"]

@@ -1,10 +1,13 @@
-"""``python -m loadtest.sim``: start simulated backends on loopback ports.
+"""``python -m loadtest.sim``: start simulated vLLM-like backends on loopback ports.
 
-    python -m loadtest.sim --spec '[{"name": "sim-a", "models": ["demo-model"]}]'
+    python -m loadtest.sim --spec '[{"name": "sim-a", "models": ["demo-model"], "profile": "demo"}]'
+    python -m loadtest.sim --fleet loadtest/fleets/hetero6.yaml --write-gateway-config /tmp/gw.yaml
 
-prints one JSON line ``{"sim-a": "http://127.0.0.1:PORT", ...}`` once every backend
-listens, then serves until SIGINT/SIGTERM, or until standard input closes when
-``--exit-on-stdin-eof`` is given (how the gateway ties a demo fleet to its own life).
+Prints one JSON line ``{"sim-a": "http://127.0.0.1:PORT", ...}`` on standard output once
+every backend listens (a human-readable table goes to standard error), then serves until
+SIGINT/SIGTERM, or until standard input closes when ``--exit-on-stdin-eof`` is given
+(how the gateway ties a demo fleet to its own life). ``--spec`` entries and fleet-file
+backends take the fields of :class:`loadtest.sim.server.SimBackendConfig`.
 """
 
 from __future__ import annotations
@@ -14,50 +17,99 @@ import asyncio
 import json
 import signal
 import sys
+import threading
+from pathlib import Path
 
-from loadtest.sim.server import SimBackendConfig, start_backends
+from loadtest.sim.fleet import Fleet, dump_gateway_config, gateway_config, load_fleet
+from loadtest.sim.server import SimBackend, SimBackendConfig, start_backends
 
 
-async def _serve(configs: list[SimBackendConfig], exit_on_eof: bool) -> None:
-    runners, urls = await start_backends(configs)
+async def _serve(configs: list[SimBackendConfig], exit_on_eof: bool, fleet: Fleet | None,
+                 write_config: str | None) -> None:
+    backends, urls = await start_backends(configs)
+    if fleet is not None and write_config:
+        header = ("# Written by `python -m loadtest.sim --fleet`: the gateway config fronting that\n"
+                  "# simulated fleet. Valid while that process runs.\n")
+        Path(write_config).write_text(dump_gateway_config(gateway_config(fleet, urls), header), encoding="utf-8")
     print(json.dumps(urls), flush=True)
+    _describe(backends, fleet, write_config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if exit_on_eof:
-        reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-
-        async def watch() -> None:
-            while await reader.read(4096):
+        # A daemon thread, not connect_read_pipe: works for pipes, files and /dev/null
+        # alike (uvloop aborts on a non-pipe stdin) and never blocks the exit.
+        def watch() -> None:
+            try:
+                while sys.stdin.buffer.read1(4096):
+                    pass
+            except (OSError, ValueError):
                 pass
-            stop.set()
+            loop.call_soon_threadsafe(stop.set)
 
-        watcher = asyncio.create_task(watch())
+        threading.Thread(target=watch, name="stdin-eof", daemon=True).start()
     await stop.wait()
-    if exit_on_eof:
-        watcher.cancel()
-    for r in runners:
-        await r.cleanup()
+    for b in backends:
+        await b.cleanup()
+
+
+def _describe(backends: list[SimBackend], fleet: Fleet | None, write_config: str | None) -> None:
+    pools = {b.sim.name: b.pool for b in fleet.backends} if fleet else {}
+    for b in backends:
+        print(f"  {b.cfg.name:<16} {b.url:<24} profile={b.profile.name} role={b.role} "
+              f"pool={pools.get(b.cfg.name, '-')} speed={b.cfg.speed:g}", file=sys.stderr)
+    if write_config:
+        print(f"gateway config written to {write_config}: python -m gateway --config {write_config}",
+              file=sys.stderr)
+    sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.sim", description=__doc__.split("\n")[0])
-    ap.add_argument("--spec", required=True, help="JSON list of backend objects (name, models, timing fields)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--spec", help="JSON list of backend objects (SimBackendConfig fields)")
+    src.add_argument("--fleet", help="fleet YAML file (see loadtest/fleets/)")
+    ap.add_argument("--write-gateway-config", metavar="OUT.yaml",
+                    help="with --fleet: write a gateway config fronting the fleet")
+    ap.add_argument("--speed", type=float, help="override every backend's speed factor")
     ap.add_argument("--exit-on-stdin-eof", action="store_true")
+    ap.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                    help="event loop (auto: uvloop when installed)")
     args = ap.parse_args(argv)
+    if args.write_gateway_config and not args.fleet:
+        ap.error("--write-gateway-config needs --fleet")
+    if args.speed is not None and args.speed <= 0:
+        ap.error("--speed must be > 0")
+    fleet = None
     try:
-        configs = [SimBackendConfig(**b) for b in json.loads(args.spec)]
+        if args.fleet:
+            fleet = load_fleet(args.fleet)
+            configs = [b.sim for b in fleet.backends]
+        else:
+            spec = json.loads(args.spec)
+            if not isinstance(spec, list):
+                raise ValueError("--spec must be a JSON list of backend objects")
+            configs = [SimBackendConfig.from_dict(b) for b in spec]
+        if args.speed is not None:
+            for c in configs:
+                c.speed = args.speed
     except (ValueError, TypeError) as e:
-        print(f"python -m loadtest.sim: invalid --spec: {e}", file=sys.stderr)
+        print(f"python -m loadtest.sim: invalid {'--fleet' if args.fleet else '--spec'}: {e}", file=sys.stderr)
         return 2
+    run = asyncio.run
+    if args.loop != "asyncio":
+        try:
+            import uvloop
+            run = uvloop.run
+        except ImportError:
+            if args.loop == "uvloop":
+                raise
     try:
-        import uvloop
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
-    run(_serve(configs, args.exit_on_stdin_eof))
+        run(_serve(configs, args.exit_on_stdin_eof, fleet, args.write_gateway_config))
+    except OSError as e:
+        print(f"python -m loadtest.sim: cannot listen: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

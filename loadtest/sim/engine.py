@@ -86,9 +86,11 @@ https://docs.vllm.ai/en/latest/design/prefix_caching/)
 Disaggregated prefill/decode (emulates vLLM's NixlConnector flow)
 -----------------------------------------------------------------
 * ``prefill_only=True`` (``kv_transfer_params.do_remote_decode``): the request generates
-  one token and finishes; its output carries ``kv_transfer_params`` with
-  ``do_remote_prefill=True``, ``remote_engine_id``, ``remote_block_ids``,
-  ``remote_block_hashes`` (hex) and ``num_tokens``; the server adds host and port. Its
+  one token and finishes; its output carries ``kv_transfer_params`` shaped like vLLM
+  NixlConnector's (``do_remote_prefill=True``, ``do_remote_decode=False``,
+  ``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``, ``tp_size``,
+  ``remote_num_tokens``) plus ``remote_block_hashes`` (hex) and ``num_tokens``; the
+  server fills in ``remote_host`` and ``remote_port``. Its
   blocks are freed at once but stay in the prefix cache until evicted.
 * ``remote_prefill_tokens=N`` (``do_remote_prefill``): on admission, local prefix hits
   are used first; the other ``min(N, prompt_len - 1) - hits`` tokens arrive over the
@@ -670,14 +672,21 @@ class Engine:
 
     def _kv_transfer_params(self, req: Request) -> dict:
         n_full = req.prompt_len // self.block_size
+        # Keys as vLLM's NixlConnector.request_finished returns them (do_remote_prefill,
+        # do_remote_decode, remote_block_ids, remote_engine_id, remote_request_id,
+        # remote_host, remote_port, tp_size, remote_num_tokens), plus the emulator's
+        # remote_block_hashes and num_tokens.
         return {
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
+            "remote_request_id": req.req_id,
             "remote_block_ids": list(req.blocks),
             "remote_block_hashes": [f"{h:016x}" for h in self._hashes(req, n_full)],
             "remote_host": None,
             "remote_port": None,
+            "tp_size": 1,
+            "remote_num_tokens": req.prompt_len,
             "num_tokens": req.prompt_len,
         }
 
@@ -731,7 +740,8 @@ class AsyncEngineRunner:
       exceeded its emulated duration. ``stats()`` summarizes both (count, mean, max,
       p50, p99 over the last 4096 steps), plus ``late_steps`` (overrun > 1 ms).
 
-    Use ``async with runner:`` (or ``start()`` / ``stop()``), then::
+    Use ``async with runner:`` (or ``start()`` / ``stop()``), then either
+    ``submit()`` (eager validation, returns a :class:`RequestStream`) or::
 
         async with contextlib.aclosing(runner.generate(rid, ids, 64)) as stream:
             async for out in stream:        # RequestOutput per step with a token
@@ -785,6 +795,27 @@ class AsyncEngineRunner:
             "late_steps": self.late_steps,
         }
 
+    def submit(
+        self, req_id: str, prompt_token_ids: list[int], max_tokens: int, **kw
+    ) -> "RequestStream":
+        """Add a request now and return its :class:`RequestStream`.
+
+        Unlike :meth:`generate`, validation errors (``ValueError`` from
+        :meth:`Engine.add_request`) are raised here, before the caller has sent anything,
+        and the request is in the engine as soon as this returns. The caller must close
+        the stream (``async with`` or ``close()``) or consume it to the end; closing it
+        early aborts the request (its KV blocks are freed at once).
+        """
+        if self._task is None:
+            raise RuntimeError("runner not started")
+        loop = asyncio.get_running_loop()
+        self.engine.add_request(req_id, prompt_token_ids, max_tokens,
+                                arrival_time=loop.time(), **kw)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req_id] = q
+        self._wake.set()
+        return RequestStream(self, req_id, q)
+
     async def generate(
         self, req_id: str, prompt_token_ids: list[int], max_tokens: int, **kw
     ) -> AsyncIterator[RequestOutput]:
@@ -794,29 +825,10 @@ class AsyncEngineRunner:
         ``remote_prefill_tokens``, ``output_tokens``, ``seed``). Raises ValueError
         from ``add_request`` before yielding anything.
         """
-        if self._task is None:
-            raise RuntimeError("runner not started")
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self.engine.add_request(req_id, prompt_token_ids, max_tokens,
-                                arrival_time=loop.time(), **kw)
-        self._queues[req_id] = q
-        self._wake.set()
-        done = False
-        try:
-            while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out.finished:
-                    done = True
+        stream = self.submit(req_id, prompt_token_ids, max_tokens, **kw)
+        with stream:
+            async for out in stream:
                 yield out
-                if done:
-                    return
-        finally:
-            self._queues.pop(req_id, None)
-            if not done:
-                self.engine.abort(req_id)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -866,3 +878,78 @@ class AsyncEngineRunner:
             # wake-up delays do not accumulate into a slower emulated GPU; a large one
             # (> max_catchup_s) is accepted as lost time instead of bursting to catch up.
             now = target if late <= catchup else t
+
+
+class RequestStream:
+    """The outputs of one submitted request (see :meth:`AsyncEngineRunner.submit`).
+
+    Async-iterate it for one :class:`RequestOutput` per step that produced a token;
+    :meth:`ready` returns the outputs already delivered without waiting (lets a server
+    coalesce several tokens into one write when it falls behind). Use it as a context
+    manager (sync or async): leaving the block before the request finished aborts it.
+    Cancelling a consumer blocked in ``__anext__`` aborts it too.
+    """
+
+    __slots__ = ("_runner", "req_id", "_q", "_done")
+
+    def __init__(self, runner: AsyncEngineRunner, req_id: str, q: asyncio.Queue):
+        self._runner = runner
+        self.req_id = req_id
+        self._q = q
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._q.get()
+        except BaseException:
+            self.close()
+            raise
+        return self._take(out)
+
+    def _take(self, out) -> RequestOutput:
+        if isinstance(out, BaseException):
+            self.close()
+            raise out
+        if out.finished:
+            self._done = True
+            self._runner._queues.pop(self.req_id, None)
+        return out
+
+    def ready(self) -> list[RequestOutput]:
+        """Outputs already delivered (possibly none), without waiting."""
+        out = []
+        q = self._q
+        while not self._done and not q.empty():
+            out.append(self._take(q.get_nowait()))
+        return out
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def close(self) -> None:
+        """Abort the request if it has not finished (idempotent)."""
+        if not self._done:
+            self._done = True
+            self._runner._queues.pop(self.req_id, None)
+            self._runner.engine.abort(self.req_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()

@@ -38,7 +38,8 @@ How the coefficients are set (roofline, one efficiency figure per regime):
   https://github.com/vllm-project/vllm/blob/main/vllm/engine/arg_utils.py).
   block_size = 16 is vLLM's default for CUDA.
 
-Profiles: ``h100-llama3-8b``, ``a10g-llama3-8b``, ``h100-llama3-8b-prefill``
+Profiles: ``h100-llama3-8b``, ``a10g-llama3-8b``, ``a100-llama3-8b`` (calibration
+reference), ``h100-llama3-8b-prefill``
 (prefill-optimized), ``h200-llama3-8b-decode`` (decode-optimized), ``demo`` (fast,
 uncalibrated). Look one up with :func:`get_profile`; derive new ones with
 :func:`derive_profile` or ``dataclasses.replace``.
@@ -118,6 +119,15 @@ A10G = Hardware(
     # tensor, https://www.nucleusbox.com/choose-gpu-for-llms-t4-a10-a100); we use 70 TFLOPS
     # dense FP16/BF16 tensor for the A10G (Baseten's spec table).
     bf16_dense_flops=70e12,
+)
+
+A100_SXM_40GB = Hardware(
+    name="A100-SXM4-40GB",
+    # NVIDIA A100 datasheet: 40 GB HBM2, 1,555 GB/s, BF16 tensor 312 TFLOPS (dense).
+    # The card the MEM_EFFICIENCY measurement below was taken on.
+    hbm_bytes=40e9,
+    hbm_bandwidth_bytes_per_s=1.555e12,
+    bf16_dense_flops=312e12,
 )
 
 LLAMA3_8B = ModelSpec(
@@ -275,6 +285,22 @@ A10G_LLAMA3_8B = _register(
         activation_reserve_bytes=1.5 * GiB,
         link_bandwidth_bytes_per_s=ETHERNET_100G_BYTES_PER_S,
         source="roofline from A10G spec (Baseten) + measured 77% HBM efficiency; see module doc",
+    )
+)
+
+# A100-40GB + Llama-3.1-8B: the configuration of the published sweep MEM_EFFICIENCY
+# comes from (johnmusgrave.com, vLLM 0.23, 1024 in / 128 out, --ignore-eos), kept as a
+# calibration reference (loadtest/README.md). vLLM defaults for < 70 GiB (2048 / 256).
+# step_overhead 13.4 ms (~75 tok/s single stream), prefill 103 us/token.
+A100_LLAMA3_8B = _register(
+    derive_profile(
+        "a100-llama3-8b",
+        A100_SXM_40GB,
+        LLAMA3_8B,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        activation_reserve_bytes=1.5 * GiB,
+        source="roofline from A100 datasheet + measured 77% HBM efficiency (same run); see module doc",
     )
 )
 

@@ -1,20 +1,45 @@
-"""A simulated OpenAI-compatible inference server (aiohttp), for demos and tests.
+"""A simulated vLLM-like inference server (aiohttp) on top of the engine model.
 
-It answers ``/v1/chat/completions`` and ``/v1/completions`` (streamed as SSE or not,
-with ``usage``, also as a final chunk when ``stream_options.include_usage`` is true),
-``/v1/models``, ``/health`` and ``/metrics``. Timing: the first token arrives after
-``ttft_base_s + prefill_s_per_token * prompt_tokens`` seconds, then one token every
-``itl_s`` seconds. A "token" here is 4 bytes of prompt text (rounded up), the usual
-rule of thumb for English BPE vocabularies (OpenAI tokenizer docs: "one token
-generally corresponds to ~4 characters of text").
+One :class:`SimBackend` = one emulated engine (:class:`loadtest.sim.engine.Engine`
+driven in real time by :class:`~loadtest.sim.engine.AsyncEngineRunner`) behind an
+HTTP server on its own loopback port. It speaks only HTTP; the gateway never imports it.
 
-The server speaks only HTTP; the gateway never imports it.
+Endpoints (shapes follow vLLM's OpenAI server)
+----------------------------------------------
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not.
+  Chat messages are rendered with a ChatML template (:func:`render_chat`) and
+  tokenized with :mod:`loadtest.sim.tokenizer`; ``prompt`` may be a string, a list of
+  token ids, or a one-element list of either. ``usage`` carries
+  ``prompt_tokens_details.cached_tokens`` (prefix-cache hits, as vLLM reports them);
+  with ``stream_options.include_usage`` a final ``choices: []`` chunk carries it
+  (``continuous_usage_stats`` puts running usage on every chunk). ``max_tokens`` /
+  ``max_completion_tokens`` (default: the rest of ``max_model_len``, as vLLM),
+  ``ignore_eos``, ``min_tokens``, ``seed``. A chat stream starts with a role-only chunk
+  (``delta: {"role": "assistant", "content": ""}``) as vLLM's does; every generated
+  token is one chunk and one whitespace-separated word.
+* ``kv_transfer_params`` (disaggregated prefill/decode, vLLM's NixlConnector flow):
+  ``{"do_remote_decode": true}`` on a ``prefill``/``mixed`` backend runs the prompt, one
+  token, and returns top-level ``kv_transfer_params`` (``do_remote_prefill``,
+  ``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``, ``remote_host``,
+  ``remote_port``, ``tp_size``, ``remote_num_tokens``, ...); sending those to a
+  ``decode``/``mixed`` backend charges the KV transfer time (bytes over the profile's
+  link bandwidth) instead of recomputing the prompt.
+* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /reset_prefix_cache``.
+* ``GET /metrics``: Prometheus text with vLLM's names and types (one registry per
+  backend), plus ``sim:*`` metrics of the emulator itself.
+* Admin: ``GET /admin/faults`` (current faults), ``POST /admin/faults`` (replace them;
+  body = :class:`FaultConfig` fields, ``{}`` clears), ``POST /admin/crash``
+  (``{"down_s": T}``), ``GET /admin/stats`` (engine + emulator health as JSON).
+
+Client disconnect aborts the request in the engine (its KV blocks are freed at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,165 +47,879 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-BYTES_PER_TOKEN = 4
+from loadtest.sim import tokenizer
+from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, _Stat
+from loadtest.sim.profiles import Profile, get_profile
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+# --- configuration --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class FaultConfig:
+    """Faults injected into ``/v1/*completions`` requests (never into admin, metrics or
+    health). Rates are probabilities per request, drawn independently in this order:
+    ``stall_s`` (always, when > 0), then ``hang_rate``, ``error_rate``,
+    ``rate_limit_rate``. Times in seconds.
+
+    - ``stall_s``: wait this long before the first byte (before the status line).
+    - ``hang_rate``: accept the request and never answer (until the client goes away).
+    - ``error_rate`` / ``error_status``: answer with this HTTP status and an
+      OpenAI-shaped error body.
+    - ``rate_limit_rate`` / ``retry_after_s``: answer 429 with ``Retry-After``.
+    - ``close_after_chunks``: close the connection after this many SSE chunks of a
+      stream (no ``[DONE]``, truncated chunked body); a non-streamed request gets its
+      connection closed with no answer once that many tokens were generated.
+    - ``drip_s``: extra delay before every SSE chunk (a slow link); a non-streamed
+      answer is delayed by ``drip_s`` per token.
+    - ``crash_after_s`` / ``crash_down_s`` / ``crash_every_s``: crash (drop every
+      connection, stop listening, lose the engine's state) ``crash_after_s`` after the
+      faults are set, come back on the same port ``crash_down_s`` later with a cold
+      engine, and repeat every ``crash_every_s`` if set.
+    - ``seed``: seed of the fault draws (reproducible runs).
+    """
+
+    stall_s: float = 0.0
+    hang_rate: float = 0.0
+    error_rate: float = 0.0
+    error_status: int = 500
+    rate_limit_rate: float = 0.0
+    retry_after_s: float = 1.0
+    close_after_chunks: int | None = None
+    drip_s: float = 0.0
+    crash_after_s: float | None = None
+    crash_down_s: float = 1.0
+    crash_every_s: float | None = None
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "FaultConfig":
+        """Validate ``d``; raises ValueError naming the bad field."""
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown fault field(s) {unknown}; known: {sorted(names)}")
+        fc = cls(**d)
+        for k in ("hang_rate", "error_rate", "rate_limit_rate"):
+            v = getattr(fc, k)
+            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"faults.{k} must be a number in [0, 1], got {v!r}")
+        for k in ("stall_s", "drip_s", "retry_after_s", "crash_down_s"):
+            v = getattr(fc, k)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"faults.{k} must be a number >= 0, got {v!r}")
+        for k in ("crash_after_s", "crash_every_s"):
+            v = getattr(fc, k)
+            if v is not None and (not isinstance(v, (int, float)) or v < 0):
+                raise ValueError(f"faults.{k} must be null or a number >= 0, got {v!r}")
+        if not isinstance(fc.error_status, int) or not 400 <= fc.error_status <= 599:
+            raise ValueError(f"faults.error_status must be an HTTP error status, got {fc.error_status!r}")
+        if fc.close_after_chunks is not None and (not isinstance(fc.close_after_chunks, int)
+                                                  or fc.close_after_chunks < 0):
+            raise ValueError("faults.close_after_chunks must be null or an integer >= 0")
+        return fc
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(slots=True)
 class SimBackendConfig:
-    """One simulated backend. Times in seconds; ``port`` 0 picks a free port."""
+    """One simulated backend (the ``--spec`` / fleet-file fields).
+
+    - ``name``, ``models``: served model ids (the first is the ``model_name`` label).
+    - ``profile``: a name from :data:`loadtest.sim.profiles.PROFILES`;
+      ``profile_overrides``: Profile fields to change (e.g. ``{"num_gpu_blocks": 256}``).
+    - ``speed``: run the emulated GPU this many times faster than real time.
+    - ``role``: ``mixed`` | ``prefill`` | ``decode`` (default: the profile's role).
+      ``prefill``/``mixed`` honour ``kv_transfer_params.do_remote_decode``,
+      ``decode``/``mixed`` honour ``do_remote_prefill``; other flags are ignored.
+    - ``eos_after``: natural output length in tokens when the request does not set
+      ``ignore_eos``: an int, or ``[lo, hi]`` for a per-prompt deterministic length in
+      that range; ``None`` (default) means generate up to ``max_tokens``.
+    - ``max_tokens_default``: ``max_tokens`` when the request gives none (default: the
+      rest of ``max_model_len``, as vLLM).
+    - ``faults``: a :class:`FaultConfig` (or its dict).
+    - ``host``, ``port``: where to listen (``port`` 0 picks a free port).
+    """
 
     name: str
     models: list[str] = field(default_factory=lambda: ["demo-model"])
-    ttft_base_s: float = 0.02
-    prefill_s_per_token: float = 0.00002
-    itl_s: float = 0.01
-    max_tokens_default: int = 64
+    profile: str = "demo"
+    profile_overrides: dict[str, Any] = field(default_factory=dict)
+    speed: float = 1.0
+    role: str | None = None
+    eos_after: int | list[int] | None = None
+    max_tokens_default: int | None = None
+    faults: FaultConfig | dict[str, Any] = field(default_factory=FaultConfig)
     host: str = "127.0.0.1"
     port: int = 0
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SimBackendConfig":
+        """Validate one spec entry; raises ValueError naming the bad field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a backend spec must be an object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"backend {d.get('name')!r}: unknown field(s) {unknown}; known: {sorted(names)}")
+        if "name" not in d:
+            raise ValueError("a backend spec needs a `name`")
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
 
-def count_prompt_tokens(data: dict[str, Any]) -> int:
-    """Prompt length in simulator tokens (4 bytes each, at least 1)."""
-    n = 0
-    if "messages" in data:
-        for m in data.get("messages") or []:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                n += len(c.encode())
-            elif isinstance(c, list):
-                n += sum(len(p.get("text", "").encode()) for p in c if isinstance(p, dict))
-    else:
-        p = data.get("prompt")
-        if isinstance(p, str):
-            n += len(p.encode())
-        elif isinstance(p, list):
-            n += sum(len(x.encode()) if isinstance(x, str) else BYTES_PER_TOKEN for x in p)
-    return max(1, -(-n // BYTES_PER_TOKEN))
+    def validate(self) -> None:
+        if isinstance(self.faults, dict):
+            self.faults = FaultConfig.from_dict(self.faults)
+        if not self.models or not all(isinstance(m, str) for m in self.models):
+            raise ValueError(f"backend {self.name!r}: `models` must be a non-empty list of strings")
+        if not isinstance(self.speed, (int, float)) or self.speed <= 0:
+            raise ValueError(f"backend {self.name!r}: `speed` must be > 0")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"backend {self.name!r}: `role` must be one of {ROLES}")
+        e = self.eos_after
+        if e is not None and not (isinstance(e, int) and e >= 1) and not (
+                isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) and x >= 1 for x in e)
+                and e[0] <= e[1]):
+            raise ValueError(f"backend {self.name!r}: `eos_after` must be null, an int >= 1 or [lo, hi]")
+        self.build_profile()  # raises KeyError/TypeError for a bad profile
+
+    def build_profile(self) -> Profile:
+        try:
+            return get_profile(self.profile, **self.profile_overrides)
+        except KeyError as e:
+            raise ValueError(f"backend {self.name!r}: {e.args[0]}") from None
+        except TypeError as e:
+            raise ValueError(f"backend {self.name!r}: bad profile_overrides: {e}") from None
 
 
-def _word(i: int) -> str:
-    return ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")[i % 8] + " "
+# --- prompt rendering -----------------------------------------------------------------
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict):
+                if isinstance(p.get("text"), str):
+                    parts.append(p["text"])
+                elif p.get("type") in ("image_url", "input_image", "image"):
+                    parts.append("<image>")
+                elif p.get("type") == "input_audio":
+                    parts.append("<audio>")
+            elif isinstance(p, str):
+                parts.append(p)
+        return "".join(parts)
+    return "" if content is None else str(content)
+
+
+def render_chat(messages: list[Any], tools: Any = None) -> str:
+    """ChatML rendering of chat messages, ending with the assistant header::
+
+        <|im_start|>system\\nYou are...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
+    """
+    out = []
+    if tools:
+        out.append("<|im_start|>system\n# Tools\n" + orjson.dumps(tools).decode() + "<|im_end|>\n")
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        text = _content_text(m.get("content"))
+        if m.get("tool_calls"):
+            text += orjson.dumps(m["tool_calls"]).decode()
+        out.append(f"<|im_start|>{m.get('role', 'user')}\n{text}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+def prompt_token_ids(data: dict[str, Any], chat: bool) -> list[int]:
+    """Token ids of the request's prompt. Raises :class:`BadRequest`."""
+    if chat:
+        msgs = data.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("`messages` must be a non-empty list", "messages")
+        return tokenizer.tokenize(render_chat(msgs, data.get("tools")))
+    p = data.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        return tokenizer.tokenize(p)
+    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return list(p)
+    if isinstance(p, list) and len(p) > 1:
+        raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)",
+                         "prompt")
+    raise BadRequest("`prompt` must be a string or a list of token ids", "prompt")
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+# Buckets as in vLLM's V1 Prometheus logger (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class _Metrics:
+    """The Prometheus registry of one backend (rebuilt when the backend restarts,
+    as a real server's counters restart from zero)."""
+
+    def __init__(self, backend: "SimBackend"):
+        self.backend = backend
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "engine"]
+        self.labels = {"model_name": backend.cfg.models[0], "engine": "0"}
+        r = self.registry
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**self.labels)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS)
+        self.tpot = hist("vllm:time_per_output_token_seconds",
+                         "Histogram of time per output token in seconds (per request mean).", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds",
+                          "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds",
+                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds",
+                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                               TOKEN_BUCKETS)
+        self.req_gen = hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                            TOKEN_BUCKETS)
+        r.register(_EngineCollector(backend, self.labels))
+
+    def pump(self) -> None:
+        """Move the engine's latency samples into the histograms."""
+        s = self.backend.engine.pop_samples()
+        for x in s["ttft_s"]:
+            self.ttft.observe(x)
+        for x in s["itl_s"]:
+            self.itl.observe(x)
+        for x in s["e2e_s"]:
+            self.e2e.observe(x)
+        for x in s["queue_s"]:
+            self.queue.observe(x)
+        for x in s["prefill_s"]:
+            self.prefill.observe(x)
+        for x in s["decode_s"]:
+            self.decode.observe(x)
+        for dec, n in zip(s["decode_s"], s["generation_tokens"]):
+            if n > 1:
+                self.tpot.observe(dec / (n - 1))
+        for x in s["prompt_tokens"]:
+            self.req_prompt.observe(x)
+        for x in s["generation_tokens"]:
+            self.req_gen.observe(x)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine at scrape time."""
+
+    def __init__(self, backend: "SimBackend", labels: dict[str, str]):
+        self.backend = backend
+        self.labels = labels
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        b = self.backend
+        e = b.engine
+        ln, lv = list(self.labels), list(self.labels.values())
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=ln)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=ln)
+            c.add_metric(lv, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    e.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_cache_usage)
+        yield gauge("vllm:gpu_cache_usage_perc",
+                    "GPU KV-cache usage. 1 means 100 percent usage (deprecated name of kv_cache_usage_perc).",
+                    e.kv_cache_usage)
+        p = e.profile
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching",
+                                         "gpu_memory_utilization", "engine"])
+        info.add_metric([str(p.block_size), str(p.num_gpu_blocks), "auto", "True", "0.9", "0"], 1.0)
+        yield info
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      e.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      e.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      e.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                      e.generation_tokens_total)
+        rs = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                 labels=ln + ["finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            rs.add_metric(lv + [reason], e.request_success.get(reason, 0))
+        yield rs
+        # The emulator's own health and extras.
+        yield counter("sim:kv_transfer_tokens", "Prompt tokens received over the KV-transfer link.",
+                      e.kv_transfer_tokens_total)
+        yield counter("sim:kv_evictions", "Cached KV blocks evicted (hash dropped on reuse).", e.kv.num_evictions)
+        yield counter("sim:engine_busy_seconds", "Sum of engine step durations (wall seconds).", e.busy_s_total)
+        st = b.runner.overrun.summary()
+        yield gauge("sim:step_overrun_p99_seconds",
+                    "p99 over the last 4096 steps of how late a step's outputs were delivered.", st["p99"])
+        yield gauge("sim:step_overrun_max_seconds", "Largest step delivery delay since start.", st["max"])
+        yield counter("sim:late_steps", "Steps delivered more than 1 ms late.", b.runner.late_steps)
+        fi = CounterMetricFamily("sim:faults_injected", "Faults injected, by kind.", labels=ln + ["fault"])
+        for k, v in sorted(b.faults_injected.items()):
+            fi.add_metric(lv + [k], v)
+        yield fi
+        yield counter("sim:crashes", "Emulated crashes (the server stopped listening).", b.crashes)
+        lag = LOOP_LAG.lag.summary()
+        yield gauge("sim:event_loop_lag_p99_seconds",
+                    "p99 over the last 4096 samples of the emulator process's event-loop lag.", lag["p99"])
+        yield gauge("sim:event_loop_lag_max_seconds", "Largest event-loop lag of the emulator process.",
+                    lag["max"])
+
+
+# --- emulator health -------------------------------------------------------------------
+
+
+class LoopLagMonitor:
+    """Event-loop lag of this process: a task sleeps ``interval_s`` and records how
+    much later than asked it woke up (seconds). One per process; every backend's
+    ``/admin/stats`` and ``sim:event_loop_lag_*`` report it."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self.interval_s = interval_s
+        self.lag = _Stat()
+        self._task: asyncio.Task | None = None
+        self._users = 0
+
+    def acquire(self) -> None:
+        self._users += 1
+        if self._task is None or self._task.done():
+            self.lag = _Stat()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users <= 0 and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.lag.add(max(0.0, loop.time() - t - self.interval_s))
+
+
+LOOP_LAG = LoopLagMonitor()
+
+
+# --- the backend ------------------------------------------------------------------------
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _dumps(o: Any) -> str:
+    return orjson.dumps(o).decode()
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-shaped error (``{"error": {message, type, param, code}}``)."""
+    etype = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(
+        status, "InternalServerError" if status >= 500 else "BadRequestError")
+    body = {"error": {"message": message, "type": etype, "param": param, "code": status}}
+    return web.json_response(body, status=status, headers=headers, dumps=_dumps)
 
 
 class SimBackend:
-    """State and handlers of one simulated backend."""
+    """One simulated backend: engine, runner, metrics, faults and its HTTP server.
+
+    ``await start()`` listens (``url`` is then set); ``await cleanup()`` stops it;
+    ``await crash(down_s)`` emulates a crash and restart on the same port.
+    """
 
     def __init__(self, cfg: SimBackendConfig) -> None:
+        cfg.validate()
         self.cfg = cfg
-        self.running = 0
-        self.requests_total = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.profile = cfg.build_profile()
+        self.role = cfg.role or self.profile.role
+        self.faults: FaultConfig = cfg.faults  # type: ignore[assignment]
+        self.faults_injected: dict[str, int] = {}
+        self.crashes = 0
+        self.http_requests = 0
         self._ids = itertools.count()
+        self._rng = random.Random(self.faults.seed)
+        self._new_engine()
+        self.app_runner: web.AppRunner | None = None
+        self.site: web.TCPSite | None = None
+        self.host = cfg.host
+        self.port = cfg.port
+        self.url = ""
+        self.up = asyncio.Event()  # set while listening
+        self._tasks: set[asyncio.Task] = set()
+        self._crash_task: asyncio.Task | None = None
+        self._pump_task: asyncio.Task | None = None
+
+    def _new_engine(self) -> None:
+        self.engine = Engine(self.profile, speed=self.cfg.speed,
+                             engine_id=f"{self.cfg.name}-{uuid.uuid4().hex[:8]}")
+        self.runner = AsyncEngineRunner(self.engine)
+        self.metrics = _Metrics(self)
+
+    # --- lifecycle ---------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.completions)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/v1/chat/completions", self.completions)
+        r.add_post("/v1/completions", self.completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/metrics", self.metrics_handler)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_get("/admin/faults", self.get_faults)
+        r.add_post("/admin/faults", self.set_faults)
+        r.add_post("/admin/crash", self.crash_handler)
+        r.add_get("/admin/stats", self.stats_handler)
         return app
 
+    async def start(self) -> str:
+        """Listen on ``cfg.host:cfg.port`` and start the engine. Returns the base URL."""
+        self.runner.start()
+        self.app_runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self.app_runner.setup()
+        self.site = web.TCPSite(self.app_runner, self.host, self.port, reuse_address=True)
+        await self.site.start()
+        self.port = self.app_runner.addresses[0][1]
+        self.url = f"http://{self.host}:{self.port}"
+        self.up.set()
+        LOOP_LAG.acquire()
+        self._lag_acquired = True
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+        self._schedule_crashes()
+        return self.url
+
+    async def cleanup(self) -> None:
+        """Stop serving and the engine (idempotent)."""
+        for t in (self._crash_task, self._pump_task, *self._tasks):
+            if t is not None:
+                t.cancel()
+        self.up.clear()
+        if getattr(self, "_lag_acquired", False):
+            self._lag_acquired = False
+            LOOP_LAG.release()
+        if self.app_runner is not None:
+            await self.app_runner.cleanup()
+            self.app_runner = None
+        await self.runner.stop()
+
+    async def crash(self, down_s: float, *, spare: asyncio.BaseTransport | None = None) -> None:
+        """Emulate a crash: drop every connection (except ``spare``, which is closed
+        after its response), stop listening and lose all engine state; listen again on
+        the same port ``down_s`` seconds later with a cold engine."""
+        if self.app_runner is None or self.site is None or not self.up.is_set():
+            return
+        self.crashes += 1
+        self.up.clear()
+        await self.site.stop()
+        for proto in list(self.app_runner.server.connections):
+            tr = proto.transport
+            if tr is None:
+                continue
+            if tr is spare:
+                proto.force_close()
+                continue
+            tr.abort()
+        await self.runner.stop()
+        self._revive = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._revive.wait(), down_s)
+        except asyncio.TimeoutError:
+            pass
+        self._new_engine()
+        self.runner.start()
+        self.site = web.TCPSite(self.app_runner, self.host, self.port, reuse_address=True)
+        await self.site.start()
+        self.up.set()
+
+    def revive(self) -> None:
+        """End a crash's downtime now (for tests and in-process drivers)."""
+        ev = getattr(self, "_revive", None)
+        if ev is not None:
+            ev.set()
+
+    def _schedule_crashes(self) -> None:
+        if self._crash_task is not None:
+            self._crash_task.cancel()
+            self._crash_task = None
+        f = self.faults
+        if f.crash_after_s is None:
+            return
+
+        async def loop() -> None:
+            await asyncio.sleep(f.crash_after_s)
+            while True:
+                await self.crash(f.crash_down_s)
+                if f.crash_every_s is None:
+                    return
+                await asyncio.sleep(f.crash_every_s)
+
+        self._crash_task = asyncio.get_running_loop().create_task(loop())
+
+    async def _pump(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.metrics.pump()
+
+    # --- simple handlers -------------------------------------------------------------------
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "loadtest.sim"} for m in self.cfg.models]
-        return web.json_response({"object": "list", "data": data})
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "vllm", "root": m, "parent": None,
+                 "max_model_len": self.profile.max_model_len} for m in self.cfg.models]
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        lines = [
-            "# TYPE sim_requests_running gauge", f"sim_requests_running {self.running}",
-            "# TYPE sim_requests_total counter", f"sim_requests_total {self.requests_total}",
-            "# TYPE sim_prompt_tokens_total counter", f"sim_prompt_tokens_total {self.prompt_tokens_total}",
-            "# TYPE sim_generation_tokens_total counter", f"sim_generation_tokens_total {self.generation_tokens_total}",
-        ]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        self.metrics.pump()
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            data = orjson.loads(await request.read())
+            if not isinstance(data, dict):
+                raise BadRequest("the body must be a JSON object")
+            ids = prompt_token_ids(data, "messages" in data)
+        except orjson.JSONDecodeError:
+            return error_response(400, "invalid JSON body")
+        except BadRequest as e:
+            return error_response(e.status, str(e), param=e.param)
+        return web.json_response({"count": len(ids), "max_model_len": self.profile.max_model_len,
+                                  "tokens": ids}, dumps=_dumps)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.engine.reset_prefix_cache()
+        return web.Response(status=200)
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.to_dict(), dumps=_dumps)
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        try:
+            data = orjson.loads(await request.read() or b"{}")
+            if not isinstance(data, dict):
+                raise ValueError("the body must be a JSON object of fault fields")
+            self.faults = FaultConfig.from_dict(data)
+        except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+            return error_response(400, str(e))
+        self._rng = random.Random(self.faults.seed)
+        self._schedule_crashes()
+        return web.json_response(self.faults.to_dict(), dumps=_dumps)
+
+    async def crash_handler(self, request: web.Request) -> web.Response:
+        try:
+            data = orjson.loads(await request.read() or b"{}")
+            down_s = float(data.get("down_s", self.faults.crash_down_s))
+            if down_s < 0:
+                raise ValueError
+        except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError):
+            return error_response(400, "body must be {\"down_s\": seconds >= 0}")
+        resp = web.json_response({"crashing": True, "down_s": down_s}, dumps=_dumps)
+        await resp.prepare(request)
+        await resp.write_eof()
+        t = asyncio.get_running_loop().create_task(self.crash(down_s, spare=request.transport))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return resp
+
+    def stats(self) -> dict[str, Any]:
+        return {"name": self.cfg.name, "profile": self.profile.name, "role": self.role,
+                "speed": self.cfg.speed, "engine_id": self.engine.engine_id, "crashes": self.crashes,
+                "http_requests": self.http_requests, "faults_injected": dict(self.faults_injected),
+                "engine": self.engine.stats(), "runner": self.runner.stats(),
+                "event_loop_lag_s": LOOP_LAG.lag.summary()}
+
+    async def stats_handler(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats(), dumps=_dumps)
+
+    # --- completions ------------------------------------------------------------------------
+
+    def _inject(self, kind: str) -> None:
+        self.faults_injected[kind] = self.faults_injected.get(kind, 0) + 1
+
+    def _output_tokens(self, data: dict[str, Any], ids: list[int]) -> int | None:
+        e = self.cfg.eos_after
+        if e is None or data.get("ignore_eos"):
+            return None
+        if isinstance(e, int):
+            n = e
+        else:
+            lo, hi = e
+            # Deterministic across runs: derived from the token ids, not Python's hash().
+            n = lo + (sum(ids[-64:]) * 2654435761 + len(ids)) % (hi - lo + 1)
+        mt = data.get("min_tokens")
+        if isinstance(mt, int) and mt > n:
+            n = mt
+        return n
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.http_requests += 1
         chat = request.path.endswith("/chat/completions")
         try:
             data = orjson.loads(await request.read())
-            assert isinstance(data, dict)
-        except (orjson.JSONDecodeError, AssertionError):
-            return _error(400, "invalid JSON body")
+        except orjson.JSONDecodeError:
+            return error_response(400, "invalid JSON body")
+        if not isinstance(data, dict):
+            return error_response(400, "the body must be a JSON object")
         model = data.get("model")
         if model not in self.cfg.models:
-            return _error(404, f"The model `{model}` does not exist.")
-        prompt_tokens = count_prompt_tokens(data)
-        max_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or self.cfg.max_tokens_default
-        stream = bool(data.get("stream"))
-        include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                 "total_tokens": prompt_tokens + max_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
-        ttft = self.cfg.ttft_base_s + self.cfg.prefill_s_per_token * prompt_tokens
-        self.running += 1
-        self.requests_total += 1
-        self.prompt_tokens_total += prompt_tokens
+            return error_response(404, f"The model `{model}` does not exist.", param="model")
+
+        # Faults before the first byte.
+        f = self.faults
+        rng = self._rng
+        if f.stall_s > 0:
+            self._inject("stall")
+            await asyncio.sleep(f.stall_s)
+        if f.hang_rate and rng.random() < f.hang_rate:
+            self._inject("hang")
+            await asyncio.Event().wait()  # until the client disconnects (handler cancelled)
+        if f.error_rate and rng.random() < f.error_rate:
+            self._inject("error")
+            return error_response(f.error_status, f"simulated failure (HTTP {f.error_status})")
+        if f.rate_limit_rate and rng.random() < f.rate_limit_rate:
+            self._inject("rate_limit")
+            ra = f.retry_after_s
+            ra_text = str(int(ra)) if float(ra).is_integer() else f"{ra:g}"
+            return error_response(429, "simulated rate limit", headers={"Retry-After": ra_text})
+
         try:
-            if not stream:
-                await asyncio.sleep(ttft + self.cfg.itl_s * (max_tokens - 1))
-                self.generation_tokens_total += max_tokens
-                text = "".join(_word(i) for i in range(max_tokens))
-                if chat:
-                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                              "finish_reason": "length"}
-                    obj = "chat.completion"
-                else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-                    obj = "text_completion"
-                return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
-                                          "choices": [choice], "usage": usage}, dumps=lambda o: orjson.dumps(o).decode())
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            await asyncio.sleep(ttft)
-            for i in range(max_tokens):
-                if i:
-                    await asyncio.sleep(self.cfg.itl_s)
-                last = i == max_tokens - 1
-                if chat:
-                    delta: dict[str, Any] = {"content": _word(i)}
-                    if i == 0:
-                        delta["role"] = "assistant"
-                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": "length" if last else None}
-                else:
-                    choice = {"index": 0, "text": _word(i), "logprobs": None, "finish_reason": "length" if last else None}
-                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
-                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-                self.generation_tokens_total += 1
-            if include_usage:
-                await resp.write(b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                                           "choices": [], "usage": usage}) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        finally:
-            self.running -= 1
+            ids = prompt_token_ids(data, chat)
+            max_tokens = data.get("max_completion_tokens")
+            if max_tokens is None:
+                max_tokens = data.get("max_tokens")
+            if max_tokens is None:
+                max_tokens = self.cfg.max_tokens_default or max(1, self.profile.max_model_len - len(ids))
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+                raise BadRequest("max_tokens must be an integer >= 1", "max_tokens")
+            if data.get("n", 1) not in (1, None):
+                raise BadRequest("the simulator supports n=1 only", "n")
+            stream = data.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequest("`stream` must be a boolean", "stream")
+            so = data.get("stream_options") or {}
+            if not isinstance(so, dict):
+                raise BadRequest("`stream_options` must be an object", "stream_options")
+            kvp = data.get("kv_transfer_params")
+            if kvp is not None and not isinstance(kvp, dict):
+                raise BadRequest("`kv_transfer_params` must be an object", "kv_transfer_params")
+        except BadRequest as e:
+            return error_response(e.status, str(e), param=e.param)
+
+        kw: dict[str, Any] = {"output_tokens": self._output_tokens(data, ids)}
+        seed = data.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF
+        prefill_only = bool(kvp and kvp.get("do_remote_decode") and self.role in ("mixed", "prefill"))
+        if prefill_only:
+            kw["prefill_only"] = True
+            kw["output_tokens"] = None
+            max_tokens = 1
+        elif kvp and kvp.get("do_remote_prefill") and self.role in ("mixed", "decode"):
+            n = kvp.get("remote_num_tokens") or kvp.get("num_tokens")
+            if not isinstance(n, int):
+                n = len(kvp.get("remote_block_ids") or []) * self.profile.block_size
+            kw["remote_prefill_tokens"] = max(0, int(n))
+
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        try:
+            rs = self.runner.submit(f"{rid}-{next(self._ids)}", ids, max_tokens, **kw)
+        except ValueError as e:
+            return error_response(400, str(e))
+        with rs:
+            ctx = _Ctx(rid, int(time.time()), model, chat, len(ids))
+            if stream:
+                return await self._stream(request, rs, ctx, so)
+            return await self._complete(request, rs, ctx, prefill_only)
+
+    async def _complete(self, request: web.Request, rs, ctx: "_Ctx", prefill_only: bool) -> web.StreamResponse:
+        f = self.faults
+        toks: list[int] = []
+        last: RequestOutput | None = None
+        async for out in rs:
+            toks.extend(out.new_token_ids)
+            last = out
+            if f.close_after_chunks is not None and len(toks) >= f.close_after_chunks:
+                self._inject("close")
+                return self._close_connection(request)
+        assert last is not None
+        if f.drip_s > 0:
+            self._inject("drip")
+            await asyncio.sleep(f.drip_s * max(1, len(toks)))
+        text = tokenizer.detokenize(toks)
+        kvp = None
+        if last.kv_transfer_params is not None:
+            kvp = dict(last.kv_transfer_params, remote_host=self.host, remote_port=self.port)
+        usage = ctx.usage(len(toks), last.num_cached_tokens)
+        if ctx.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                      "logprobs": None, "finish_reason": last.finish_reason, "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
+                      "stop_reason": None, "prompt_logprobs": None}
+            obj = "text_completion"
+        body = {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [choice],
+                "usage": usage, "prompt_logprobs": None, "kv_transfer_params": kvp}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    def _close_connection(self, request: web.Request) -> web.StreamResponse:
+        tr = request.transport
+        if tr is not None:
+            tr.abort()
+        raise asyncio.CancelledError  # nothing more to send on this connection
+
+    async def _stream(self, request: web.Request, rs, ctx: "_Ctx", so: dict) -> web.StreamResponse:
+        f = self.faults
+        include_usage = bool(so.get("include_usage"))
+        continuous = include_usage and bool(so.get("continuous_usage_stats"))
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)  # headers now, as vLLM's StreamingResponse
+        head = ctx.chunk_head()
+        chunks_sent = 0
+        n_gen = 0
+        cached = 0
+        first = True
+        close_after = f.close_after_chunks
+        drip = f.drip_s
+        if drip > 0:
+            self._inject("drip")
+        async for out in rs:
+            outs = [out]
+            if drip <= 0:
+                outs.extend(rs.ready())  # coalesce tokens that piled up into one write
+            parts: list[bytes] = []
+            for o in outs:
+                cached = o.num_cached_tokens
+                if first and ctx.chat:
+                    first = False
+                    parts.append(ctx.chunk(head, {"role": "assistant", "content": ""}, None,
+                                           ctx.usage(0, cached) if continuous else None))
+                text = tokenizer.detokenize(o.new_token_ids)
+                n_gen += len(o.new_token_ids)
+                parts.append(ctx.chunk(head, text, o.finish_reason,
+                                       ctx.usage(n_gen, cached) if continuous else None))
+            if drip > 0:
+                for part in parts:
+                    if close_after is not None and chunks_sent >= close_after:
+                        self._inject("close")
+                        return self._close_connection(request)
+                    await asyncio.sleep(drip)
+                    await resp.write(part)
+                    chunks_sent += 1
+            else:
+                if close_after is not None and chunks_sent + len(parts) >= close_after:
+                    keep = close_after - chunks_sent
+                    if keep > 0:
+                        await resp.write(b"".join(parts[:keep]))
+                    self._inject("close")
+                    return self._close_connection(request)
+                await resp.write(b"".join(parts))
+                chunks_sent += len(parts)
+        if close_after is not None and chunks_sent >= close_after:
+            self._inject("close")
+            return self._close_connection(request)
+        tail = b""
+        if include_usage:
+            tail += b"data: " + orjson.dumps({**head, "choices": [], "usage": ctx.usage(n_gen, cached)}) + b"\n\n"
+        await resp.write(tail + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
 
-def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-    return web.json_response(body, status=status)
+class _Ctx:
+    """Per-request constants for building response bodies."""
+
+    __slots__ = ("rid", "created", "model", "chat", "prompt_tokens")
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, prompt_tokens: int):
+        self.rid, self.created, self.model, self.chat, self.prompt_tokens = rid, created, model, chat, prompt_tokens
+
+    def usage(self, completion: int, cached: int) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
+                "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def chunk_head(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model}
+
+    def chunk(self, head: dict, content: Any, finish: str | None, usage: dict | None) -> bytes:
+        if self.chat:
+            delta = content if isinstance(content, dict) else {"content": content}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": None}
+        if finish is not None and self.chat:
+            choice["stop_reason"] = None
+        obj = {**head, "choices": [choice]}
+        if usage is not None:
+            obj["usage"] = usage
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def start_backends(configs: list[SimBackendConfig]) -> tuple[list[web.AppRunner], dict[str, str]]:
-    """Start each backend on its own loopback port. Returns the runners (clean them
-    up to stop) and ``{name: base_url}``."""
-    runners: list[web.AppRunner] = []
+async def start_backends(configs: list[SimBackendConfig]) -> tuple[list[SimBackend], dict[str, str]]:
+    """Start each backend on its own port. Returns the backends (``await
+    b.cleanup()`` each to stop) and ``{name: base_url}``."""
+    backends: list[SimBackend] = []
     urls: dict[str, str] = {}
-    for cfg in configs:
-        runner = web.AppRunner(SimBackend(cfg).app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, cfg.host, cfg.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        runners.append(runner)
-        urls[cfg.name] = f"http://{cfg.host}:{port}"
-    return runners, urls
+    try:
+        for cfg in configs:
+            b = SimBackend(cfg)
+            backends.append(b)
+            urls[cfg.name] = await b.start()
+    except BaseException:
+        for b in backends:
+            await b.cleanup()
+        raise
+    return backends, urls

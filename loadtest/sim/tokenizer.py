@@ -57,7 +57,9 @@ _piece_to_id: dict[str, int] = {}
 _id_to_piece: dict[int, str] = {}
 
 # Common English words for generated text; each is a single piece (<= 4 word chars,
-# leading space), so generated text re-tokenizes to the same ids.
+# leading space), so generated text re-tokenizes to the same ids, and every generated
+# token is exactly one whitespace-separated word (no punctuation tokens): a client that
+# counts words in the text counts tokens.
 _OUTPUT_WORDS = (
     " the", " of", " and", " to", " a", " in", " is", " it", " that", " for",
     " was", " on", " are", " with", " as", " be", " at", " this", " have", " from",
@@ -67,7 +69,7 @@ _OUTPUT_WORDS = (
     " so", " some", " her", " make", " like", " him", " into", " time", " has", " look",
     " two", " more", " go", " see", " no", " way", " could", " my", " than", " been",
     " call", " who", " its", " now", " find", " long", " down", " day", " did", " get",
-    " come", " made", " may", " part", ".", ",",
+    " come", " made", " may", " part",
 )
 
 
