@@ -21,6 +21,7 @@ from gateway.config import GatewayConfig
 from gateway.demo import DemoFleet
 from gateway.errors import ClientError, error_response
 from gateway.health import HealthChecker
+from gateway.scraper import MetricsScraper
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import models_list, parse_completion_request, read_json_body
 from gateway.proxy import REQUEST_ID_HEADER, BackendClient, ClientGone, Exchange, Proxy
@@ -52,6 +53,7 @@ class GatewayState:
         self.clients: dict[str, BackendClient] = {}
         self.proxy: Proxy | None = None
         self.health: HealthChecker | None = None
+        self.scraper: MetricsScraper | None = None
         self.created = int(time.time())
 
 
@@ -106,15 +108,20 @@ def _lifecycle(backend_urls: dict[str, str]):
         paths = {b.name: b.health_path or cfg.health.path for b in cfg.backends}
         state.health = HealthChecker(cfg.health, state.clients.values(), paths)
         await state.health.check_all()
-        health_task = asyncio.create_task(state.health.run())
+        tasks = [asyncio.create_task(state.health.run())]
+        if cfg.routing.scrape_interval_s > 0:
+            state.scraper = MetricsScraper(state.router, state.clients, cfg.routing.scrape_interval_s)
+            tasks.append(asyncio.create_task(state.scraper.run()))
         try:
             yield
         finally:
-            health_task.cancel()
-            try:
-                await health_task
-            except asyncio.CancelledError:
-                pass
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    pass
             for s in sessions:
                 await s.close()
             if demo is not None:

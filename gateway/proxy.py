@@ -13,6 +13,7 @@ import asyncio
 import email.utils
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ ROUTE_HEADER = "x-turbo-route"
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _MAX_SCAN_TAIL_BYTES = 1024 * 1024
+_EMPTY_CONTENT = re.compile(rb'"content":\s*(""|null)')
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -77,6 +79,7 @@ class StreamScan:
     done: bool = False
     usage: dict[str, Any] | None = None
     overflow: bool = False
+    role_only: int = 0  # 1 when the first event only announced the role (vLLM, llama.cpp)
 
     def feed(self, chunk: bytes) -> None:
         if self.overflow:
@@ -89,6 +92,10 @@ class StreamScan:
             return
         complete = self.tail + chunk[: nl + 1] if self.tail else chunk[: nl + 1]
         self.tail = chunk[nl + 1:]
+        if self.events == 0:
+            first = complete[: complete.find(b"\n")]
+            if b'"role"' in first and (b'"content"' not in first or _EMPTY_CONTENT.search(first)):
+                self.role_only = 1
         self.events += complete.count(b"data:")
         if b"[DONE]" in complete:
             self.done = True
@@ -105,8 +112,10 @@ class StreamScan:
 
     @property
     def content_events(self) -> int:
-        """``data:`` events that were neither ``[DONE]`` nor a usage-only chunk."""
-        return max(self.events - (1 if self.done else 0) - (1 if self.usage else 0), 0)
+        """``data:`` events that were neither ``[DONE]``, a usage-only chunk nor a
+        role-only first chunk: the completion tokens when ``usage`` is absent (one
+        token per event, as vLLM and llama.cpp stream)."""
+        return max(self.events - (1 if self.done else 0) - (1 if self.usage else 0) - self.role_only, 0)
 
 
 @dataclass(slots=True)

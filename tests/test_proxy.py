@@ -279,3 +279,17 @@ async def test_all_backends_down_is_502_with_openai_error():
         assert err["code"] == "connect" and err["type"] == "server_error"
         assert "x-request-id" in headers
         assert gw.idle("x") and gw.idle("y")
+
+
+def test_stream_scan_counts_content_events_across_splits():
+    from gateway.proxy import StreamScan
+
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    body = role + b"".join(sse_chunk(i, "w ") for i in range(4)) + \
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\ndata: [DONE]\n\n'
+    for step in (1, 7, 64, len(body)):
+        scan = StreamScan()
+        for i in range(0, len(body), step):
+            scan.feed(body[i:i + step])
+        assert scan.done and scan.usage == {"prompt_tokens": 3, "completion_tokens": 4}
+        assert scan.content_events == 4

@@ -1,0 +1,110 @@
+"""Reads backends' own Prometheus metrics to correct the load model's drift.
+
+Every ``routing.scrape_interval_s`` seconds, ``GET {url}/metrics`` of each backend is
+parsed with ``prometheus_client``'s parser. Recognised names (summed over label sets):
+
+| quantity | vLLM | SGLang | llama.cpp |
+|---|---|---|---|
+| waiting requests | ``vllm:num_requests_waiting`` | ``sglang:num_queue_reqs`` | ``llamacpp:requests_deferred`` |
+| running requests | ``vllm:num_requests_running`` | ``sglang:num_running_reqs`` | ``llamacpp:requests_processing`` |
+| KV use (fraction) | ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before v0.10) | ``sglang:token_usage`` | ``llamacpp:kv_cache_usage_ratio`` |
+| KV capacity | ``vllm:cache_config_info{block_size, num_gpu_blocks}`` | ``sglang:max_total_num_tokens`` | |
+
+A backend that serves no ``/metrics`` (or none of these names) is simply not corrected;
+samples older than three intervals are ignored by the load model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from routing import Router
+from routing.load import EngineSample
+
+log = logging.getLogger("gateway.scraper")
+
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+            "llamacpp:kv_cache_usage_ratio")
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """What one scrape found (``None``: the backend does not export it)."""
+
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    kv_capacity_tokens: int | None = None
+
+
+def parse_engine_metrics(text: str) -> EngineMetrics:
+    """Extract the load-relevant values from a Prometheus text exposition.
+    Raises ``ValueError`` on text the parser rejects."""
+    m = EngineMetrics()
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        name = fam.name
+        if name in WAITING or name in RUNNING or name in KV_USAGE:
+            sums[name] = sum(s.value for s in fam.samples if s.name == name)
+        elif name == "vllm:cache_config_info":
+            for s in fam.samples:
+                try:
+                    m.kv_capacity_tokens = int(float(s.labels["num_gpu_blocks"]) * float(s.labels["block_size"]))
+                except (KeyError, ValueError):
+                    pass
+        elif name == "sglang:max_total_num_tokens":
+            for s in fam.samples:
+                m.kv_capacity_tokens = int(s.value)
+    for names, attr in ((WAITING, "waiting"), (RUNNING, "running"), (KV_USAGE, "kv_usage")):
+        for n in names:
+            if n in sums:
+                setattr(m, attr, sums[n])
+                break
+    return m
+
+
+class MetricsScraper:
+    """Background scraping of every backend's ``/metrics`` into the router's load model."""
+
+    def __init__(self, router: Router, clients: dict, interval_s: float) -> None:
+        self.router = router
+        self.clients = clients
+        self.interval_s = interval_s
+        self.ok: dict[str, bool] = {}
+
+    async def scrape(self, client) -> None:
+        name = client.state.name
+        try:
+            async with client.session.get(client.base_url + "/metrics",
+                                          timeout=aiohttp.ClientTimeout(total=max(self.interval_s, 1.0))) as r:
+                if r.status != 200:
+                    raise ValueError(f"HTTP {r.status}")
+                text = await r.text()
+            m = parse_engine_metrics(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, UnicodeDecodeError) as e:
+            if self.ok.get(name, True):
+                log.info("no engine metrics from backend %s (%s); its load is not drift-corrected", name, e)
+            self.ok[name] = False
+            return
+        self.ok[name] = True
+        state = client.state
+        if m.kv_capacity_tokens and (not state.load.kv_capacity_known or
+                                     m.kv_capacity_tokens != state.load.kv_capacity_tokens):
+            self.router.set_kv_capacity(state, m.kv_capacity_tokens)
+        if m.waiting is not None or m.running is not None or m.kv_usage is not None:
+            now = asyncio.get_running_loop().time()
+            state.load.observe_engine(EngineSample(now, m.waiting or 0.0, m.running or 0.0, m.kv_usage))
+
+    async def run(self) -> None:
+        for c in self.clients.values():
+            c.state.load.metrics_max_age_s = 3 * self.interval_s
+        while True:
+            await asyncio.gather(*(self.scrape(c) for c in self.clients.values()))
+            await asyncio.sleep(self.interval_s)
