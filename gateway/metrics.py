@@ -90,6 +90,10 @@ class GatewayMetrics:
             "turbo_gateway_usage_prompt_tokens",
             "Prompt tokens of responses that report cached_tokens (denominator of both hit ratios)",
             ["model"], registry=r)
+        self.disaggregated = Counter("turbo_gateway_disaggregated",
+                                     "Requests planned for disaggregated prefill/decode, by outcome of the prefill leg "
+                                     "(ok, or fallback: served by a decode or mixed backend that recomputed the prompt)",
+                                     ["outcome"], registry=r)
         self.retries = Counter("turbo_gateway_retries", "Retries, by the failure that caused them", ["reason"], registry=r)
         self.upstream_errors = Counter("turbo_gateway_upstream_errors", "Failed upstream attempts",
                                        ["backend", "reason"], registry=r)

@@ -21,13 +21,16 @@ from routing.estimate import canonical_prompt
 class ParsedRequest:
     """What the gateway reads from a completion request.
 
-    ``body`` is the exact bytes received (forwarded as is); ``prompt_text`` is the
+    ``body`` is the exact bytes received (forwarded as is) and ``data`` their parsed
+    object (read-only: a copy is re-serialized only for the legs of a disaggregated
+    request, which must carry ``kv_transfer_params``); ``prompt_text`` is the
     canonical prompt (:func:`routing.estimate.canonical_prompt`), for routing;
     ``cache_salt`` is vLLM's per-tenant prefix-cache salt when the caller sent one.
     """
 
     endpoint: str
     body: bytes
+    data: dict[str, Any]
     model: str
     stream: bool
     include_usage: bool
@@ -116,7 +119,7 @@ def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any]) -
             raise ClientError(400, "`prompt` is required and must be a string or a non-empty array.", param="prompt",
                               code="invalid_value" if "prompt" in data else "missing_required_parameter")
     salt = data.get("cache_salt")
-    return ParsedRequest(endpoint, body, model, stream, include_usage, max_tokens, canonical_prompt(endpoint, data),
+    return ParsedRequest(endpoint, body, data, model, stream, include_usage, max_tokens, canonical_prompt(endpoint, data),
                          salt if isinstance(salt, str) else None)
 
 

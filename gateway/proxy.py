@@ -41,6 +41,7 @@ from gateway.openai_api import ParsedRequest
 from routing import Decision, NoBackendAvailable, Reservation, Router, RouteRequest
 from routing.estimate import PromptEstimate, TokenEstimator
 from routing.fleet import BackendState
+from routing.router import DECODE, PREFILL, SERVING
 
 log = logging.getLogger("gateway.proxy")
 
@@ -130,6 +131,7 @@ class Exchange:
     backend: str = ""
     estimate: PromptEstimate | None = None
     decision: Decision | None = None
+    body: bytes = b""  # what is sent upstream: the client's bytes unless a leg rewrote them
     scan: StreamScan | None = None  # the stream being relayed, if any
     attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
 
@@ -190,12 +192,26 @@ class Proxy:
         est = ex.estimate = self.estimator.estimate(parsed.model, parsed.prompt_text, parsed.max_tokens,
                                                     parsed.cache_salt)
         tokens_per_block = self.estimator.block_bytes / self.estimator.stats(parsed.model).bytes_per_token
+        ex.body = parsed.body
+        base = RouteRequest(parsed.model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
+                            est.output_tokens, tokens_per_block)
+        plan = self.router.plan(base, t0, self.cfg.routing.long_prompt_tokens)
+        roles, remote = plan.roles, False
+        if plan.kind == "disaggregated":
+            params = await self._prefill_leg(ex, base)
+            if params is not None:
+                ex.body = orjson.dumps({**parsed.data, "kv_transfer_params": params})
+                roles, remote = DECODE, True
+                self.metrics.disaggregated.labels("ok").inc()
+            else:  # the prefill leg failed: a decode or mixed backend recomputes the prompt
+                roles = SERVING
+                self.metrics.disaggregated.labels("fallback").inc()
         while True:
             now = loop.time()
             try:
                 decision, reservation = self.router.route(
                     RouteRequest(parsed.model, frozenset(excluded), est.text, est.size_bytes, est.hashes,
-                                 est.prompt_tokens, est.output_tokens, tokens_per_block), now)
+                                 est.prompt_tokens, est.output_tokens, tokens_per_block, roles, remote), now)
             except NoBackendAvailable as e:
                 wait = e.retry_after_s
                 if wait is not None and len(ex.attempts) < retries.max_attempts and \
@@ -272,7 +288,7 @@ class Proxy:
             async with asyncio.timeout_at(deadline(t.ttft_s)) as cm:
                 try:
                     resp = await client.session.post(client.base_url + _PATHS[parsed.endpoint],
-                                                     data=parsed.body, headers=headers)
+                                                     data=ex.body, headers=headers)
                 except aiohttp.ConnectionTimeoutError as e:
                     raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
                 except aiohttp.ClientConnectorError as e:
@@ -360,6 +376,65 @@ class Proxy:
                     resp.release()
                 else:
                     resp.close()  # drop the connection: the backend sees the client go away
+
+    async def _prefill_leg(self, ex: Exchange, base: RouteRequest) -> dict[str, Any] | None:
+        """Run the prefill leg of a disaggregated request (vLLM's disaggregated-serving
+        proxy flow: ``max_tokens`` 1, no stream, ``kv_transfer_params.do_remote_decode``)
+        on the ``prefill`` pool, trying up to ``retries.max_attempts`` backends.
+
+        Returns the ``kv_transfer_params`` the decode leg must carry, or ``None`` when
+        every attempt failed (the caller falls back). A client that goes away cancels
+        this leg with the request (its connection is closed, the engine aborts).
+        """
+        loop = asyncio.get_running_loop()
+        parsed = ex.parsed
+        data = dict(parsed.data)
+        data.pop("stream_options", None)
+        data.update(stream=False, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        if "max_completion_tokens" in data:
+            data["max_completion_tokens"] = 1
+        body = orjson.dumps(data)
+        excluded: set[str] = set()
+        for _ in range(self.cfg.retries.max_attempts):
+            now = loop.time()
+            req = RouteRequest(parsed.model, frozenset(excluded), base.prompt_text, base.prompt_bytes,
+                               base.block_hashes, base.prompt_tokens, 1, base.tokens_per_block, PREFILL)
+            try:
+                decision, reservation = self.router.route(req, now)
+            except NoBackendAvailable:
+                return None
+            name = decision.backend.name
+            client = self.clients[name]
+            t = client.timeouts
+            headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: ex.request_id}
+            if client.auth_header:
+                headers["Authorization"] = client.auth_header
+            try:
+                async with asyncio.timeout(min(x for x in (t.ttft_s, t.total_s, 1e9) if x)):
+                    async with client.session.post(client.base_url + _PATHS[parsed.endpoint], data=body,
+                                                   headers=headers) as resp:
+                        payload = await resp.read()
+                        status = resp.status
+                if status == 200:
+                    obj = orjson.loads(payload)
+                    params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
+                    end = loop.time()
+                    reservation.first_token(end)
+                    reservation.release(end, 1)
+                    if isinstance(params, dict):
+                        return params
+                    log.warning("prefill backend %s returned no kv_transfer_params; falling back", name)
+                    return None
+                reason = f"status_{status}"
+            except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as e:
+                reason = "connect" if isinstance(e, aiohttp.ClientConnectorError) else type(e).__name__
+            finally:
+                reservation.release(loop.time())
+            self.metrics.upstream_errors.labels(name, reason).inc()
+            excluded.add(name)
+        return None
 
     async def _read_error_body(self, resp: aiohttp.ClientResponse) -> bytes:
         try:

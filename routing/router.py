@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from routing.fleet import BackendState, Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Policy, RouteRequest
 from routing.prefix_index import PrefixIndex
 
 EXPIRE_EVERY_S = 1.0
+MIXED = frozenset({"mixed"})
+PREFILL = frozenset({"prefill"})
+DECODE = frozenset({"decode"})
+SERVING = frozenset({"mixed", "decode"})
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where a request goes: ``kind`` is ``single`` (one backend among ``roles``) or
+    ``disaggregated`` (a prefill leg on the ``prefill`` pool, then the decode leg on
+    the ``decode`` pool). ``uncached_tokens`` is the prompt minus the best prefix hit
+    anywhere in the fleet."""
+
+    kind: str
+    roles: frozenset[str] | None
+    uncached_tokens: float
 
 
 class Router:
@@ -45,6 +63,10 @@ class Router:
         Raises :class:`~routing.fleet.UnknownModel` and :class:`NoBackendAvailable`.
         """
         all_candidates = self.fleet.candidates(request.model)
+        if request.roles is not None:
+            all_candidates = [b for b in all_candidates if b.spec.role in request.roles]
+            if not all_candidates:
+                raise NoBackendAvailable(request.model)
         healthy = [b for b in all_candidates if b.healthy]
         # When every health check failed, the checks may be wrong: try them all.
         all_candidates = healthy or all_candidates
@@ -58,16 +80,50 @@ class Router:
                 return fresh
         return warm
 
-    def route(self, request: RouteRequest, now: float) -> tuple[Decision, Reservation]:
-        """Choose a backend and reserve its load: the request's uncached prompt tokens
-        join the backend's prefill queue and its blocks are recorded in the prefix
-        index. Raises what :meth:`eligible` raises."""
-        candidates = self.eligible(request, now)
+    def _match(self, request: RouteRequest, now: float) -> None:
+        if request.matched_at == now:
+            return
         if now >= self._next_expire:
             self.index.expire(now)
             self._next_expire = now + EXPIRE_EVERY_S
         request.now = now
         request.matched_blocks = self.index.match(request.block_hashes, now)
+        request.matched_at = now
+
+    def plan(self, request: RouteRequest, now: float, long_prompt_tokens: int) -> Plan:
+        """Choose the pools for ``request`` (DESIGN.md section 3, "Pools").
+
+        - With both a ``prefill`` and a ``decode`` pool: a prompt whose uncached part
+          exceeds ``long_prompt_tokens`` runs disaggregated; a shorter one is served by
+          a ``mixed`` backend, or, when there is none, by a ``decode`` backend that
+          prefills it locally (cheaper than a KV transfer for a short prompt).
+        - With a ``prefill`` pool only: long prompts go there, short ones to ``mixed``.
+        - Otherwise any ``mixed`` or ``decode`` backend serves it.
+
+        Raises :class:`~routing.fleet.UnknownModel`.
+        """
+        candidates = self.fleet.candidates(request.model)
+        roles = {b.spec.role for b in candidates}
+        self._match(request, now)
+        best = max((request.cached_tokens(b.name) for b in candidates), default=0.0)
+        uncached = request.prompt_tokens - best
+        long = uncached > long_prompt_tokens
+        if "prefill" in roles and "decode" in roles:
+            if long:
+                return Plan("disaggregated", PREFILL, uncached)
+            return Plan("single", MIXED if "mixed" in roles else DECODE, uncached)
+        if "prefill" in roles:
+            if long or "mixed" not in roles:
+                return Plan("single", PREFILL, uncached)
+            return Plan("single", MIXED, uncached)
+        return Plan("single", None, uncached)
+
+    def route(self, request: RouteRequest, now: float) -> tuple[Decision, Reservation]:
+        """Choose a backend and reserve its load: the request's uncached prompt tokens
+        join the backend's prefill queue and its blocks are recorded in the prefix
+        index. Raises what :meth:`eligible` raises."""
+        candidates = self.eligible(request, now)
+        self._match(request, now)
         decision = self.policy.choose(request, candidates)
         b = decision.backend
         cached = request.cached_tokens(b.name)

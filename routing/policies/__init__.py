@@ -32,6 +32,9 @@ class RouteRequest:
     - ``prompt_tokens``: estimated prompt length in tokens.
     - ``output_tokens``: expected completion length in tokens.
     - ``tokens_per_block``: estimated tokens in one prefix block.
+    - ``roles``: pool roles the backend may have (``None``: any).
+    - ``remote_prefill``: the prompt's KV arrives by transfer (decode leg of a
+      disaggregated request): the backend computes no prefill for it.
     - Set by the router before ``choose``: ``now`` (monotonic seconds) and
       ``matched_blocks`` (per backend, leading blocks it probably holds).
     """
@@ -44,11 +47,16 @@ class RouteRequest:
     prompt_tokens: int = 0
     output_tokens: int = 0
     tokens_per_block: float = 64.0
+    roles: frozenset[str] | None = None
+    remote_prefill: bool = False
     now: float = 0.0
     matched_blocks: dict[str, int] = field(default_factory=dict)
+    matched_at: float | None = None
 
     def cached_tokens(self, backend: str) -> float:
-        """Prompt tokens ``backend`` probably holds in its prefix cache."""
+        """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
+        if self.remote_prefill:
+            return float(self.prompt_tokens)
         return min(self.matched_blocks.get(backend, 0) * self.tokens_per_block, float(self.prompt_tokens))
 
 

@@ -72,9 +72,11 @@ class EstimatedTTFT(BasePolicy):
         ties = [s for s in scored if s[0][0] <= limit]
         (est, uncached), chosen = ties[0] if len(ties) == 1 else self._rng.choice(ties)
         cached = request.prompt_tokens - uncached
-        if len(ties) > 1:
+        if len(scored) == 1:
+            reason = "only_candidate"
+        elif len(ties) > 1:
             reason = "tie"
-        elif cached > 0 and uncached < min(s[0][1] for s in scored if s[1] is not chosen):
+        elif cached > 0 and uncached < min((s[0][1] for s in scored if s[1] is not chosen), default=uncached):
             reason = "prefix_hit"
         else:
             reason = "least_load"
