@@ -28,6 +28,7 @@ from gateway.proxy import REQUEST_ID_HEADER, BackendClient, ClientGone, Exchange
 from routing import BackendSpec, Fleet, Router, UnknownModel, make_policy
 from routing.estimate import TokenEstimator
 from routing.prefix_index import PrefixIndex
+from routing.state import InProcessStore, RedisStore
 
 log = logging.getLogger("gateway")
 
@@ -48,8 +49,16 @@ class GatewayState:
         r = cfg.routing
         self.estimator = TokenEstimator(block_tokens=r.block_tokens)
         index = PrefixIndex(ttl_s=r.prefix_ttl_s, max_blocks=r.prefix_index_max_blocks)
-        self.router = Router(self.fleet, make_policy(r.policy), index, block_tokens=r.block_tokens)
-        self.metrics = GatewayMetrics(self.fleet)
+        st = cfg.state
+        if st.url:
+            self.store: InProcessStore | RedisStore = RedisStore(
+                self.fleet, index, st.url, namespace=st.namespace, staleness_s=st.staleness_s, lease_s=st.lease_s,
+                timeout_s=st.timeout_s, prefix_stream_maxlen=st.prefix_stream_maxlen, cluster=st.cluster)
+        else:
+            self.store = InProcessStore()
+        self.router = Router(self.fleet, make_policy(r.policy), index, block_tokens=r.block_tokens,
+                             store=self.store if st.url else None)
+        self.metrics = GatewayMetrics(self.fleet, self.store, index)
         self.clients: dict[str, BackendClient] = {}
         self.proxy: Proxy | None = None
         self.health: HealthChecker | None = None
@@ -108,6 +117,7 @@ def _lifecycle(backend_urls: dict[str, str]):
         paths = {b.name: b.health_path or cfg.health.path for b in cfg.backends}
         state.health = HealthChecker(cfg.health, state.clients.values(), paths)
         await state.health.check_all()
+        await state.store.start()  # loads the shared view before serving (bounded wait)
         tasks = [asyncio.create_task(state.health.run())]
         if cfg.routing.scrape_interval_s > 0:
             state.scraper = MetricsScraper(state.router, state.clients, cfg.routing.scrape_interval_s)
@@ -122,6 +132,7 @@ def _lifecycle(backend_urls: dict[str, str]):
                     await t
                 except asyncio.CancelledError:
                     pass
+            await state.store.stop()
             for s in sessions:
                 await s.close()
             if demo is not None:

@@ -174,9 +174,26 @@ class Routing(_Strict):
 
 
 class StateStore(_Strict):
-    """Where the routing state lives: in this process (default) or a Redis URL."""
+    """Where the routing state lives: in this process (default) or shared by every
+    replica through Redis (see :mod:`routing.state`).
+
+    - ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` for TLS, or
+      ``unix://``; unset = in-process.
+    - ``namespace``: keys are ``tg:{namespace}:...`` (a Cluster hash tag).
+    - ``staleness_s``: bound on the age of the other replicas' view (default 50 ms).
+    - ``lease_s``: a replica's load stops counting this long after its last sync.
+    - ``timeout_s``: connect and read timeout of every Redis call.
+    - ``prefix_stream_maxlen``: dispatches kept for late-starting replicas.
+    - ``cluster``: use Redis Cluster (redis-py ``RedisCluster``).
+    """
 
     url: str | None = None
+    namespace: str = Field("turbo-gateway", pattern=r"^[A-Za-z0-9_.:-]+$")
+    staleness_s: float = Field(0.05, gt=0, le=60)
+    lease_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(0.25, gt=0)
+    prefix_stream_maxlen: int = Field(20000, ge=100)
+    cluster: bool = False
 
     @field_validator("url")
     @classmethod

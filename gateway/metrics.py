@@ -8,13 +8,16 @@ so the request path pays nothing for them.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from routing.fleet import Fleet
+from routing.prefix_index import PrefixIndex
 
 # TTFT and end-to-end buckets span a cached short prompt (ms) to a long prefill under
 # load (minutes); ITL buckets span 1 ms to 2 s gaps between chunks.
@@ -24,7 +27,7 @@ E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
 
 class _FleetCollector(Collector):
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None) -> None:
         self.fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -58,11 +61,52 @@ class _FleetCollector(Collector):
         yield from (in_flight, healthy, queued, running, kv, kv_cap, rate, itl)
 
 
+class _StoreCollector(Collector):
+    def __init__(self, store, index: PrefixIndex) -> None:
+        self.store = store
+        self.index = index
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self.store.stats
+        up = GaugeMetricFamily("turbo_gateway_state_store_up",
+                               "1 when the state store is in sync (always 1 for the in-process store)",
+                               labels=["store"])
+        up.add_metric([self.store.kind], 1.0 if (st.up or self.store.kind == "memory") else 0.0)
+        lag = GaugeMetricFamily("turbo_gateway_state_sync_lag_seconds",
+                                "Seconds since the last successful sync with the shared store (0 in-process)")
+        if self.store.kind == "memory":
+            lag.add_metric([], 0.0)
+        elif st.last_sync_at is not None:
+            try:
+                now = asyncio.get_running_loop().time()
+            except RuntimeError:
+                now = time.monotonic()
+            lag.add_metric([], max(now - st.last_sync_at, 0.0))
+        else:
+            lag.add_metric([], float("inf"))
+        calls = CounterMetricFamily("turbo_gateway_state_redis_calls", "Redis round trips by operation", labels=["op"])
+        for op, n in st.calls.items():
+            calls.add_metric([op], n)
+        errors = CounterMetricFamily("turbo_gateway_state_redis_errors", "Failed Redis syncs by error",
+                                     labels=["error"])
+        for op, n in st.errors.items():
+            errors.add_metric([op], n)
+        replicas = GaugeMetricFamily("turbo_gateway_state_replicas", "Gateway replicas in the shared view (this one included)")
+        replicas.add_metric([], st.replicas)
+        blocks = GaugeMetricFamily("turbo_gateway_prefix_index_blocks", "Prefix blocks in the index, by origin",
+                                   labels=["view"])
+        blocks.add_metric(["total"], self.index.size)
+        applied = CounterMetricFamily("turbo_gateway_state_remote_blocks",
+                                      "Prefix blocks learned from other replicas")
+        applied.add_metric([], st.remote_blocks_applied)
+        yield from (up, lag, calls, errors, replicas, blocks, applied)
+
+
 class GatewayMetrics:
     """All metric families of the gateway. Label values are cached per
     (model, backend) by prometheus_client itself."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("turbo_gateway_requests", "Requests answered, by final HTTP status",
                                 ["model", "backend", "status"], registry=r)
@@ -106,6 +150,8 @@ class GatewayMetrics:
         self.decisions = Counter("turbo_gateway_routing_decisions", "Routing decisions by policy and reason",
                                  ["policy", "reason"], registry=r)
         r.register(_FleetCollector(fleet))
+        if store is not None and index is not None:
+            r.register(_StoreCollector(store, index))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -65,6 +65,7 @@ class BackendState:
     - ``cooldown_until``: monotonic time in seconds before which the backend should not
       be chosen (set after a 429 with ``Retry-After`` or a connect failure).
     - ``healthy``: result of the last active health check (``True`` until one fails).
+    - ``remote_in_flight``: the same count from the other replicas (shared store).
     """
 
     spec: BackendSpec
@@ -72,6 +73,7 @@ class BackendState:
     dispatched_total: int = 0
     cooldown_until: float = 0.0
     healthy: bool = True
+    remote_in_flight: int = 0  # other gateway replicas' in-flight requests (shared store)
     load: BackendLoad = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -83,6 +85,12 @@ class BackendState:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def requests(self) -> int:
+        """In-flight requests on this backend from every gateway replica that shares
+        state with this one (just this process's with the in-process store)."""
+        return self.in_flight + self.remote_in_flight
 
 
 @dataclass(slots=True)

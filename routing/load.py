@@ -84,6 +84,20 @@ class DecayedLinearFit:
 
 
 @dataclass(slots=True)
+class RemoteLoad:
+    """The same backend's load as the *other* gateway replicas hold it (summed over
+    replicas, from the shared store), with their learned speeds."""
+
+    queued: float = 0.0
+    queued_prefill_tokens: float = 0.0
+    running: float = 0.0
+    decode_tokens_remaining: float = 0.0
+    kv_tokens: float = 0.0
+    # (prefill tokens/s, TTFT overhead s, ITL base s, ITL per stream s, samples) per replica
+    speeds: list[tuple[float, float, float, float, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class EngineSample:
     """One scrape of a backend's own metrics at monotonic time ``at`` (seconds)."""
 
@@ -115,20 +129,59 @@ class BackendLoad:
         self.engine: EngineSample | None = None
         self.metrics_max_age_s = metrics_max_age_s
         self.prefill_tokens_total = 0.0  # uncached prompt tokens ever dispatched here
+        self.remote = RemoteLoad()
 
     # ---- learned speeds ------------------------------------------------------------
 
+    def _blend(self, local: float, index: int, local_samples: int) -> float:
+        # sample-weighted mean of this replica's fit and the other replicas' fits
+        speeds = self.remote.speeds
+        if not speeds:
+            return local
+        w = local_samples + 2.0
+        total = w * local
+        for sp in speeds:
+            total += sp[4] * sp[index]
+            w += sp[4]
+        return total / w
+
     @property
     def prefill_tokens_per_s(self) -> float:
-        return 1.0 / self.ttft_fit.slope
+        """Learned prefill rate (tokens/s), blended with the other replicas' fits."""
+        return self._blend(1.0 / self.ttft_fit.slope, 0, self.ttft_fit.samples)
 
     @property
     def ttft_overhead_s(self) -> float:
-        return self.ttft_fit.intercept
+        return self._blend(self.ttft_fit.intercept, 1, self.ttft_fit.samples)
+
+    @property
+    def itl_per_stream_s(self) -> float:
+        return self._blend(self.itl_fit.slope, 3, self.itl_fit.samples)
 
     def itl_s(self, running: float | None = None) -> float:
-        """Predicted inter-token latency with ``running`` streams (default: now)."""
-        return self.itl_fit.predict(self.running if running is None else running)
+        """Predicted inter-token latency with ``running`` streams (default: every
+        replica's running streams now)."""
+        n = self.total_running if running is None else running
+        return self._blend(self.itl_fit.intercept, 2, self.itl_fit.samples) + self.itl_per_stream_s * n
+
+    def local_speed(self) -> tuple[float, float, float, float, int]:
+        """This replica's own fit, as published to the shared store."""
+        f, g = self.ttft_fit, self.itl_fit
+        return (1.0 / f.slope, f.intercept, g.intercept, g.slope, f.samples + g.samples)
+
+    # ---- totals over every replica ---------------------------------------------------
+
+    @property
+    def total_queued_prefill_tokens(self) -> float:
+        return self.queued_prefill_tokens + self.remote.queued_prefill_tokens
+
+    @property
+    def total_running(self) -> float:
+        return self.running + self.remote.running
+
+    @property
+    def total_decode_tokens_remaining(self) -> float:
+        return self.decode_tokens_remaining + self.remote.decode_tokens_remaining
 
     def observe_ttft(self, work_tokens: float, ttft_s: float) -> None:
         """A request found ``work_tokens`` of prefill ahead of and including its own
@@ -158,23 +211,25 @@ class BackendLoad:
         e = self.fresh_engine(now)
         if e is None:
             return 0.0
-        extra = e.waiting - self.queued
+        queued = self.queued + self.remote.queued
+        extra = e.waiting - queued
         if extra <= 0:
             return 0.0
-        per_request = self.queued_prefill_tokens / self.queued if self.queued else 1024.0
+        per_request = self.total_queued_prefill_tokens / queued if queued else 1024.0
         return extra * per_request
 
     def external_running(self, now: float) -> float:
         e = self.fresh_engine(now)
-        return max(e.running - self.running, 0.0) if e is not None else 0.0
+        return max(e.running - self.total_running, 0.0) if e is not None else 0.0
 
     def kv_used_tokens(self, now: float) -> float:
-        """KV tokens in use: the gateway's estimate or, when fresher and larger, the
+        """KV tokens in use: the gateways' estimate or, when fresher and larger, the
         engine's own ``kv_cache_usage_perc * capacity``."""
+        kv = self.kv_tokens + self.remote.kv_tokens
         e = self.fresh_engine(now)
         if e is not None and e.kv_usage is not None:
-            return max(self.kv_tokens, e.kv_usage * self.kv_capacity_tokens)
-        return self.kv_tokens
+            return max(kv, e.kv_usage * self.kv_capacity_tokens)
+        return kv
 
     # ---- accounting ----------------------------------------------------------------
 

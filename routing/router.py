@@ -38,11 +38,12 @@ class Router:
     """
 
     def __init__(self, fleet: Fleet, policy: Policy, index: PrefixIndex | None = None,
-                 block_tokens: int = 64) -> None:
+                 block_tokens: int = 64, store=None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.index = index or PrefixIndex()
         self.block_tokens = block_tokens
+        self.store = store  # publishes dispatched prefix blocks to other replicas (routing.state)
         self._next_expire = 0.0
         for b in fleet.backends.values():
             self.index.set_capacity(b.name, self.capacity_blocks(b))
@@ -131,6 +132,8 @@ class Router:
         load = b.load.admit(uncached_tokens=request.prompt_tokens - cached, prompt_tokens=request.prompt_tokens,
                             output_tokens=request.output_tokens, now=now)
         self.index.record(b.name, request.block_hashes, now)
+        if self.store is not None:
+            self.store.record_dispatch(b.name, request.block_hashes)
         reservation = self.fleet.reserve(b, load)
         self.policy.on_dispatch(request, decision)
         return decision, reservation

@@ -108,14 +108,14 @@ class CacheAware(BasePolicy):
 
     def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
         self._pending = None
-        max_load = max(b.in_flight for b in candidates)
-        min_load = min(b.in_flight for b in candidates)
+        max_load = max(b.requests for b in candidates)
+        min_load = min(b.requests for b in candidates)
         if (max_load - min_load > self.balance_abs_threshold
                 and max_load > self.balance_rel_threshold * min_load):
-            chosen = min(candidates, key=lambda b: b.in_flight)  # first on ties
+            chosen = min(candidates, key=lambda b: b.requests)  # first on ties
             return Decision(chosen, self.name, "imbalance",
                             {"max_load": float(max_load), "min_load": float(min_load),
-                             "in_flight": float(chosen.in_flight)})
+                             "in_flight": float(chosen.requests)})
 
         text = request.prompt_text
         tree = self.trees.get(request.model)
@@ -132,9 +132,9 @@ class CacheAware(BasePolicy):
             chosen = by_name[tree.smallest_tenant(by_name)] if tree is not None else candidates[0]
             reason = "cache_miss"
         else:
-            chosen = min(candidates, key=lambda b: b.in_flight)
+            chosen = min(candidates, key=lambda b: b.requests)
             reason = "cache_miss"
-        detail["in_flight"] = float(chosen.in_flight)
+        detail["in_flight"] = float(chosen.requests)
         return Decision(chosen, self.name, reason, detail)
 
     def on_dispatch(self, request: RouteRequest, decision: Decision) -> None:

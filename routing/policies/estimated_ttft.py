@@ -10,7 +10,8 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
 - ``uncached_b`` = prompt tokens minus those ``b`` probably holds (prefix index), so a
   prefix hit is worth exactly the prefill time it saves, and a hot backend loses once
   its queue costs more than recomputing elsewhere: no hand-set affinity thresholds.
-- ``queued_prefill_b`` includes load the engine reports that this gateway did not send.
+- ``queued_prefill_b`` includes the other gateway replicas' load (shared store) and
+  load the engine reports that no gateway sent.
 - Decode interference: with chunked prefill each engine step also runs one token of every
   running stream, so the prefill's ``steps = ceil(work / CHUNK_TOKENS)`` steps each cost
   ``running * itl_per_stream`` more (the learned ITL slope).
@@ -44,15 +45,15 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
     load = b.load
     now = request.now
     uncached = request.prompt_tokens - request.cached_tokens(b.name)
-    work = load.queued_prefill_tokens + load.external_queued_tokens(now) + uncached
+    work = load.total_queued_prefill_tokens + load.external_queued_tokens(now) + uncached
     est = load.ttft_overhead_s + work / load.prefill_tokens_per_s
-    running = load.running + load.external_running(now)
+    running = load.total_running + load.external_running(now)
     if running:
-        est += math.ceil(work / CHUNK_TOKENS) * load.itl_fit.slope * running
+        est += math.ceil(work / CHUNK_TOKENS) * load.itl_per_stream_s * running
         need = request.prompt_tokens + request.output_tokens
         overflow = load.kv_used_tokens(now) + need - load.kv_capacity_tokens
         if overflow > 0:
-            mean_remaining = load.decode_tokens_remaining / max(load.running, 1)
+            mean_remaining = load.total_decode_tokens_remaining / max(load.total_running, 1)
             est += min(overflow / load.kv_capacity_tokens, 1.0) * mean_remaining * load.itl_s()
     return est, uncached
 

@@ -26,11 +26,11 @@ class LeastRequests(BasePolicy):
         best: list[BackendState] = []
         best_load = float("inf")
         for b in candidates:
-            load = b.in_flight / b.spec.weight
+            load = b.requests / b.spec.weight
             if load < best_load:
                 best, best_load = [b], load
             elif load == best_load:
                 best.append(b)
         chosen = best[0] if len(best) == 1 else self._rng.choice(best)
         return Decision(chosen, self.name, "least_requests" if len(best) == 1 else "tie",
-                        {"in_flight": float(chosen.in_flight)})
+                        {"in_flight": float(chosen.requests)})

@@ -41,13 +41,13 @@ class PowerOfTwo(BasePolicy):
         n = len(candidates)
         if n == 1:
             only = candidates[0]
-            return Decision(only, self.name, "single", {"in_flight": float(only.in_flight)})
+            return Decision(only, self.name, "single", {"in_flight": float(only.requests)})
         i = self._rng.randrange(n)
         j = (i + 1 + self._rng.randrange(n - 1)) % n
         a, b = candidates[i], candidates[j]
-        load_a = a.in_flight / a.spec.weight
-        load_b = b.in_flight / b.spec.weight
+        load_a = a.requests / a.spec.weight
+        load_b = b.requests / b.spec.weight
         chosen, other = (a, load_b) if load_a <= load_b else (b, load_a)
         return Decision(chosen, self.name, "power_of_two",
                         {"load": min(load_a, load_b), "other_load": other,
-                         "in_flight": float(chosen.in_flight)})
+                         "in_flight": float(chosen.requests)})

@@ -109,7 +109,7 @@ class PrefixHash(BasePolicy):
         if missing:
             self._add(missing)
         by_name = {b.name: b for b in candidates}
-        total_in_flight = sum(b.in_flight for b in candidates)
+        total_in_flight = sum(b.requests for b in candidates)
         total_weight = sum(b.spec.weight for b in candidates)
         slots_total = math.ceil(self.load_factor * (total_in_flight + 1))
 
@@ -129,12 +129,12 @@ class PrefixHash(BasePolicy):
             if first is None:
                 first = b
             slots = max(1, math.ceil(slots_total * b.spec.weight / total_weight))
-            if b.in_flight < slots:
+            if b.requests < slots:
                 return Decision(b, self.name, "ring" if b is first else "bounded_spill",
-                                {"in_flight": float(b.in_flight), "capacity": float(slots),
+                                {"in_flight": float(b.requests), "capacity": float(slots),
                                  "probes": float(len(seen))})
             if len(seen) == len(by_name):
                 break
         # Unreachable while capacities sum to more than the total load; kept as a guard.
         assert first is not None
-        return Decision(first, self.name, "all_full", {"in_flight": float(first.in_flight)})
+        return Decision(first, self.name, "all_full", {"in_flight": float(first.requests)})

