@@ -19,7 +19,6 @@ are unique.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import heapq
 import json
@@ -31,97 +30,21 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from loadtest.sim.engine import Engine
 from loadtest.sim.profiles import PROFILES, Profile
+from loadtest.traces import (BYTES_PER_TOKEN, MAX_INPUT_TOKENS, TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, TraceRequest,  # noqa: F401
+                             load_trace, request_tokens_and_text, scale_time)
 from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
 from routing.estimate import TokenEstimator
 
-TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids granularity
-BYTES_PER_TOKEN = 4  # the replay's text has exactly this many bytes per token
-TRACES_DIR = Path(os.environ.get("TG_TRACES_DIR", Path(__file__).resolve().parents[2] / "shared" / "traces"))
-TRACES = {
-    "mooncake_conversation": ("mooncake/conversation_trace.jsonl", "mooncake"),
-    "mooncake_synthetic": ("mooncake/synthetic_trace.jsonl", "mooncake"),
-    "azure_conv": ("azure2023/AzureLLMInferenceTrace_conv.csv", "azure"),
-    "azure_code": ("azure2023/AzureLLMInferenceTrace_code.csv", "azure"),
-}
 BENCH_POLICIES = ("round_robin", "least_requests", "power_of_two", "prefix_hash", "cache_aware",
                   "cache_aware_min_load", "estimated_ttft")
 # Llama-3.1-8B serves 128k context; the stock profiles say 8k (Llama-3-8B). The replay
 # raises max_model_len and caps prompts at MAX_INPUT_TOKENS (a prefix of the trace's
 # hash_ids, so prefix sharing is kept) so that every prompt fits every backend's KV cache.
 MAX_MODEL_LEN = 131072
-MAX_INPUT_TOKENS = 32768
-
-
-@dataclass(slots=True)
-class TraceRequest:
-    """One trace row: ``arrival_s`` (seconds from the trace start), token counts, and
-    the prefix block ids (Mooncake) or ``None`` (Azure: no sharing)."""
-
-    arrival_s: float
-    input_tokens: int
-    output_tokens: int
-    hash_ids: list[int] | None = None
-
-
-def load_trace(name: str, limit: int | None = None, max_input_tokens: int = MAX_INPUT_TOKENS) -> list[TraceRequest]:
-    """The first ``limit`` requests of a trace, prompts capped at ``max_input_tokens``."""
-    rel, kind = TRACES[name]
-    path = TRACES_DIR / rel
-    out: list[TraceRequest] = []
-    if kind == "mooncake":
-        with open(path) as f:
-            for line in f:
-                r = json.loads(line)
-                n_in = min(r["input_length"], max_input_tokens)
-                ids = r["hash_ids"][: math.ceil(n_in / TRACE_BLOCK_TOKENS)]
-                out.append(TraceRequest(r["timestamp"] / 1000.0, n_in, max(1, r["output_length"]), ids))
-                if limit and len(out) >= limit:
-                    break
-    else:
-        with open(path, newline="") as f:
-            t0 = None
-            for row in csv.DictReader(f):
-                t = datetime.strptime(row["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
-                t0 = t if t0 is None else t0
-                out.append(TraceRequest(t - t0, min(max(1, int(row["ContextTokens"])), max_input_tokens),
-                                        max(1, int(row["GeneratedTokens"]))))
-                if limit and len(out) >= limit:
-                    break
-    return out
-
-
-def scale_time(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
-    """Multiply inter-arrival times by ``factor`` (< 1 compresses: more load)."""
-    return [dataclasses.replace(r, arrival_s=r.arrival_s * factor) for r in reqs]
-
-
-def _unique_ids(i: int, n_blocks: int) -> list[int]:
-    # Azure rows have no prefix ids: give each request its own (negative) block ids
-    return [-(i * 1000 + b + 1) for b in range(n_blocks)]
-
-
-def request_tokens_and_text(r: TraceRequest, i: int) -> tuple[list[int], str]:
-    """Token ids for the engine and canonical text for the router. Block ``h`` of the
-    trace is 512 token ids ``h*512 .. h*512+511`` and the text ``f"[{h:x}]"`` repeated to
-    2,048 bytes, so that equal ids give equal blocks on both sides."""
-    ids = r.hash_ids if r.hash_ids is not None else _unique_ids(i, math.ceil(r.input_tokens / TRACE_BLOCK_TOKENS))
-    tokens: list[int] = []
-    parts: list[str] = []
-    remaining = r.input_tokens
-    for h in ids:
-        n = min(TRACE_BLOCK_TOKENS, remaining)
-        base = (h % (1 << 22)) * TRACE_BLOCK_TOKENS
-        tokens.extend(range(base, base + n))
-        unit = f"[{h:x}]"
-        block = (unit * (TRACE_BLOCK_TOKENS * BYTES_PER_TOKEN // len(unit) + 1))[: n * BYTES_PER_TOKEN]
-        parts.append(block)
-        remaining -= n
-    return tokens, "".join(parts)
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ Everything runs as child processes on 127.0.0.1 and is stopped by its own PID.
 - :func:`llama_server_bin` finds the binary: ``$LLAMA_SERVER_BIN``, else
   ``<cache>/llama-server/llama-server`` (built there by ``scripts/ci_build_llama_server.sh``).
 - :func:`tiny_model` generates the random-weight tiny model once into
-  ``<cache>/models/`` with ``scripts/make_tiny_model.py`` (needs the ``engines`` extra).
+  ``<cache>/models/`` with ``scripts/make_tiny_model.py`` (numpy, gguf, tokenizers: in the ``test`` extra).
 - :class:`LlamaServer` and :class:`GatewayProcess` start one process each and wait
   until it answers.
 
@@ -59,7 +59,7 @@ def llama_server_bin() -> Path | None:
 
 
 def missing_model_deps() -> list[str]:
-    """The ``engines`` extra's modules that cannot be imported (needed once, to
+    """The model generator's modules that cannot be imported (needed once, to
     generate the model)."""
     import importlib.util
     return [m for m in ("numpy", "gguf", "tokenizers") if importlib.util.find_spec(m) is None]
@@ -178,7 +178,7 @@ class LlamaServer(_Child):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 60.0) -> "LlamaServer":
+    def start(self, timeout_s: float = 60.0) -> LlamaServer:
         for attempt in range(3):  # a free port can be taken between probe and bind
             self.port = free_port()
             cmd = [str(self.binary), "-m", str(self.model), "-a", self.alias, "--host", "127.0.0.1",
@@ -236,7 +236,7 @@ class GatewayProcess(_Child):
         self.log = work_dir / f"{name}.log"
         self.url = ""
 
-    def start(self, timeout_s: float = 30.0) -> "GatewayProcess":
+    def start(self, timeout_s: float = 30.0) -> GatewayProcess:
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         with open(self.log, "wb") as logf:
             self.proc = subprocess.Popen(

@@ -1,0 +1,259 @@
+"""What a routing decision costs, and what sharing state through Redis costs.
+
+    python -m loadtest.routing_cost            # all three parts
+    python -m loadtest.routing_cost --part decision|store|replicas
+
+1. **decision**: microseconds per request of estimate + ``Router.route`` + release with
+   the default ``estimated_ttft`` policy, for 10, 100 and 1,000 backends and 10^4 to
+   10^6 blocks already in the prefix index (8 KB prompts, half of them sharing a 4 KB
+   prefix with an earlier one).
+2. **store**: the same per-request cost with the in-process store and with a
+   :class:`~routing.state.RedisStore` attached to a live valkey-server (the request
+   path only appends to the outbox: Redis stays off it), the sync loop's CPU, and the
+   Redis commands per request counted by the server itself (``INFO commandstats``)
+   while a load of requests runs.
+3. **replicas**: two gateway replicas behind a round-robin L4 balancer, each routing
+   half of a Mooncake trace in the offline replay, once with shared state (each sees
+   the other's load and prefix blocks 50 ms late, as the Redis store's default bound)
+   and once with private state: TTFT and load imbalance side by side.
+
+Network traffic goes to 127.0.0.1 only; every loop is bounded in count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import random
+import statistics
+import sys
+import time
+
+from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
+from routing.estimate import TokenEstimator
+from routing.load import RemoteLoad
+from routing.prefix_index import PrefixIndex
+
+
+def _requests(n: int, rng: random.Random) -> list[str]:
+    shared = [rng.randbytes(2048).hex() for _ in range(64)]  # 4 KB prefixes
+    return [rng.choice(shared) + rng.randbytes(2048).hex() for _ in range(n)]
+
+
+def decision_cost(n_backends: int, n_blocks: int, n_requests: int = 2000, store=None, router=None) -> float:
+    """Microseconds per request (estimate + route + release), median of 3 passes."""
+    rng = random.Random(1)
+    if router is None:
+        fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(n_backends)])
+        index = PrefixIndex(max_blocks=max(n_blocks * 2, 10_000), default_capacity_blocks=max(n_blocks, 1000))
+        router = Router(fleet, make_policy("estimated_ttft"), index, store=store)
+        per = 32
+        for j in range(n_blocks // per):  # pre-fill the index
+            index.record(f"b{j % n_backends}", tuple(rng.getrandbits(64) for _ in range(per)), now=0.0)
+    est = TokenEstimator()
+    texts = _requests(n_requests, rng)
+    passes = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i, text in enumerate(texts):
+            e = est.estimate("m", text, 128)
+            d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+                                               prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
+                                               tokens_per_block=64.0), now=1.0 + i * 1e-3)
+            res.release(1.0 + i * 1e-3)
+        passes.append((time.perf_counter() - t0) / n_requests * 1e6)
+    return statistics.median(passes)
+
+
+def part_decision() -> None:
+    print("\n## Decision cost (estimated_ttft, 8 KB prompts), microseconds per request\n")
+    print("| backends | 10^4 blocks | 10^5 blocks | 10^6 blocks |")
+    print("|---|---|---|---|")
+    for nb in (10, 100, 1000):
+        cells = [f"{decision_cost(nb, k, 1000 if nb == 1000 else 2000):.0f}" for k in (10_000, 100_000, 1_000_000)]
+        print(f"| {nb} | " + " | ".join(cells) + " |")
+
+
+async def _store_part() -> None:
+    from routing.state import RedisStore
+    from tests.redis_server import ValkeyProcess  # the same valkey-server the tests use
+
+    server = ValkeyProcess()
+    server.start()
+    try:
+        import redis.asyncio as aioredis
+        admin = aioredis.from_url(server.url)
+        fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(8)])
+        index = PrefixIndex()
+        router = Router(fleet, make_policy("estimated_ttft"), index)
+        local_us = decision_cost(8, 0, 2000, router=router)
+        store = RedisStore(fleet, index, server.url, namespace="bench")
+        router.store = store
+        await store.start()
+        await admin.config_resetstat()
+        cpu0, t0 = time.process_time(), time.monotonic()
+        n = 0
+        redis_us = []
+        while time.monotonic() - t0 < 5.0 and n < 20_000:  # bounded: 5 s or 20k requests
+            redis_us.append(decision_cost(8, 0, 200, router=router))
+            n += 200 * 3
+            await asyncio.sleep(0.01)  # let the sync loop run between bursts, as a server would
+        elapsed = time.monotonic() - t0
+        stats = await admin.info("commandstats")
+        commands = sum(v["calls"] for k, v in stats.items() if k.startswith("cmdstat_") and k != "cmdstat_info"
+                       and k != "cmdstat_config|resetstat")
+        await store.stop()
+        idle0 = time.process_time()
+        store2 = RedisStore(fleet, index, server.url, namespace="bench-idle")
+        await store2.start()
+        await asyncio.sleep(3.0)
+        await store2.stop()
+        idle_cpu = (time.process_time() - idle0) / 3.0
+        await admin.aclose()
+        print("\n## State store cost (8 backends)\n")
+        print("| | in-process | Redis (valkey on 127.0.0.1) |")
+        print("|---|---|---|")
+        print(f"| routing cost per request, us | {local_us:.0f} | {statistics.median(redis_us):.0f} |")
+        print(f"| Redis commands per request | 0 | {commands / n:.3f} ({commands} commands for {n} requests "
+              f"in {elapsed:.1f} s, {store.stats.calls.get('pipeline', 0)} syncs) |")
+        print(f"| sync loop CPU when idle, % of a core | 0 | {idle_cpu * 100:.1f} |")
+        del cpu0
+    finally:
+        server.cleanup()
+
+
+def part_replicas(trace: str = "mooncake_conversation", n: int = 1500, scale: float = 1.7) -> None:
+    """Two replicas, shared vs private state, in the offline replay."""
+    from loadtest import replay as rp
+
+    reqs = rp.scale_time(rp.load_trace(trace, n), scale)
+    print(f"\n## Two replicas: shared vs private state ({trace}, first {n} requests, inter-arrival x{scale}, "
+          f"estimated_ttft, fleet {', '.join(rp.DEFAULT_FLEET)})\n")
+    rows = []
+    for shared in (True, False):
+        recs = _replay_two_replicas(reqs, shared)
+        s = rp.summarize(recs, 2.0, 0.1)
+        rows.append(("shared (50 ms staleness)" if shared else "private", s))
+    print(rp.format_table(rows))
+
+
+def _replay_two_replicas(reqs, shared: bool, staleness_s: float = 0.05):
+    """The replay of :mod:`loadtest.replay` with two routers, requests alternating
+    between them; with ``shared`` each router's remote view is refreshed from the
+    other every ``staleness_s`` of virtual time, and dispatched blocks reach the other's
+    prefix index at the same delay."""
+    from loadtest import replay as rp
+    from loadtest.sim.engine import Engine
+
+    fleet_members = rp.make_fleet()
+    routers, ests = [], []
+    for _ in range(2):
+        specs = [BackendSpec(m.name, frozenset({"m"}), kv_capacity_tokens=m.profile.kv_capacity_tokens)
+                 for m in fleet_members]
+        routers.append(Router(Fleet(specs), make_policy("estimated_ttft")))
+        ests.append(TokenEstimator())
+    engines = {m.name: Engine(m.profile, engine_id=m.name) for m in fleet_members}
+    busy = dict.fromkeys(engines, False)
+    records = [rp.Record(r.arrival_s) for r in reqs]
+    res_by_id: dict[str, object] = {}
+    pending_blocks: list[tuple[float, int, str, tuple]] = []  # (visible at, replica, backend, hashes)
+    events: list = []
+    seq = 0
+
+    def push(t, kind, payload):
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, payload))
+
+    def step(name, t):
+        eng = engines[name]
+        if not eng.has_work():
+            busy[name] = False
+            return
+        dt, outs = eng.step(t)
+        if dt <= 0 and not outs:
+            busy[name] = False
+            return
+        busy[name] = True
+        push(t + dt, "step", (name, outs))
+
+    for i, r in enumerate(reqs):
+        push(r.arrival_s, "arrival", i)
+    if shared:
+        push(0.0, "sync", None)
+    horizon = reqs[-1].arrival_s + 3600
+    while events:
+        t, _, kind, payload = heapq.heappop(events)
+        if kind == "sync":
+            for k, router in enumerate(routers):
+                other = routers[1 - k]
+                for name, b in router.fleet.backends.items():
+                    ob = other.fleet.backends[name]
+                    ld = ob.load
+                    b.load.remote = RemoteLoad(ld.queued, ld.queued_prefill_tokens, ld.running,
+                                               ld.decode_tokens_remaining, ld.kv_tokens, [ld.local_speed()])
+                    b.remote_in_flight = ob.in_flight
+            while pending_blocks and pending_blocks[0][0] <= t:
+                _, k, name, hashes = heapq.heappop(pending_blocks)
+                routers[1 - k].index.record(name, hashes, t)
+            if t < horizon and (events or pending_blocks):
+                push(t + staleness_s, "sync", None)
+        elif kind == "arrival":
+            i = payload
+            k = i % 2
+            router, est_ = routers[k], ests[k]
+            tokens, text = rp.request_tokens_and_text(reqs[i], i)
+            e = est_.estimate("m", text, reqs[i].output_tokens)
+            d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+                                               prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
+                                               tokens_per_block=est_.block_bytes / 4.0), t)
+            name = d.backend.name
+            if shared:
+                heapq.heappush(pending_blocks, (t + staleness_s, k, name, e.hashes))
+            rec = records[i]
+            rec.backend, rec.prompt_tokens, rec.output_tokens = name, len(tokens), reqs[i].output_tokens
+            try:
+                engines[name].add_request(f"r{i}", tokens, reqs[i].output_tokens, arrival_time=t,
+                                          output_tokens=reqs[i].output_tokens)
+            except ValueError as err:
+                rec.error = str(err)
+                res.release(t)
+                continue
+            res_by_id[f"r{i}"] = res
+            if not busy[name]:
+                step(name, t)
+        else:
+            name, outs = payload
+            for out in outs:
+                rec = records[int(out.req_id[1:])]
+                res = res_by_id[out.req_id]
+                if out.new_token_ids:
+                    if rec.first_token is None:
+                        rec.first_token = t
+                        rec.cached_tokens = out.num_cached_tokens
+                        res.first_token(t)
+                    rec.generated += len(out.new_token_ids)
+                if out.finished:
+                    rec.end = t
+                    res.release(t, rec.generated)
+            step(name, t)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.routing_cost", description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=["decision", "store", "replicas"], action="append")
+    args = ap.parse_args(argv)
+    parts = args.part or ["decision", "store", "replicas"]
+    if "decision" in parts:
+        part_decision()
+    if "store" in parts:
+        asyncio.run(_store_part())
+    if "replicas" in parts:
+        part_replicas()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

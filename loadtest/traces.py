@@ -1,0 +1,218 @@
+"""Public LLM serving traces (``../shared/traces``): loading, time scaling, and the
+mapping from Mooncake ``hash_ids`` to prompt text and token ids.
+
+Shared by the offline replay (:mod:`loadtest.replay`, virtual time) and the HTTP
+benchmark client (:mod:`loadtest.workloads`, real time).
+
+* Mooncake traces (``timestamp`` ms, ``input_length``, ``output_length``,
+  ``hash_ids`` of 512-token blocks chained like a prefix cache: equal leading ids mean
+  an equal prefix). Azure 2023 traces (``TIMESTAMP``, ``ContextTokens``,
+  ``GeneratedTokens``): lengths and arrival times, no prefix information.
+* Two renderings of one trace request, both keeping the trace's prefix sharing
+  exactly (equal ids give equal blocks, different ids different blocks):
+  :func:`request_tokens_and_text` for the offline replay (token ids for the engine
+  model, 4-bytes-per-token text for the router) and :func:`block_words` /
+  :func:`trace_prompt_text` for HTTP (one short English word per token: exactly one
+  token each for the simulator's tokenizer, about one for a BPE tokenizer such as
+  Llama-3's; check ``usage.prompt_tokens`` against ``input_length`` once per model, as
+  ``traces/README.md`` advises).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids granularity
+BYTES_PER_TOKEN = 4  # the replay's text has exactly this many bytes per token
+TRACES_DIR = Path(os.environ.get("TG_TRACES_DIR", Path(__file__).resolve().parents[2] / "shared" / "traces"))
+TRACES = {
+    "mooncake_conversation": ("mooncake/conversation_trace.jsonl", "mooncake"),
+    "mooncake_synthetic": ("mooncake/synthetic_trace.jsonl", "mooncake"),
+    "azure_conv": ("azure2023/AzureLLMInferenceTrace_conv.csv", "azure"),
+    "azure_code": ("azure2023/AzureLLMInferenceTrace_code.csv", "azure"),
+}
+# Default prompt cap (tokens): a prefix of the trace's hash_ids is kept, so prefix
+# sharing is preserved. The offline replay raises max_model_len to fit it.
+MAX_INPUT_TOKENS = 32768
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One trace row: ``arrival_s`` (seconds from the trace start), token counts, and
+    the prefix block ids (Mooncake) or ``None`` (Azure: no sharing)."""
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: list[int] | None = None
+
+
+def load_trace(name: str, limit: int | None = None, max_input_tokens: int = MAX_INPUT_TOKENS,
+               traces_dir: Path | None = None) -> list[TraceRequest]:
+    """The first ``limit`` requests of trace ``name`` (a key of :data:`TRACES`), prompts
+    capped at ``max_input_tokens``. Raises KeyError for an unknown name and OSError when
+    the file is missing (set ``TG_TRACES_DIR`` to the traces folder)."""
+    rel, kind = TRACES[name]
+    path = (traces_dir or TRACES_DIR) / rel
+    out: list[TraceRequest] = []
+    if kind == "mooncake":
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                n_in = min(r["input_length"], max_input_tokens)
+                ids = r["hash_ids"][: math.ceil(n_in / TRACE_BLOCK_TOKENS)]
+                out.append(TraceRequest(r["timestamp"] / 1000.0, n_in, max(1, r["output_length"]), ids))
+                if limit and len(out) >= limit:
+                    break
+    else:
+        with open(path, newline="") as f:
+            t0 = None
+            for row in csv.DictReader(f):
+                t = datetime.strptime(row["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+                t0 = t if t0 is None else t0
+                out.append(TraceRequest(t - t0, min(max(1, int(row["ContextTokens"])), max_input_tokens),
+                                        max(1, int(row["GeneratedTokens"]))))
+                if limit and len(out) >= limit:
+                    break
+    return out
+
+
+def scale_time(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
+    """Multiply inter-arrival times by ``factor`` (< 1 compresses: more load)."""
+    return [dataclasses.replace(r, arrival_s=r.arrival_s * factor) for r in reqs]
+
+
+def trace_rate(reqs: list[TraceRequest]) -> float:
+    """Mean request rate of a trace slice in requests/s: ``(n - 1) / (last - first
+    arrival)``; ``inf`` when every request arrives at once."""
+    if len(reqs) < 2:
+        return math.inf
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    return (len(reqs) - 1) / span if span > 0 else math.inf
+
+
+def scale_to_rate(reqs: list[TraceRequest], rate: float) -> list[TraceRequest]:
+    """Rescale arrival times so the slice's mean rate is ``rate`` requests/s, starting
+    at 0; the shape of the arrival process (bursts, idle gaps) is kept."""
+    if not reqs:
+        return []
+    t0 = reqs[0].arrival_s
+    shifted = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
+    own = trace_rate(shifted)
+    if math.isinf(own) or rate <= 0 or math.isinf(rate):
+        return [dataclasses.replace(r, arrival_s=0.0) for r in shifted] if math.isinf(rate) else shifted
+    return scale_time(shifted, own / rate)
+
+
+def _unique_ids(i: int, n_blocks: int) -> list[int]:
+    # Azure rows have no prefix ids: give each request its own (negative) block ids
+    return [-(i * 1000 + b + 1) for b in range(n_blocks)]
+
+
+def block_ids(r: TraceRequest, i: int) -> list[int]:
+    """The request's block ids: its ``hash_ids``, or ids unique to request ``i``."""
+    return r.hash_ids if r.hash_ids is not None else _unique_ids(i, math.ceil(r.input_tokens / TRACE_BLOCK_TOKENS))
+
+
+def request_tokens_and_text(r: TraceRequest, i: int) -> tuple[list[int], str]:
+    """Token ids for the engine and canonical text for the router. Block ``h`` of the
+    trace is 512 token ids ``h*512 .. h*512+511`` and the text ``f"[{h:x}]"`` repeated to
+    2,048 bytes, so that equal ids give equal blocks on both sides."""
+    ids = block_ids(r, i)
+    tokens: list[int] = []
+    parts: list[str] = []
+    remaining = r.input_tokens
+    for h in ids:
+        n = min(TRACE_BLOCK_TOKENS, remaining)
+        base = (h % (1 << 22)) * TRACE_BLOCK_TOKENS
+        tokens.extend(range(base, base + n))
+        unit = f"[{h:x}]"
+        block = (unit * (TRACE_BLOCK_TOKENS * BYTES_PER_TOKEN // len(unit) + 1))[: n * BYTES_PER_TOKEN]
+        parts.append(block)
+        remaining -= n
+    return tokens, "".join(parts)
+
+
+# --- text for HTTP prompts --------------------------------------------------------------
+
+# Short common English words (at most 4 letters): each, with its leading space, is one
+# token for the simulator's tokenizer (loadtest/sim/tokenizer.py: whitespace + up to 4
+# word characters) and about one for BPE vocabularies. 256 of them, so that a word is
+# one base-256 digit.
+WORDS: tuple[str, ...] = tuple(w for w in dict.fromkeys("""
+the of and to in is was he for it with as his on be at by had are but from or have an
+they which one you were her all she there been if has when who will more no out so said
+what up its into than them can only two may then do some time like new now over such
+our man me even most made also did many off way well back much work year down day old
+any same good each take come give both long life show part city case tell data hand
+high line fact area word sure form room open next high plan rate main term kind idea
+book face left real four five best full head age land past need view care mind road
+game body home door side war name team air fire line king red blue gold fish bird tree
+rock sand star moon sun rain snow wind hill lake sea farm farm cow dog cat pig
+hat cap coat shoe shop bank card cash coin deal sale cost pay fee tax bill loan debt
+gain loss rise fall run walk talk sing read play ask call send keep hold turn move
+live stay wait meet help join lead pick pull push cut draw drop fill hang hide hit
+hunt kick kiss lift lock look mark mix pack pass ring rub save seal sell sort spin
+step stop swim test tie trip vote wash wear win wish wrap zoom able bad big cold cool
+dark deep dry easy fair fast fine flat free glad hard hot huge just kind late
+lazy loud low mad near neat nice odd pure rare rich safe shy slow soft tall thin tiny
+ugly warm weak wet wide wild wise yes zero top end art law oil job bed box
+cup egg leg arm ear eye lip toe map net pen pot van web key gas ice
+""".split()) if len(w) <= 4)[:256]
+_ID_DIGITS = 6  # leading words of a block that spell its id (256**6 distinct ids)
+
+
+def _zigzag(h: int) -> int:
+    return 2 * h if h >= 0 else -2 * h - 1
+
+
+@lru_cache(maxsize=65536)
+def _block_words_full(h: int, salt: str) -> tuple[str, ...]:
+    z = _zigzag(h)
+    head = []
+    for _ in range(_ID_DIGITS):
+        head.append(WORDS[z & 0xFF])
+        z >>= 8
+    rng = random.Random(f"{salt}/{h}")
+    tail = [WORDS[rng.randrange(256)] for _ in range(TRACE_BLOCK_TOKENS - _ID_DIGITS)]
+    return tuple(head + tail)
+
+
+def block_words(h: int, n: int = TRACE_BLOCK_TOKENS, salt: str = "") -> str:
+    """The text of trace block ``h``: ``n`` (<= 512) words, each with a leading space.
+
+    The first 6 words spell ``h`` in base 256 (so different ids give different blocks,
+    for any id in ``[-2**47, 2**47)``), the rest are drawn from a generator seeded by
+    ``(salt, h)`` (equal ids give byte-identical blocks). Truncating a block keeps its
+    first ``n`` words, so the last block of a prompt is a prefix of the full block.
+    ``salt`` namespaces a whole run (a different salt shares nothing with this one)."""
+    return "".join(" " + w for w in _block_words_full(h, salt)[:n])
+
+
+def trace_prompt_text(r: TraceRequest, i: int, salt: str = "") -> str:
+    """Prompt text of trace request ``i``: its blocks' words concatenated, the last
+    block truncated so that the text has exactly ``r.input_tokens`` words
+    (``input_length - 512 * (n - 1)`` in the last block)."""
+    parts = []
+    remaining = r.input_tokens
+    for h in block_ids(r, i):
+        if remaining <= 0:
+            break
+        n = min(TRACE_BLOCK_TOKENS, remaining)
+        parts.append(block_words(h, n, salt))
+        remaining -= n
+    return "".join(parts)
+
+
+def random_words(n: int, rng: random.Random) -> str:
+    """``n`` words drawn from ``rng`` (about ``n`` tokens), each with a leading space."""
+    return "".join(" " + WORDS[rng.randrange(256)] for _ in range(n))

@@ -1,0 +1,121 @@
+"""A zero-delay OpenAI-compatible backend: the floor under a proxy benchmark.
+
+    python -m loadtest.zero [--port 0] [--tokens 16]
+
+Answers ``POST /v1/chat/completions`` and ``/v1/completions`` at once: streamed, a
+role chunk, ``max_tokens`` one-word text chunks (default ``--tokens``), a usage chunk
+(``stream_options.include_usage``) and ``[DONE]``, each written as soon as the
+previous one (no model, no sleeping); or one JSON body. Also ``GET /health``,
+``/v1/models`` and an empty ``/metrics``. Prints ``{"zero": "http://127.0.0.1:PORT"}``
+on stdout once listening; serves until SIGTERM/SIGINT (or, with ``--exit-on-stdin-eof``, until standard input closes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+import time
+
+import orjson
+from aiohttp import web
+
+MAX_TOKENS_CAP = 4096
+
+
+def make_app(default_tokens: int = 16) -> web.Application:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        chat = request.path.endswith("/chat/completions")
+        n = max(1, min(int(body.get("max_tokens") or body.get("max_completion_tokens") or default_tokens),
+                       MAX_TOKENS_CAP))
+        model = body.get("model", "zero")
+        head = {"id": "cmpl-zero", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model}
+        usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        if not body.get("stream"):
+            choice = ({"index": 0, "message": {"role": "assistant", "content": " x" * n}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": " x" * n, "finish_reason": "length"})
+            return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
+                                      "choices": [choice], "usage": usage}, dumps=lambda o: orjson.dumps(o).decode())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        if chat:
+            await resp.write(b"data: " + orjson.dumps({**head, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + b"\n\n")
+        for i in range(n):
+            fin = "length" if i == n - 1 else None
+            choice = ({"index": 0, "delta": {"content": " x"}, "finish_reason": fin} if chat
+                      else {"index": 0, "text": " x", "finish_reason": fin})
+            await resp.write(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+        tail = b""
+        if (body.get("stream_options") or {}).get("include_usage"):
+            tail = b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+        await resp.write(tail + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "zero", "object": "model"}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="", content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def _serve(port: int, tokens: int, exit_on_eof: bool) -> None:
+    runner = web.AppRunner(make_app(tokens), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
+    await site.start()
+    print(json.dumps({"zero": f"http://127.0.0.1:{runner.addresses[0][1]}"}), flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read1(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        loop.call_soon_threadsafe(stop.set)
+
+    if exit_on_eof:
+        threading.Thread(target=watch, daemon=True).start()
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.zero", description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=16, help="output tokens when the request sets no max_tokens")
+    ap.add_argument("--exit-on-stdin-eof", action="store_true", help="exit when standard input closes")
+    args = ap.parse_args(argv)
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    run(_serve(args.port, args.tokens, args.exit_on_stdin_eof))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
