@@ -231,9 +231,9 @@ def format_table(rows: list[tuple[str, dict[str, float]]]) -> str:
 # (inter-arrival multiplier) that loads the 4-backend fleet so that round robin's mean
 # TTFT is well above its unloaded value; each row of the output says both.
 BENCH = {
-    "mooncake_conversation": (2000, 0.35),
-    "mooncake_synthetic": (1500, 0.5),
-    "azure_conv": (3000, 0.2),
+    "mooncake_conversation": (2000, 1.7),
+    "mooncake_synthetic": (1500, 1.6),
+    "azure_conv": (3000, 0.15),
 }
 
 

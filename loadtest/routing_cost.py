@@ -75,50 +75,82 @@ def part_decision() -> None:
         print(f"| {nb} | " + " | ".join(cells) + " |")
 
 
-async def _store_part() -> None:
+async def _paced_routing(router: Router, seconds: float, max_requests: int) -> tuple[float, int]:
+    """Route requests one at a time, yielding to the event loop after each (as a
+    server handling many requests does), for ``seconds`` or ``max_requests``. Returns
+    (microseconds of routing per request, requests routed)."""
+    rng = random.Random(2)
+    est = TokenEstimator()
+    texts = _requests(2000, rng)
+    loop = asyncio.get_running_loop()
+    spent = 0.0
+    n = 0
+    t_end = time.monotonic() + seconds
+    while n < max_requests and time.monotonic() < t_end:
+        text = texts[n % len(texts)]
+        t0 = time.perf_counter()
+        e = est.estimate("m", text, 128)
+        now = loop.time()
+        d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+                                           prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
+                                           tokens_per_block=64.0), now)
+        res.release(now)
+        spent += time.perf_counter() - t0
+        n += 1
+        await asyncio.sleep(0)
+    return spent / n * 1e6, n
+
+
+async def _store_part(seconds: float = 5.0, max_requests: int = 20_000) -> None:
     from routing.state import RedisStore
     from tests.redis_server import ValkeyProcess  # the same valkey-server the tests use
+
+    import redis.asyncio as aioredis
 
     server = ValkeyProcess()
     server.start()
     try:
-        import redis.asyncio as aioredis
         admin = aioredis.from_url(server.url)
-        fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(8)])
-        index = PrefixIndex()
-        router = Router(fleet, make_policy("estimated_ttft"), index)
-        local_us = decision_cost(8, 0, 2000, router=router)
-        store = RedisStore(fleet, index, server.url, namespace="bench")
-        router.store = store
+
+        def router() -> Router:
+            fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(8)])
+            return Router(fleet, make_policy("estimated_ttft"), PrefixIndex())
+
+        local = router()
+        cpu0 = time.process_time()
+        local_us, local_n = await _paced_routing(local, seconds, max_requests)
+        local_cpu = time.process_time() - cpu0
+
+        shared = router()
+        store = RedisStore(shared.fleet, shared.index, server.url, namespace="bench")
+        shared.store = store
         await store.start()
         await admin.config_resetstat()
-        cpu0, t0 = time.process_time(), time.monotonic()
-        n = 0
-        redis_us = []
-        while time.monotonic() - t0 < 5.0 and n < 20_000:  # bounded: 5 s or 20k requests
-            redis_us.append(decision_cost(8, 0, 200, router=router))
-            n += 200 * 3
-            await asyncio.sleep(0.01)  # let the sync loop run between bursts, as a server would
-        elapsed = time.monotonic() - t0
+        cpu0 = time.process_time()
+        redis_us, redis_n = await _paced_routing(shared, seconds, max_requests)
+        redis_cpu = time.process_time() - cpu0
         stats = await admin.info("commandstats")
-        commands = sum(v["calls"] for k, v in stats.items() if k.startswith("cmdstat_") and k != "cmdstat_info"
-                       and k != "cmdstat_config|resetstat")
+        commands = sum(v["calls"] for k, v in stats.items()
+                       if k.startswith("cmdstat_") and k not in ("cmdstat_info", "cmdstat_config|resetstat"))
+        syncs = store.stats.calls.get("pipeline", 0)
         await store.stop()
-        idle0 = time.process_time()
-        store2 = RedisStore(fleet, index, server.url, namespace="bench-idle")
-        await store2.start()
+
+        idle = RedisStore(router().fleet, PrefixIndex(), server.url, namespace="bench-idle")
+        await idle.start()
+        cpu0 = time.process_time()
         await asyncio.sleep(3.0)
-        await store2.stop()
-        idle_cpu = (time.process_time() - idle0) / 3.0
+        idle_cpu = (time.process_time() - cpu0) / 3.0
+        await idle.stop()
         await admin.aclose()
-        print("\n## State store cost (8 backends)\n")
+        print("\n## State store cost (8 backends, 8 KB prompts, requests routed back to back)\n")
         print("| | in-process | Redis (valkey on 127.0.0.1) |")
         print("|---|---|---|")
-        print(f"| routing cost per request, us | {local_us:.0f} | {statistics.median(redis_us):.0f} |")
-        print(f"| Redis commands per request | 0 | {commands / n:.3f} ({commands} commands for {n} requests "
-              f"in {elapsed:.1f} s, {store.stats.calls.get('pipeline', 0)} syncs) |")
-        print(f"| sync loop CPU when idle, % of a core | 0 | {idle_cpu * 100:.1f} |")
-        del cpu0
+        print(f"| routing cost per request (estimate + route + release), us | {local_us:.0f} | {redis_us:.0f} |")
+        print(f"| process CPU per request incl. the sync loop, us | {local_cpu / local_n * 1e6:.0f} | "
+              f"{redis_cpu / redis_n * 1e6:.0f} |")
+        print(f"| requests routed | {local_n} | {redis_n} |")
+        print(f"| Redis commands per request | 0 | {commands / redis_n:.3f} ({commands} commands, {syncs} syncs) |")
+        print(f"| sync loop CPU when idle, % of one core | 0 | {idle_cpu * 100:.1f} |")
     finally:
         server.cleanup()
 

@@ -37,7 +37,7 @@ class DecayedLinearFit:
     few noisy samples cannot produce a negative speed.
     """
 
-    __slots__ = ("decay", "s", "sx", "sy", "sxx", "sxy", "min_slope", "max_slope", "samples")
+    __slots__ = ("decay", "s", "sx", "sy", "sxx", "sxy", "min_slope", "max_slope", "samples", "slope", "intercept")
 
     def __init__(self, intercept: float, slope: float, prior_x: float, *, decay: float = 0.97,
                  prior_weight: float = 2.0, min_slope: float = 1e-9, max_slope: float = 1e3) -> None:
@@ -48,6 +48,7 @@ class DecayedLinearFit:
         half = prior_weight / 2
         for x in (0.0, prior_x):
             self._add(x, intercept + slope * x, half)
+        self._refit()
 
     def _add(self, x: float, y: float, w: float) -> None:
         self.s += w
@@ -66,18 +67,18 @@ class DecayedLinearFit:
         self.sxy *= d
         self._add(x, y, 1.0)
         self.samples += 1
+        self._refit()
 
-    @property
-    def slope(self) -> float:
+    def _refit(self) -> None:
+        # ``slope`` and ``intercept`` are plain attributes, refitted on each sample:
+        # routing reads them for every candidate of every request
         var = self.s * self.sxx - self.sx * self.sx
         if var <= 1e-12 * max(self.s * self.sxx, 1e-30):
-            return self.min_slope
-        slope = (self.s * self.sxy - self.sx * self.sy) / var
-        return min(max(slope, self.min_slope), self.max_slope)
-
-    @property
-    def intercept(self) -> float:
-        return max((self.sy - self.slope * self.sx) / self.s, 0.0)
+            slope = self.min_slope
+        else:
+            slope = min(max((self.s * self.sxy - self.sx * self.sy) / var, self.min_slope), self.max_slope)
+        self.slope = slope
+        self.intercept = max((self.sy - slope * self.sx) / self.s, 0.0)
 
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x

@@ -68,10 +68,13 @@ class Router:
             all_candidates = [b for b in all_candidates if b.spec.role in request.roles]
             if not all_candidates:
                 raise NoBackendAvailable(request.model)
-        healthy = [b for b in all_candidates if b.healthy]
-        # When every health check failed, the checks may be wrong: try them all.
-        all_candidates = healthy or all_candidates
-        warm = [b for b in all_candidates if b.cooldown_until <= now]
+        warm = [b for b in all_candidates if b.healthy and b.cooldown_until <= now]
+        if not warm:
+            # When every health check failed, the checks may be wrong: try them all.
+            if not any(b.healthy for b in all_candidates):
+                warm = [b for b in all_candidates if b.cooldown_until <= now]
+            else:
+                all_candidates = [b for b in all_candidates if b.healthy]
         if not warm:
             wait = min(b.cooldown_until for b in all_candidates) - now
             raise NoBackendAvailable(request.model, retry_after_s=max(wait, 0.0))

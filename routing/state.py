@@ -11,7 +11,8 @@ its local view; a background task of the :class:`RedisStore`, every ``sync_inter
    crash leaks no load; snapshots are absolute, so a lost update is repaired by the
    next one;
 2. appends the prefix blocks it dispatched since the last sync to a capped stream
-   (``XADD ... MAXLEN ~ prefix_stream_maxlen``), one entry per request;
+   (``XADD ... MAXLEN ~ prefix_stream_maxlen``), one entry per sync carrying every
+   dispatch since the previous one (so Redis commands per request fall as load rises);
 3. reads every live replica's snapshot (a registry sorted set scored by lease expiry,
    then ``MGET``) and the stream entries it has not seen (``XRANGE`` from its cursor),
    and folds them into the local view: other replicas' load becomes
@@ -205,16 +206,19 @@ class RedisStore:
         now_ms = int(time.time() * 1000)
         expires = now_ms + self.lease_ms
         pending = []
-        while self.outbox and len(pending) < 5000:
+        while self.outbox and len(pending) < 2000:
             pending.append(self.outbox.popleft())
         try:
             pipe = client.pipeline(transaction=False)
             pipe.set(self.k_load_prefix + self.replica, self._snapshot(), px=self.lease_ms)
             pipe.zadd(self.k_registry, {self.replica: expires})
             pipe.zremrangebyscore(self.k_registry, "-inf", now_ms)
-            for backend, hashes in pending:
-                pipe.xadd(self.k_stream, {"r": self.replica, "b": backend, "h": _pack_hashes(hashes)},
-                          maxlen=self.maxlen, approximate=True)
+            if pending:  # one entry per sync, however many dispatches it carries
+                fields: dict[str, Any] = {"r": self.replica}
+                for i, (backend, hashes) in enumerate(pending):
+                    fields[f"b{i}"] = backend
+                    fields[f"h{i}"] = _pack_hashes(hashes)
+                pipe.xadd(self.k_stream, fields, maxlen=self.maxlen, approximate=True)
             pipe.zrangebyscore(self.k_registry, now_ms, "+inf")
             pipe.xrange(self.k_stream, min=f"({self.cursor}" if self.cursor != "0-0" else "-", count=5000)
             pipe.time()
@@ -237,18 +241,20 @@ class RedisStore:
         for entry_id, fields in entries:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             self.cursor = eid
-            rep = fields.get(b"r", fields.get("r"))
-            rep = rep.decode() if isinstance(rep, bytes) else rep
-            if rep == self.replica:
-                continue
-            backend = fields.get(b"b", fields.get("b"))
-            backend = backend.decode() if isinstance(backend, bytes) else backend
-            if backend not in self.fleet.backends:
+            f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+            rep = f.get("r")
+            if (rep.decode() if isinstance(rep, bytes) else rep) == self.replica:
                 continue
             age_s = max(redis_now_ms - int(eid.split("-")[0]), 0) / 1000.0
-            hashes = _unpack_hashes(fields.get(b"h", fields.get("h")))
-            self.index.record(backend, hashes, now - age_s)
-            self.stats.remote_blocks_applied += len(hashes)
+            i = 0
+            while f"b{i}" in f:
+                backend = f[f"b{i}"]
+                backend = backend.decode() if isinstance(backend, bytes) else backend
+                if backend in self.fleet.backends:
+                    hashes = _unpack_hashes(f[f"h{i}"])
+                    self.index.record(backend, hashes, now - age_s)
+                    self.stats.remote_blocks_applied += len(hashes)
+                i += 1
         self.stats.last_sync_at = now
 
     def _fold_load(self, snaps: list) -> None:

@@ -38,6 +38,12 @@ from routing.policies import BasePolicy, Decision, RouteRequest
 CHUNK_TOKENS = 2048
 TIE_RELATIVE = 0.02
 TIE_ABSOLUTE_S = 0.0005
+# Above this many candidates, score the backends holding the longest prefix matches
+# plus a random sample of the rest ("power of d choices", Mitzenmacher, IEEE TPDS 2001:
+# a few random probes already give most of the benefit of scoring everyone).
+FULL_SCAN_MAX = 32
+SAMPLE_MATCHED = 8
+SAMPLE_RANDOM = 16
 
 
 def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]:
@@ -45,9 +51,12 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
     load = b.load
     now = request.now
     uncached = request.prompt_tokens - request.cached_tokens(b.name)
-    work = load.total_queued_prefill_tokens + load.external_queued_tokens(now) + uncached
+    work = load.total_queued_prefill_tokens + uncached
+    running = load.total_running
+    if load.engine is not None:
+        work += load.external_queued_tokens(now)
+        running += load.external_running(now)
     est = load.ttft_overhead_s + work / load.prefill_tokens_per_s
-    running = load.total_running + load.external_running(now)
     if running:
         est += math.ceil(work / CHUNK_TOKENS) * load.itl_per_stream_s * running
         need = request.prompt_tokens + request.output_tokens
@@ -67,6 +76,8 @@ class EstimatedTTFT(BasePolicy):
         self._rng = rng or random.Random()
 
     def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+        if len(candidates) > FULL_SCAN_MAX:
+            candidates = self._sample(request, candidates)
         scored = [(estimate_ttft(b, request), b) for b in candidates]
         best = min(s[0][0] for s in scored)
         limit = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
@@ -83,3 +94,19 @@ class EstimatedTTFT(BasePolicy):
             reason = "least_load"
         return Decision(chosen, self.name, reason, {"ttft_est_s": est, "matched_tokens": cached,
                                                     "uncached_tokens": uncached})
+
+    def _sample(self, request: RouteRequest, candidates: Sequence[BackendState]) -> list[BackendState]:
+        matched = request.matched_blocks
+        holders: list[tuple[int, BackendState]] = []
+        rest: list[BackendState] = []
+        for b in candidates:
+            m = matched.get(b.spec.name)
+            if m is None:
+                rest.append(b)
+            else:
+                holders.append((m, b))
+        holders.sort(key=lambda mb: -mb[0])
+        picked = [b for _, b in holders[:SAMPLE_MATCHED]]
+        rest = rest or [b for _, b in holders[SAMPLE_MATCHED:]]
+        picked += self._rng.sample(rest, min(SAMPLE_RANDOM, len(rest)))
+        return picked
