@@ -40,11 +40,11 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-async def _serve(app: web.Application, host: str, port: int) -> None:
+async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=1024)
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
         await site.start()
         addr = runner.addresses[0]
         log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", help="listen address (overrides listen.host; default 127.0.0.1)")
     ap.add_argument("--port", type=int, help="listen port (overrides listen.port; default 8080)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--workers", type=int, default=1,
+                    help="processes sharing the listening port (SO_REUSEPORT); share state via state.url")
     args = ap.parse_args(argv)
     _setup_logging(args.log_level)
     try:
@@ -84,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         run = asyncio.run
     started = time.monotonic()
+    if args.workers > 1:
+        from gateway.workers import run_workers
+        try:
+            return run_workers(cfg, args.config, host, port, args.workers, args.log_level)
+        except OSError as e:
+            print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
+            return 2
     try:
         run(_serve(create_app(cfg), host, port))
     except OSError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 
 from gateway.config import Backend
@@ -19,6 +20,25 @@ START_TIMEOUT_S = 30.0
 
 class DemoFleetError(Exception):
     """The simulated fleet did not start; the message says why."""
+
+
+def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Blocking variant of :meth:`DemoFleet.start` for a parent process without an
+    event loop (``--workers``). Close the child's stdin to stop it. Raises
+    :class:`DemoFleetError`."""
+    spec = [{"name": b.name, "models": b.models, **b.simulate} for b in backends if b.simulate]
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    try:
+        urls = json.loads(line) if line else None
+    except ValueError:
+        urls = None
+    if not isinstance(urls, dict):
+        proc.kill()
+        proc.wait()
+        raise DemoFleetError("the simulated demo fleet (python -m loadtest.sim) failed to start")
+    return proc, urls
 
 
 class DemoFleet:

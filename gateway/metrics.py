@@ -108,6 +108,7 @@ class GatewayMetrics:
 
     def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple, object] = {}
         self.requests = Counter("turbo_gateway_requests", "Requests answered, by final HTTP status",
                                 ["model", "backend", "status"], registry=r)
         self.ttft = Histogram("turbo_gateway_ttft_seconds",
@@ -152,6 +153,15 @@ class GatewayMetrics:
         r.register(_FleetCollector(fleet))
         if store is not None and index is not None:
             r.register(_StoreCollector(store, index))
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, cached: the request path asks for the same few
+        label sets over and over, and prometheus_client's lookup validates each time."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

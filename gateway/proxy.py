@@ -202,10 +202,10 @@ class Proxy:
             if params is not None:
                 ex.body = orjson.dumps({**parsed.data, "kv_transfer_params": params})
                 roles, remote = DECODE, True
-                self.metrics.disaggregated.labels("ok").inc()
+                self.metrics.child(self.metrics.disaggregated, "ok").inc()
             else:  # the prefill leg failed: a decode or mixed backend recomputes the prompt
                 roles = SERVING
-                self.metrics.disaggregated.labels("fallback").inc()
+                self.metrics.child(self.metrics.disaggregated, "fallback").inc()
         while True:
             now = loop.time()
             try:
@@ -219,7 +219,7 @@ class Proxy:
                     await asyncio.sleep(wait)
                     continue
                 return self._final_failure(ex, last, no_backend=e)
-            self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+            self.metrics.child(self.metrics.decisions, decision.policy, decision.reason).inc()
             backend = decision.backend
             client = self.clients[backend.name]
             ex.backend = backend.name
@@ -230,7 +230,7 @@ class Proxy:
             except UpstreamError as err:
                 reservation.release(loop.time())
                 ex.attempts[-1] = (backend.name, now, err.reason)
-                self.metrics.upstream_errors.labels(backend.name, err.reason).inc()
+                self.metrics.child(self.metrics.upstream_errors, backend.name, err.reason).inc()
                 if ex.response is not None:  # bytes already reached the client: end the stream
                     return await self._end_stream_with_error(ex, err)
                 last = err
@@ -248,7 +248,7 @@ class Proxy:
                 if now + delay - t0 > retries.budget_s:
                     return self._final_failure(ex, err)
                 excluded.add(backend.name)
-                self.metrics.retries.labels(err.reason).inc()
+                self.metrics.child(self.metrics.retries, err.reason).inc()
                 log.info("retrying request %s after %s from %s (attempt %d)", ex.request_id, err.reason,
                          backend.name, len(ex.attempts))
                 await asyncio.sleep(delay)
@@ -319,7 +319,7 @@ class Proxy:
                 phase = "stream"
                 first_at = loop.time()
                 reservation.first_token(first_at)
-                self.metrics.ttft.labels(parsed.model).observe(first_at - ex.arrival)
+                self.metrics.child(self.metrics.ttft, parsed.model).observe(first_at - ex.arrival)
                 out = web.StreamResponse(status=200, headers={
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache", BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id,
@@ -331,7 +331,7 @@ class Proxy:
                     raise ClientGone() from e
                 ex.response = out
                 scan = StreamScan()
-                itl = self.metrics.itl.labels(parsed.model)
+                itl = self.metrics.child(self.metrics.itl, parsed.model)
                 last_at = first_at
                 read = resp.content.readany
                 while chunk:
@@ -367,7 +367,7 @@ class Proxy:
                 raise FirstByteTimeout(name, f"backend {name} sent no first byte within {t.ttft_s} s") from e
             raise IdleTimeout(name, f"backend {name} stalled for more than {t.idle_s} s between chunks") from e
         except (ClientGone, asyncio.CancelledError):
-            self.metrics.client_disconnects.labels(name).inc()
+            self.metrics.child(self.metrics.client_disconnects, name).inc()
             self._finish(ex, 499)
             raise
         finally:
@@ -432,7 +432,7 @@ class Proxy:
                 reason = "connect" if isinstance(e, aiohttp.ClientConnectorError) else type(e).__name__
             finally:
                 reservation.release(loop.time())
-            self.metrics.upstream_errors.labels(name, reason).inc()
+            self.metrics.child(self.metrics.upstream_errors, name, reason).inc()
             excluded.add(name)
         return None
 
@@ -453,7 +453,7 @@ class Proxy:
             except orjson.JSONDecodeError:
                 pass
         now = asyncio.get_running_loop().time()
-        self.metrics.ttft.labels(parsed.model).observe(now - ex.arrival)
+        self.metrics.child(self.metrics.ttft, parsed.model).observe(now - ex.arrival)
         self._settle(ex, reservation, usage, 0, whole=True)
         self._finish(ex, 200)
         return web.Response(status=200, body=data, headers={
@@ -473,18 +473,18 @@ class Proxy:
             pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(pt, int):
                 prompt = pt
-                m.prompt_tokens.labels(model).inc(pt)
+                m.child(m.prompt_tokens, model).inc(pt)
             if isinstance(ct, int):
                 completion = ct
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                m.cached_tokens.labels(model).inc(details["cached_tokens"])
+                m.child(m.cached_tokens, model).inc(details["cached_tokens"])
                 if ex.decision is not None:
                     predicted = ex.decision.detail.get("matched_tokens", 0)
-                    m.predicted_cached_tokens.labels(model).inc(predicted)
-                    m.reported_prompt_tokens.labels(model).inc(prompt or 0)
+                    m.child(m.predicted_cached_tokens, model).inc(predicted)
+                    m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
         if completion:
-            m.completion_tokens.labels(model).inc(completion)
+            m.child(m.completion_tokens, model).inc(completion)
         if ex.estimate is not None:
             self.estimator.observe_usage(model, ex.estimate.size_bytes, prompt, completion)
         now = asyncio.get_running_loop().time()
@@ -495,14 +495,14 @@ class Proxy:
 
     def _finish(self, ex: Exchange, status: int) -> None:
         now = asyncio.get_running_loop().time()
-        self.metrics.requests.labels(ex.parsed.model, ex.backend or "none", str(status)).inc()
+        self.metrics.child(self.metrics.requests, ex.parsed.model, ex.backend or "none", str(status)).inc()
         if status == 200:
-            self.metrics.e2e.labels(ex.parsed.model).observe(now - ex.arrival)
+            self.metrics.child(self.metrics.e2e, ex.parsed.model).observe(now - ex.arrival)
 
     async def _end_stream_with_error(self, ex: Exchange, err: UpstreamError) -> web.StreamResponse:
         out = ex.response
         assert out is not None
-        self.metrics.stream_errors.labels(err.backend, err.reason).inc()
+        self.metrics.child(self.metrics.stream_errors, err.backend, err.reason).inc()
         prefix = b"\n\n" if ex.scan is not None and ex.scan.tail else b""
         log.warning("stream %s from %s failed after the first byte: %s", ex.request_id, err.backend, err.message)
         try:

@@ -201,3 +201,37 @@ async def test_frozen_redis_does_not_block_requests(fleet):
             w.close()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.slow
+async def test_workers_share_one_port_and_one_view(fleet, tmp_path):
+    with redis_url() as redis:
+        cfg = _config_dict(fleet, redis, "estimated_ttft", namespace=f"w{free_port()}")
+        port = free_port()
+        path = tmp_path / "workers.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port),
+                                 "--workers", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            replicas = 0.0
+            async with aiohttp.ClientSession() as s:
+                for _ in range(600):  # until both workers listen and see each other
+                    assert proc.poll() is None, proc.stderr.read().decode()
+                    try:
+                        async with s.get(url + "/metrics") as r:
+                            text = await r.text()
+                        line = [x for x in text.splitlines() if x.startswith("turbo_gateway_state_replicas ")]
+                        replicas = float(line[0].split()[1]) if line else 0.0
+                    except aiohttp.ClientError:
+                        pass
+                    if replicas == 2:
+                        break
+                    await asyncio.sleep(0.05)
+            assert replicas == 2
+            statuses = [(await _chat(url, f"q{i}", 2))[0] for i in range(20)]
+            assert statuses == [200] * 20
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        assert proc.returncode == 0

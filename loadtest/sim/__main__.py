@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
@@ -42,8 +43,9 @@ async def _serve(configs: list[SimBackendConfig], exit_on_eof: bool, fleet: Flee
         # alike (uvloop aborts on a non-pipe stdin) and never blocks the exit.
         def watch() -> None:
             try:
-                while sys.stdin.buffer.read1(4096):
-                    pass
+                fd = sys.stdin.fileno()
+                while os.read(fd, 4096):  # not sys.stdin: its buffer lock would
+                    pass                  # abort interpreter shutdown on a signal
             except (OSError, ValueError):
                 pass
             loop.call_soon_threadsafe(stop.set)
