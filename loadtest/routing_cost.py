@@ -245,6 +245,7 @@ def _replay_two_replicas(reqs, shared: bool, staleness_s: float = 0.05):
                 heapq.heappush(pending_blocks, (t + staleness_s, k, name, e.hashes))
             rec = records[i]
             rec.backend, rec.prompt_tokens, rec.output_tokens = name, len(tokens), reqs[i].output_tokens
+            rec.predicted_cached = d.detail.get("matched_tokens", 0.0)
             try:
                 engines[name].add_request(f"r{i}", tokens, reqs[i].output_tokens, arrival_time=t,
                                           output_tokens=reqs[i].output_tokens)
