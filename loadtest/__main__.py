@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--output-len", type=int, default=16)
     ov.add_argument("--realistic-profile", default="h100-llama3-8b",
                     help="simulator profile of the realistic backend (default h100-llama3-8b)")
-    ov.add_argument("--policy", default="least_requests", help="gateway routing policy (default least_requests)")
+    ov.add_argument("--policy", default="estimated_ttft", help="gateway routing policy (default: the gateway default, estimated_ttft)")
     ov.add_argument("--request-timeout", type=float, default=120.0)
     ov.add_argument("--out", help="output folder (default: print only)")
     ov.add_argument("--quiet", action="store_true")

@@ -38,6 +38,7 @@ from loadtest.traces import (BYTES_PER_TOKEN, MAX_INPUT_TOKENS, TRACE_BLOCK_TOKE
                              load_trace, request_tokens_and_text, scale_time)
 from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
 from routing.estimate import TokenEstimator
+from routing.load import RemoteLoad
 
 BENCH_POLICIES = ("round_robin", "least_requests", "power_of_two", "prefix_hash", "cache_aware",
                   "cache_aware_min_load", "estimated_ttft")
@@ -78,20 +79,32 @@ def make_fleet(profile_names: tuple[str, ...] = DEFAULT_FLEET) -> list[FleetMemb
 
 
 def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, seed: int = 0,
-           block_tokens: int = 64, know_kv_capacity: bool = True) -> list[Record]:
+           block_tokens: int = 64, know_kv_capacity: bool = True, replicas: int = 1,
+           shared: bool = True, staleness_s: float = 0.05) -> list[Record]:
     """Run ``reqs`` through ``policy`` on ``fleet`` in virtual time; return one
-    :class:`Record` per request. Speeds are not hinted: the router learns them."""
+    :class:`Record` per request. Speeds are not hinted: the router learns them.
+
+    With ``replicas`` > 1, request ``i`` goes to gateway replica ``i % replicas`` (an
+    L4 balancer's round robin), each with its own router; with ``shared`` every
+    replica sees the others' load and dispatched prefix blocks ``staleness_s`` late
+    (what :class:`routing.state.RedisStore` gives at its default bound), otherwise
+    never.
+    """
     random.seed(seed)
-    specs = [BackendSpec(m.name, frozenset({"m"}),
-                         kv_capacity_tokens=m.profile.kv_capacity_tokens if know_kv_capacity else None)
-             for m in fleet]
-    router = Router(Fleet(specs), make_policy(policy), block_tokens=block_tokens)
-    estimator = TokenEstimator(block_tokens=block_tokens)
+
+    def make_router() -> tuple[Router, TokenEstimator]:
+        specs = [BackendSpec(m.name, frozenset({"m"}),
+                             kv_capacity_tokens=m.profile.kv_capacity_tokens if know_kv_capacity else None)
+                 for m in fleet]
+        return Router(Fleet(specs), make_policy(policy), block_tokens=block_tokens), TokenEstimator(block_tokens=block_tokens)
+
+    gateways = [make_router() for _ in range(replicas)]
     engines = {m.name: Engine(m.profile, engine_id=m.name) for m in fleet}
     busy = {m.name: False for m in fleet}
     records: list[Record] = [Record(r.arrival_s) for r in reqs]
-    reservations: dict[str, object] = {}
+    reservations: dict[str, tuple[object, TokenEstimator]] = {}
     events: list[tuple[float, int, str, object]] = []
+    blocks_in_flight: list[tuple[float, int, int, str, tuple[int, ...]]] = []  # (visible at, seq, from, backend, hashes)
     seq = 0
 
     def push(t: float, kind: str, payload: object) -> None:
@@ -111,15 +124,50 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         busy[name] = True
         push(t + dt, "step", (name, outs))
 
+    def sync(t: float) -> None:
+        for k, (router, _) in enumerate(gateways):
+            for name, b in router.fleet.backends.items():
+                remote = RemoteLoad()
+                in_flight = 0
+                for j, (other, _) in enumerate(gateways):
+                    if j == k:
+                        continue
+                    ob = other.fleet.backends[name]
+                    ld = ob.load
+                    remote.queued += ld.queued
+                    remote.queued_prefill_tokens += ld.queued_prefill_tokens
+                    remote.running += ld.running
+                    remote.decode_tokens_remaining += ld.decode_tokens_remaining
+                    remote.kv_tokens += ld.kv_tokens
+                    remote.speeds.append(ld.local_speed())
+                    in_flight += ob.in_flight
+                b.load.remote = remote
+                b.remote_in_flight = in_flight
+        while blocks_in_flight and blocks_in_flight[0][0] <= t:
+            _, _, k, name, hashes = heapq.heappop(blocks_in_flight)
+            for j, (other, _) in enumerate(gateways):
+                if j != k:
+                    other.index.record(name, hashes, t)
+
     for i, r in enumerate(reqs):
         push(r.arrival_s, "arrival", i)
+    share = shared and replicas > 1
+    if share:
+        push(0.0, "sync", None)
+    pending = len(reqs)
 
     while events:
         t, _, kind, payload = heapq.heappop(events)
-        if kind == "arrival":
+        if kind == "sync":
+            sync(t)
+            if pending:
+                push(t + staleness_s, "sync", None)
+        elif kind == "arrival":
             i = payload  # type: ignore[assignment]
             r = reqs[i]
             rec = records[i]
+            k = i % replicas
+            router, estimator = gateways[k]
             tokens, text = request_tokens_and_text(r, i)
             est = estimator.estimate("m", text, r.output_tokens)
             tpb = estimator.block_bytes / estimator.stats("m").bytes_per_token
@@ -127,6 +175,9 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                                                       block_hashes=est.hashes, prompt_tokens=est.prompt_tokens,
                                                       output_tokens=est.output_tokens, tokens_per_block=tpb), t)
             name = decision.backend.name
+            if share:
+                seq += 1
+                heapq.heappush(blocks_in_flight, (t + staleness_s, seq, k, name, est.hashes))
             rec.backend, rec.prompt_tokens, rec.output_tokens = name, len(tokens), r.output_tokens
             rec.predicted_cached = decision.detail.get("matched_tokens", 0.0)
             rid = f"r{i}"
@@ -135,8 +186,9 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             except ValueError as e:
                 rec.error = str(e)
                 res.release(t)
+                pending -= 1
                 continue
-            reservations[rid] = res
+            reservations[rid] = (res, estimator)
             if not busy[name]:
                 start_step(name, t)
         else:
@@ -144,7 +196,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             for out in outs:
                 i = int(out.req_id[1:])
                 rec = records[i]
-                res = reservations[out.req_id]
+                res, estimator = reservations[out.req_id]
                 if out.new_token_ids:
                     if rec.first_token is None:
                         rec.first_token = t
@@ -155,6 +207,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                     rec.end = t
                     res.release(t, rec.generated)
                     del reservations[out.req_id]
+                    pending -= 1
                     estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN, rec.prompt_tokens,
                                             rec.generated)
             start_step(name, t)

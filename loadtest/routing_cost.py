@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import heapq
 import random
 import statistics
 import sys
@@ -32,7 +31,6 @@ import time
 
 from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
 from routing.estimate import TokenEstimator
-from routing.load import RemoteLoad
 from routing.prefix_index import PrefixIndex
 
 
@@ -164,114 +162,10 @@ def part_replicas(trace: str = "mooncake_conversation", n: int = 1500, scale: fl
           f"estimated_ttft, fleet {', '.join(rp.DEFAULT_FLEET)})\n")
     rows = []
     for shared in (True, False):
-        recs = _replay_two_replicas(reqs, shared)
+        recs = rp.replay(reqs, "estimated_ttft", rp.make_fleet(), replicas=2, shared=shared)
         s = rp.summarize(recs, 2.0, 0.1)
         rows.append(("shared (50 ms staleness)" if shared else "private", s))
     print(rp.format_table(rows))
-
-
-def _replay_two_replicas(reqs, shared: bool, staleness_s: float = 0.05):
-    """The replay of :mod:`loadtest.replay` with two routers, requests alternating
-    between them; with ``shared`` each router's remote view is refreshed from the
-    other every ``staleness_s`` of virtual time, and dispatched blocks reach the other's
-    prefix index at the same delay."""
-    from loadtest import replay as rp
-    from loadtest.sim.engine import Engine
-
-    fleet_members = rp.make_fleet()
-    routers, ests = [], []
-    for _ in range(2):
-        specs = [BackendSpec(m.name, frozenset({"m"}), kv_capacity_tokens=m.profile.kv_capacity_tokens)
-                 for m in fleet_members]
-        routers.append(Router(Fleet(specs), make_policy("estimated_ttft")))
-        ests.append(TokenEstimator())
-    engines = {m.name: Engine(m.profile, engine_id=m.name) for m in fleet_members}
-    busy = dict.fromkeys(engines, False)
-    records = [rp.Record(r.arrival_s) for r in reqs]
-    res_by_id: dict[str, object] = {}
-    pending_blocks: list[tuple[float, int, str, tuple]] = []  # (visible at, replica, backend, hashes)
-    events: list = []
-    seq = 0
-
-    def push(t, kind, payload):
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, payload))
-
-    def step(name, t):
-        eng = engines[name]
-        if not eng.has_work():
-            busy[name] = False
-            return
-        dt, outs = eng.step(t)
-        if dt <= 0 and not outs:
-            busy[name] = False
-            return
-        busy[name] = True
-        push(t + dt, "step", (name, outs))
-
-    for i, r in enumerate(reqs):
-        push(r.arrival_s, "arrival", i)
-    if shared:
-        push(0.0, "sync", None)
-    horizon = reqs[-1].arrival_s + 3600
-    while events:
-        t, _, kind, payload = heapq.heappop(events)
-        if kind == "sync":
-            for k, router in enumerate(routers):
-                other = routers[1 - k]
-                for name, b in router.fleet.backends.items():
-                    ob = other.fleet.backends[name]
-                    ld = ob.load
-                    b.load.remote = RemoteLoad(ld.queued, ld.queued_prefill_tokens, ld.running,
-                                               ld.decode_tokens_remaining, ld.kv_tokens, [ld.local_speed()])
-                    b.remote_in_flight = ob.in_flight
-            while pending_blocks and pending_blocks[0][0] <= t:
-                _, k, name, hashes = heapq.heappop(pending_blocks)
-                routers[1 - k].index.record(name, hashes, t)
-            if t < horizon and (events or pending_blocks):
-                push(t + staleness_s, "sync", None)
-        elif kind == "arrival":
-            i = payload
-            k = i % 2
-            router, est_ = routers[k], ests[k]
-            tokens, text = rp.request_tokens_and_text(reqs[i], i)
-            e = est_.estimate("m", text, reqs[i].output_tokens)
-            d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
-                                               prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
-                                               tokens_per_block=est_.block_bytes / 4.0), t)
-            name = d.backend.name
-            if shared:
-                heapq.heappush(pending_blocks, (t + staleness_s, k, name, e.hashes))
-            rec = records[i]
-            rec.backend, rec.prompt_tokens, rec.output_tokens = name, len(tokens), reqs[i].output_tokens
-            rec.predicted_cached = d.detail.get("matched_tokens", 0.0)
-            try:
-                engines[name].add_request(f"r{i}", tokens, reqs[i].output_tokens, arrival_time=t,
-                                          output_tokens=reqs[i].output_tokens)
-            except ValueError as err:
-                rec.error = str(err)
-                res.release(t)
-                continue
-            res_by_id[f"r{i}"] = res
-            if not busy[name]:
-                step(name, t)
-        else:
-            name, outs = payload
-            for out in outs:
-                rec = records[int(out.req_id[1:])]
-                res = res_by_id[out.req_id]
-                if out.new_token_ids:
-                    if rec.first_token is None:
-                        rec.first_token = t
-                        rec.cached_tokens = out.num_cached_tokens
-                        res.first_token(t)
-                    rec.generated += len(out.new_token_ids)
-                if out.finished:
-                    rec.end = t
-                    res.release(t, rec.generated)
-            step(name, t)
-    return records
 
 
 def main(argv: list[str] | None = None) -> int:
