@@ -2,6 +2,11 @@
 
 Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM), 2 for a user error (bad
 config, address in use), 1 for anything unexpected.
+
+Signals: SIGTERM (or SIGINT) drains: the listening socket closes at once, in-flight
+requests and streams finish for up to ``lifecycle.drain_timeout_s`` (then they are
+cut), and the process exits 0; a second SIGTERM/SIGINT stops at once. SIGHUP reloads
+the config file (see :mod:`gateway.reload`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ def _setup_logging(level: str) -> None:
 
 
 async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    from gateway.app import STATE
+    from gateway.reload import reload_from_file
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=app[STATE].cfg.lifecycle.drain_timeout_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
@@ -53,10 +62,29 @@ async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        reloads: set[asyncio.Task] = set()
+
+        def on_hup() -> None:
+            t = loop.create_task(reload_from_file(app, "SIGHUP"))
+            reloads.add(t)
+            t.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         await stop.wait()
-        log.info("shutting down")
+        drain_s = app[STATE].cfg.lifecycle.drain_timeout_s  # the value after any reload
+        runner._shutdown_timeout = drain_s  # noqa: SLF001 - aiohttp reads it in cleanup()
+        in_flight = sum(b.in_flight for b in app[STATE].fleet.backends.values())
+        log.warning("draining: stopped accepting connections; waiting up to %.0f s for %d in-flight request(s)",
+                    drain_s, in_flight)
+        main = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
+            loop.add_signal_handler(sig, main.cancel)  # type: ignore[union-attr]
     finally:
-        await runner.cleanup()
+        try:
+            await runner.cleanup()
+        except asyncio.CancelledError:
+            log.warning("second signal: stopped without finishing the drain")
+        log.info("shut down")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
             return 2
     try:
-        run(_serve(create_app(cfg), host, port))
+        run(_serve(create_app(cfg, config_path=args.config), host, port))
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             print(f"error: cannot listen on {host}:{port}: the address is already in use "

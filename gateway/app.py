@@ -17,6 +17,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from gateway.admin import CALLER, HardeningCollector, auth_middleware, setup_admin
+from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
 from gateway.demo import DemoFleet
 from gateway.errors import ClientError, error_response
@@ -25,6 +27,7 @@ from gateway.scraper import MetricsScraper
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import models_list, parse_completion_request, read_json_body
 from gateway.proxy import REQUEST_ID_HEADER, BackendClient, ClientGone, Exchange, Proxy
+from gateway.reload import init_hardening, make_session, watch_config
 from routing import BackendSpec, Fleet, Router, UnknownModel, make_policy
 from routing.estimate import TokenEstimator
 from routing.prefix_index import PrefixIndex
@@ -64,18 +67,23 @@ class GatewayState:
         self.health: HealthChecker | None = None
         self.scraper: MetricsScraper | None = None
         self.created = int(time.time())
+        init_hardening(self, cfg)  # keys, limits, admission, breakers, reload (gateway/reload.py)
+        self.metrics.registry.register(HardeningCollector(self))
 
 
-def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None) -> web.Application:
+def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
+               config_path: str | None = None) -> web.Application:
     """Build the gateway application.
 
     ``backend_urls`` overrides backends' base URLs by name (used when simulated demo
     backends were started elsewhere). Simulated backends without a URL are started as
-    a child process at startup.
+    a child process at startup. ``config_path`` (the file ``cfg`` came from) enables
+    reloading it (SIGHUP, file watch, ``POST /admin/reload``).
     """
-    app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[_middleware])
+    app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[_middleware, auth_middleware])
     app[CONFIG] = cfg
     state = GatewayState(cfg)
+    state.config_path = config_path
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle(backend_urls or {}))
     app.router.add_post("/v1/chat/completions", _chat)
@@ -85,6 +93,8 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None) -
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    setup_admin(app)
+    setup_batch(app, cfg)
     return app
 
 
@@ -100,15 +110,10 @@ def _lifecycle(backend_urls: dict[str, str]):
             urls.update(demo.urls)
             log.info("started simulated demo fleet: %s", ", ".join(f"{k}={v}" for k, v in demo.urls.items()))
         sessions: list[aiohttp.ClientSession] = []
+        state.urls, state.sessions_list = urls, sessions
         for b in cfg.backends:
             t = cfg.timeouts_for(b)
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-            session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s),
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                auto_decompress=False,
-            )
+            session = make_session(cfg, b)
             sessions.append(session)
             auth = f"Bearer {os.environ[b.api_key_env]}" if b.api_key_env else None
             state.clients[b.name] = BackendClient(state.fleet.backends[b.name], urls.get(b.name) or b.url or "",
@@ -119,6 +124,22 @@ def _lifecycle(backend_urls: dict[str, str]):
         await state.health.check_all()
         await state.store.start()  # loads the shared view before serving (bounded wait)
         tasks = [asyncio.create_task(state.health.run())]
+        state.tasks_list = tasks
+        if state.config_path is not None:
+            import hashlib
+            try:
+                with open(state.config_path, "rb") as f:
+                    state.config_digest = hashlib.sha256(f.read()).digest()
+            except OSError:
+                pass
+            tasks.append(asyncio.create_task(watch_config(app)))
+        if cfg.state.url:
+            from gateway.limits import LimiterSync
+            st = cfg.state
+            state.limiter_sync = LimiterSync(state.limiter, st.url, namespace=st.namespace,
+                                             interval_s=st.staleness_s / 2, lease_s=st.lease_s,
+                                             timeout_s=st.timeout_s, cluster=st.cluster)
+            await state.limiter_sync.start()
         if cfg.routing.scrape_interval_s > 0:
             state.scraper = MetricsScraper(state.router, state.clients, cfg.routing.scrape_interval_s)
             tasks.append(asyncio.create_task(state.scraper.run()))
@@ -133,6 +154,8 @@ def _lifecycle(backend_urls: dict[str, str]):
                 except asyncio.CancelledError:
                     pass
             await state.store.stop()
+            if state.limiter_sync is not None:
+                await state.limiter_sync.stop()
             for s in sessions:
                 await s.close()
             if demo is not None:
@@ -176,12 +199,23 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         state.fleet.candidates(parsed.model)
     except UnknownModel as e:
         raise ClientError(404, str(e), param="model", code="model_not_found") from None
+    caller = request.get(CALLER) or state.keyring.anonymous
+    key = caller.key  # type: ignore[attr-defined]
+    est = 0.0
+    if key is not None and key.tokens_per_minute is not None:
+        est = len(parsed.prompt_text) / state.estimator.stats(parsed.model).bytes_per_token + (parsed.max_tokens or 0)
+    permit = state.limiter.acquire(key, est)  # 429 when over a per-key limit (gateway/limits.py)
     ex = Exchange(request, parsed, request[REQUEST_ID], arrival)
-    assert state.proxy is not None
     try:
-        return await state.proxy.forward(ex)
-    except ClientGone:
-        return ex.response or web.Response(status=499)
+        await state.admission.admit(parsed.model, caller.name, caller.priority)  # type: ignore[attr-defined]
+        assert state.proxy is not None
+        try:
+            return await state.proxy.forward(ex)
+        except ClientGone:
+            return ex.response or web.Response(status=499)
+    finally:
+        permit.release(ex.tokens, dispatched=bool(ex.attempts))
+        state.admission.pump()
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:

@@ -207,6 +207,168 @@ class Limits(_Strict):
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
 
 
+class Batch(_Strict):
+    """The Batch API and its queue consumers (:mod:`gateway.batch`).
+
+    - ``enabled``: serve ``/v1/files`` and ``/v1/batches`` (needs Redis: ``redis_url``
+      or ``state.url``).
+    - ``files_dir``: where uploaded, output and error files live (shared by replicas).
+    - ``redis_url``: the queue and job state; unset = ``state.url``.
+    - ``gateway_url``: where ``python -m gateway.batch`` consumers send lines (default:
+      the ``listen`` address).
+    - ``workers``: lines this gateway process drains itself (0: external consumers only,
+      ``python -m gateway.batch``).
+    - ``ttft_slo_s``: batch lines are admitted only while the fleet's estimated TTFT of
+      an interactive request (``interactive_prompt_tokens`` long) stays within this.
+    - ``max_share``: batch lines hold at most this share of the fleet's KV-cache
+      capacity (estimated prompt + output tokens of the lines in flight).
+    - ``admission_wait_s``: a line waits this long for admission, then gets 429
+      ``batch_deferred`` (the consumer retries it; not counted as an attempt).
+    - ``request_timeout_s``, ``max_attempts``, ``base_backoff_s``, ``max_backoff_s``:
+      per-attempt timeout and the retry policy of one line (full-jitter backoff).
+    - ``visibility_timeout_s``: a line claimed by a consumer that stopped heartbeating
+      (killed) is reclaimed by another consumer after this long.
+    - ``max_file_bytes``: largest upload.
+    """
+
+    enabled: bool = False
+    files_dir: str = "batch-files"
+    redis_url: str | None = None
+    gateway_url: str | None = None
+    workers: int = Field(0, ge=0, le=4096)
+    ttft_slo_s: float = Field(2.0, gt=0)
+    interactive_prompt_tokens: int = Field(512, ge=1)
+    max_share: float = Field(0.5, gt=0, le=1)
+    admission_wait_s: float = Field(2.0, gt=0)
+    request_timeout_s: float = Field(180.0, gt=0)
+    max_attempts: int = Field(3, ge=1, le=20)
+    base_backoff_s: float = Field(0.5, ge=0)
+    max_backoff_s: float = Field(30.0, ge=0)
+    visibility_timeout_s: float = Field(60.0, gt=0)
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
+
+
+class Lifecycle(_Strict):
+    """Shutdown and reload.
+
+    - ``drain_timeout_s``: after SIGTERM the gateway stops accepting connections and
+      lets in-flight requests (streams included) finish for at most this long, then
+      exits 0 (deploy/ assumes 30 s).
+    - ``watch_config_s``: how often the config file is checked for changes (a changed
+      file is reloaded like SIGHUP); 0 disables the watch.
+    """
+
+    drain_timeout_s: float = Field(30.0, ge=0)
+    watch_config_s: float = Field(2.0, ge=0)
+
+
+class ClientKey(_Strict):
+    """One client API key and its limits. The key itself is never stored: give its
+    SHA-256 (``key_sha256``, 64 hex digits) or the name of an environment variable
+    holding it (``key_env``; hashed at load). ``name`` identifies the key in logs,
+    metrics and the shared store. Limits are per key, across every replica sharing
+    ``state.url``; unset = unlimited."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    key_env: str | None = None
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+    priority: int = Field(0, ge=0, le=9)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ClientKey":
+        if (self.key_sha256 is None) == (self.key_env is None):
+            raise ValueError("set exactly one of `key_sha256` or `key_env`")
+        if self.key_env is not None and not os.environ.get(self.key_env):
+            raise ValueError(f"key_env names the environment variable {self.key_env!r}, which is not set")
+        return self
+
+    def digest(self) -> bytes:
+        """The SHA-256 digest of the key (32 bytes)."""
+        import hashlib
+
+        if self.key_sha256 is not None:
+            return bytes.fromhex(self.key_sha256)
+        return hashlib.sha256(os.environ[self.key_env or ""].encode()).digest()
+
+
+class Auth(_Strict):
+    """Client API keys (``Authorization: Bearer``). With no keys configured every
+    caller is anonymous and unlimited (a local demo); with keys, one is required on
+    ``/v1/*``."""
+
+    keys: list[ClientKey] = []
+
+    @model_validator(mode="after")
+    def _unique(self) -> "Auth":
+        names = [k.name for k in self.keys]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate key names: {', '.join(sorted(dup))}")
+        digests = [k.digest() for k in self.keys]
+        if len(set(digests)) != len(digests):
+            raise ValueError("two keys have the same value")
+        return self
+
+
+class Admin(_Strict):
+    """Admin endpoints (``/admin/*``): off (404) unless an admin key is set, as a
+    SHA-256 (``key_sha256``) or an environment variable holding it (``key_env``)."""
+
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    key_env: str | None = None
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> "Admin":
+        if self.key_sha256 is not None and self.key_env is not None:
+            raise ValueError("set at most one of `key_sha256` or `key_env`")
+        if self.key_env is not None and not os.environ.get(self.key_env):
+            raise ValueError(f"key_env names the environment variable {self.key_env!r}, which is not set")
+        return self
+
+    def digest(self) -> bytes | None:
+        import hashlib
+
+        if self.key_sha256 is not None:
+            return bytes.fromhex(self.key_sha256)
+        if self.key_env is not None:
+            return hashlib.sha256(os.environ[self.key_env].encode()).digest()
+        return None
+
+
+class Breaker(_Strict):
+    """Passive outlier detection, one circuit breaker per backend: it opens after
+    ``failure_threshold`` consecutive failed attempts (connect errors, timeouts, 5xx,
+    streams cut; not 4xx or 429), keeps the backend out of routing for ``open_s``, then
+    lets one probe request through (half-open) and closes after
+    ``success_threshold`` successes. ``failure_threshold: 0`` disables it."""
+
+    failure_threshold: int = Field(5, ge=0)
+    open_s: float = Field(10.0, gt=0)
+    success_threshold: int = Field(1, ge=1)
+
+
+class Admission(_Strict):
+    """Admission control when the fleet is saturated: a backend is full at
+    ``max_in_flight_per_backend`` requests (from every replica); when every routable
+    backend of a model is full, requests wait in a queue per priority (bounded by
+    ``queue_size``, served fairly across keys) for at most ``queue_timeout_s``, then
+    get 503 with ``Retry-After``. Unset = off."""
+
+    max_in_flight_per_backend: int | None = Field(None, ge=1)
+    queue_size: int = Field(1000, ge=0)
+    queue_timeout_s: float = Field(10.0, ge=0)
+
+
 class GatewayConfig(_Strict):
     """The root of ``backends.yaml``."""
 
@@ -219,6 +381,12 @@ class GatewayConfig(_Strict):
     state: StateStore = StateStore()
     limits: Limits = Limits()
     health: HealthChecks = HealthChecks()
+    lifecycle: Lifecycle = Lifecycle()
+    auth: Auth = Auth()
+    admin: Admin = Admin()
+    breaker: Breaker = Breaker()
+    admission: Admission = Admission()
+    batch: Batch = Batch()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "GatewayConfig":
@@ -230,6 +398,12 @@ class GatewayConfig(_Strict):
         for b in self.backends:
             if b.pool not in pools:
                 raise ValueError(f"backend {b.name!r} names pool {b.pool!r}, which is not in `pools` ({', '.join(sorted(pools))})")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_needs_redis(self) -> "GatewayConfig":
+        if self.batch.enabled and not (self.batch.redis_url or self.state.url):
+            raise ValueError("batch.enabled needs Redis: set batch.redis_url or state.url")
         return self
 
     def timeouts_for(self, backend: Backend) -> Timeouts:

@@ -51,6 +51,7 @@ REQUEST_ID_HEADER = "x-request-id"
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _MAX_SCAN_TAIL_BYTES = 1024 * 1024
 _EMPTY_CONTENT = re.compile(rb'"content":\s*(""|null)')
+_DONE_LINE = re.compile(rb"^data: ?\[DONE\]\r?$", re.M)
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -97,8 +98,10 @@ class StreamScan:
             first = complete[: complete.find(b"\n")]
             if b'"role"' in first and (b'"content"' not in first or _EMPTY_CONTENT.search(first)):
                 self.role_only = 1
-        self.events += complete.count(b"data:")
-        if b"[DONE]" in complete:
+        # ``complete`` starts at a line start: count events only at line starts, so that
+        # "data:" or "[DONE]" inside a token's text changes nothing
+        self.events += complete.startswith(b"data:") + complete.count(b"\ndata:")
+        if b"[DONE]" in complete and _DONE_LINE.search(complete):
             self.done = True
         if b'"usage"' in complete:
             for line in reversed(complete.split(b"\n")):
@@ -134,6 +137,7 @@ class Exchange:
     body: bytes = b""  # what is sent upstream: the client's bytes unless a leg rewrote them
     scan: StreamScan | None = None  # the stream being relayed, if any
     attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
+    tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -228,6 +232,8 @@ class Proxy:
             try:
                 return await self._attempt(ex, client, reservation)
             except UpstreamError as err:
+                # the circuit breaker counts the backend's faults, not its 4xx answers or 429s
+                reservation.outcome(isinstance(err, BackendStatus) and err.status < 500, loop.time())
                 reservation.release(loop.time())
                 ex.attempts[-1] = (backend.name, now, err.reason)
                 self.metrics.child(self.metrics.upstream_errors, backend.name, err.reason).inc()
@@ -422,6 +428,7 @@ class Proxy:
                     params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
                     end = loop.time()
                     reservation.first_token(end)
+                    reservation.outcome(True, end)
                     reservation.release(end, 1)
                     if isinstance(params, dict):
                         return params
@@ -488,6 +495,8 @@ class Proxy:
         if ex.estimate is not None:
             self.estimator.observe_usage(model, ex.estimate.size_bytes, prompt, completion)
         now = asyncio.get_running_loop().time()
+        reservation.outcome(True, now)
+        ex.tokens = int(prompt if prompt is not None else (ex.estimate.prompt_tokens if ex.estimate else 0)) + (completion or 0)
         if whole:  # no token timing for a whole response: learn no TTFT or ITL from it
             reservation.release(now)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from routing.breaker import CircuitBreaker
 from routing.load import BackendLoad, RequestLoad
 
 
@@ -66,6 +67,9 @@ class BackendState:
       be chosen (set after a 429 with ``Retry-After`` or a connect failure).
     - ``healthy``: result of the last active health check (``True`` until one fails).
     - ``remote_in_flight``: the same count from the other replicas (shared store).
+    - ``draining``: set by an operator; the backend takes no new requests and finishes
+      its own.
+    - ``breaker``: passive outlier detection (:mod:`routing.breaker`).
     """
 
     spec: BackendSpec
@@ -75,6 +79,14 @@ class BackendState:
     healthy: bool = True
     remote_in_flight: int = 0  # other gateway replicas' in-flight requests (shared store)
     load: BackendLoad = field(default=None)  # type: ignore[assignment]
+    draining: bool = False
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    def ready_at(self, now: float) -> float:
+        """Monotonic time from which the backend may take a new request (``<= now``:
+        it may now): the later of its cooldown and its circuit breaker."""
+        b = self.breaker.ready_at(now) if self.breaker.state != "closed" else 0.0
+        return b if b > self.cooldown_until else self.cooldown_until
 
     def __post_init__(self) -> None:
         if self.load is None:
@@ -104,6 +116,18 @@ class Reservation:
     backend: BackendState
     request_load: RequestLoad | None = None
     released: bool = field(default=False)
+    probe: bool = False  # a half-open circuit breaker's probe
+    judged: bool = False  # the breaker heard this attempt's outcome
+
+    def outcome(self, ok: bool, now: float) -> None:
+        """Tell the backend's circuit breaker how this attempt went (once)."""
+        if self.judged:
+            return
+        self.judged = True
+        if ok:
+            self.backend.breaker.success(self.probe)
+        else:
+            self.backend.breaker.failure(now, self.probe)
 
     def first_token(self, now: float) -> None:
         """The first token arrived at monotonic time ``now`` (s): the request's prefill
@@ -119,6 +143,9 @@ class Reservation:
             return False
         self.released = True
         self.backend.in_flight -= 1
+        if self.probe and not self.judged:
+            self.judged = True
+            self.backend.breaker.abandon(True)
         if self.request_load is not None:
             self.request_load.finish(now, completion_tokens)
         return True
@@ -152,12 +179,15 @@ class Fleet:
         except KeyError:
             raise UnknownModel(model) from None
 
-    def reserve(self, backend: BackendState, request_load: RequestLoad | None = None) -> Reservation:
+    def reserve(self, backend: BackendState, request_load: RequestLoad | None = None, now: float = 0.0) -> Reservation:
         """Count one more in-flight request on ``backend`` (with its token load, if
         given) and return its reservation."""
         backend.in_flight += 1
         backend.dispatched_total += 1
-        return Reservation(backend, request_load)
+        r = Reservation(backend, request_load)
+        if backend.breaker.state != "closed":
+            r.probe = backend.breaker.dispatched(now)
+        return r
 
     def cool_down(self, backend: BackendState, until: float) -> None:
         """Keep ``backend`` out of routing until monotonic time ``until`` (seconds)."""

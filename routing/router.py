@@ -31,7 +31,8 @@ class Router:
     """Turns a :class:`RouteRequest` into a :class:`Decision` and a :class:`Reservation`.
 
     Eligible candidates are the healthy backends serving the model (all of them when
-    none is healthy), minus ``request.exclude`` and minus backends cooling down. When exclusion leaves nothing, the excluded
+    none is healthy), minus draining backends, ``request.exclude`` and backends cooling
+    down or whose circuit breaker is open. When exclusion leaves nothing, the excluded
     backends come back (a retry may return to a backend that failed once); when only
     cooling backends remain, :class:`NoBackendAvailable` carries the wait until the
     first one is eligible.
@@ -68,15 +69,18 @@ class Router:
             all_candidates = [b for b in all_candidates if b.spec.role in request.roles]
             if not all_candidates:
                 raise NoBackendAvailable(request.model)
-        warm = [b for b in all_candidates if b.healthy and b.cooldown_until <= now]
+        all_candidates = [b for b in all_candidates if not b.draining]  # draining: no new requests
+        if not all_candidates:
+            raise NoBackendAvailable(request.model)
+        warm = [b for b in all_candidates if b.healthy and b.ready_at(now) <= now]
         if not warm:
             # When every health check failed, the checks may be wrong: try them all.
             if not any(b.healthy for b in all_candidates):
-                warm = [b for b in all_candidates if b.cooldown_until <= now]
+                warm = [b for b in all_candidates if b.ready_at(now) <= now]
             else:
                 all_candidates = [b for b in all_candidates if b.healthy]
         if not warm:
-            wait = min(b.cooldown_until for b in all_candidates) - now
+            wait = min(b.ready_at(now) for b in all_candidates) - now
             raise NoBackendAvailable(request.model, retry_after_s=max(wait, 0.0))
         if request.exclude:
             fresh = [b for b in warm if b.name not in request.exclude]
@@ -137,6 +141,6 @@ class Router:
         self.index.record(b.name, request.block_hashes, now)
         if self.store is not None:
             self.store.record_dispatch(b.name, request.block_hashes)
-        reservation = self.fleet.reserve(b, load)
+        reservation = self.fleet.reserve(b, load, now)
         self.policy.on_dispatch(request, decision)
         return decision, reservation

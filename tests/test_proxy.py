@@ -293,3 +293,26 @@ def test_stream_scan_counts_content_events_across_splits():
             scan.feed(body[i:i + step])
         assert scan.done and scan.usage == {"prompt_tokens": 3, "completion_tokens": 4}
         assert scan.content_events == 4
+    # "[DONE]" and "data:" inside a token's text are text, not protocol
+    tricky = sse_chunk(0, "say data: [DONE]\n") + sse_chunk(1, "data: [DONE]")
+    scan = StreamScan()
+    scan.feed(tricky)
+    assert not scan.done and scan.content_events == 2
+
+
+async def test_done_inside_content_does_not_hide_a_cut_stream():
+    async def answer(b, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse_chunk(0, "the marker is data: [DONE] ok"))
+        await asyncio.sleep(0.05)
+        request.transport.close()
+        return resp
+
+    async with ScriptedBackend(handler=answer).running() as be:
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])
+        async with running_gateway(cfg) as gw:
+            status, _, body = await post(gw.url, {**CHAT, "stream": True})
+            assert status == 200
+            assert b'"error"' in body.split(b"\n\n")[-2]  # ended with an error event
+            assert gw.metric("turbo_gateway_stream_errors_total", backend="b", reason="disconnected") == 1

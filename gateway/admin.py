@@ -1,0 +1,269 @@
+"""Admin endpoints, the auth middleware, the OpenAPI document and the hardening metrics.
+
+Admin endpoints answer 404 (like an unknown route) unless ``admin.key_sha256`` or
+``admin.key_env`` is set, and 401 without that key:
+
+- ``GET /admin/backends``: every backend's health, breaker, draining flag and load;
+- ``POST /admin/backends/{name}/drain`` / ``undrain``: stop / resume sending it new
+  requests (its in-flight requests finish);
+- ``POST /admin/reload``: reload the config file (as SIGHUP does); 200, or 400 with
+  the reason the new config was rejected (the running one stays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Iterator
+
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.auth import check_admin
+from gateway.errors import ClientError
+
+CALLER = web.RequestKey("caller", object)
+
+
+def _state(request: web.Request):
+    from gateway.app import STATE
+
+    return request.app[STATE]
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Authenticate ``/v1/*`` callers (a 401 is raised as a :class:`ClientError`, which
+    the outer middleware turns into an OpenAI error). Also turns a request body that
+    cannot be read as its ``Content-Encoding`` says (found by tests/test_fuzz.py: it was
+    a 500) into a 400."""
+    if request.path.startswith("/v1/"):
+        request[CALLER] = _state(request).keyring.authenticate(request)
+    try:
+        return await handler(request)
+    except (RequestPayloadError, ContentEncodingError) as e:
+        enc = request.headers.get("Content-Encoding", "identity")
+        raise ClientError(400, f"The request body could not be read (Content-Encoding: {enc[:40]}): "
+                               f"{getattr(e, 'message', None) or type(e).__name__}",
+                          code="invalid_body") from None
+
+
+def _json(obj, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def _backends(request: web.Request) -> web.Response:
+    state = _state(request)
+    check_admin(request, state.admin_digest)
+    now = asyncio.get_running_loop().time()
+    out = []
+    for b in state.fleet.backends.values():
+        br = b.breaker
+        out.append({"name": b.name, "pool": b.spec.pool, "models": sorted(b.spec.models), "healthy": b.healthy,
+                    "draining": b.draining, "breaker": br.state, "breaker_opened_total": br.opened_total,
+                    "cooling_down_s": max(b.cooldown_until - now, 0.0), "in_flight": b.in_flight,
+                    "remote_in_flight": b.remote_in_flight})
+    return _json({"object": "list", "data": out})
+
+
+async def _set_draining(request: web.Request, draining: bool) -> web.Response:
+    state = _state(request)
+    check_admin(request, state.admin_digest)
+    name = request.match_info["name"]
+    b = state.fleet.backends.get(name)
+    if b is None:
+        raise ClientError(404, f"No backend named `{name}`.", code="backend_not_found")
+    b.draining = draining
+    logging.getLogger("gateway.admin").warning("backend %s %s by the admin API", name,
+                                               "drained" if draining else "undrained")
+    return _json({"name": name, "draining": draining, "in_flight": b.in_flight})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    return await _set_draining(request, True)
+
+
+async def _undrain(request: web.Request) -> web.Response:
+    return await _set_draining(request, False)
+
+
+async def _reload(request: web.Request) -> web.Response:
+    from gateway.reload import reload_from_file
+
+    state = _state(request)
+    check_admin(request, state.admin_digest)
+    if state.config_path is None:
+        raise ClientError(409, "This gateway was not started from a config file; nothing to reload.",
+                          code="no_config_file")
+    ok, message = await reload_from_file(request.app, "admin API")
+    if not ok:
+        raise ClientError(400, message, code="invalid_config")
+    return _json({"status": "reloaded"})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.Response(body=OPENAPI_BYTES, content_type="application/json")
+
+
+def setup_admin(app: web.Application) -> None:
+    app.router.add_get("/admin/backends", _backends)
+    app.router.add_post("/admin/backends/{name}/drain", _drain)
+    app.router.add_post("/admin/backends/{name}/undrain", _undrain)
+    app.router.add_post("/admin/reload", _reload)
+    app.router.add_get("/openapi.json", _openapi)
+
+
+class HardeningCollector(Collector):
+    """Metrics of keys, limits, admission, breakers, draining and reloads, read from
+    the live state at scrape time (key *names* only, never keys)."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self.state
+        limited = CounterMetricFamily("turbo_gateway_rate_limited", "Requests refused by a per-key limit",
+                                      labels=["key_name", "limit"])
+        for (name, limit), n in st.limiter.rejected.items():
+            limited.add_metric([name, limit], n)
+        adm = CounterMetricFamily("turbo_gateway_admission_rejected", "Requests refused by admission control",
+                                  labels=["reason"])
+        for reason, n in st.admission.rejected.items():
+            adm.add_metric([reason], n)
+        depth = GaugeMetricFamily("turbo_gateway_admission_queue_depth", "Requests waiting for room in the fleet")
+        depth.add_metric([], st.admission.waiting)
+        opened = CounterMetricFamily("turbo_gateway_backend_breaker_opened", "Times the circuit breaker opened",
+                                     labels=["backend"])
+        bopen = GaugeMetricFamily("turbo_gateway_backend_breaker_open",
+                                  "1 while the circuit breaker is open or half-open", labels=["backend"])
+        draining = GaugeMetricFamily("turbo_gateway_backend_draining", "1 while the backend is drained by an operator",
+                                     labels=["backend"])
+        for b in st.fleet.backends.values():
+            opened.add_metric([b.name], b.breaker.opened_total)
+            bopen.add_metric([b.name], 0.0 if b.breaker.state == "closed" else 1.0)
+            draining.add_metric([b.name], 1.0 if b.draining else 0.0)
+        reloads = CounterMetricFamily("turbo_gateway_config_reloads", "Config reloads, by outcome", labels=["outcome"])
+        for outcome, n in st.reloads.items():
+            reloads.add_metric([outcome], n)
+        yield from (limited, adm, depth, opened, bopen, draining, reloads)
+        if st.limiter_sync is not None:
+            up = GaugeMetricFamily("turbo_gateway_limits_store_up", "1 when per-key limits are shared through Redis")
+            up.add_metric([], 1.0 if st.limiter_sync.up else 0.0)
+            yield up
+
+
+# ---- the OpenAPI document of the gateway's own API -----------------------------------
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _err(desc: str) -> dict:
+    return {"description": desc, "content": {"application/json": {"schema": _ERROR}}}
+
+
+_COMMON_ERRORS = {
+    "400": _err("malformed JSON or an invalid field"),
+    "401": _err("missing or wrong API key (when keys are configured)"),
+    "404": _err("unknown model"),
+    "413": _err("body over limits.max_body_bytes"),
+    "415": _err("not a JSON content type"),
+    "429": _err("a per-key limit; see Retry-After"),
+    "502": _err("the backends failed"),
+    "503": _err("no backend available or the fleet is saturated; see Retry-After"),
+    "504": _err("the backends timed out"),
+}
+
+_STREAMING = {
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+}
+
+OPENAPI = {
+    "openapi": "3.1.0",
+    "info": {"title": "turbo-gateway", "version": "0.1.0",
+             "description": "OpenAI-compatible gateway. Request bodies are forwarded byte for byte; only the fields "
+                            "below are validated, every other field passes through to the backend."},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                "type": "object", "required": ["message", "type"],
+                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                               "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+            "ChatCompletionRequest": {
+                "type": "object", "required": ["model", "messages"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "messages": {"type": "array", "minItems": 1, "items": {
+                                   "type": "object", "required": ["role"], "additionalProperties": True,
+                                   "properties": {"role": {"type": "string"}}}},
+                               **_STREAMING}},
+            "CompletionRequest": {
+                "type": "object", "required": ["model", "prompt"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1}]},
+                               **_STREAMING}},
+            "Model": {"type": "object", "required": ["id", "object"],
+                      "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                     "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
+        },
+    },
+    "security": [{"bearer": []}],
+    "paths": {
+        "/v1/chat/completions": {"post": {
+            "operationId": "createChatCompletion",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
+            "responses": {"200": {"description": "a chat completion (JSON) or a stream (text/event-stream)"},
+                          **_COMMON_ERRORS}}},
+        "/v1/completions": {"post": {
+            "operationId": "createCompletion",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
+            "responses": {"200": {"description": "a completion (JSON) or a stream (text/event-stream)"},
+                          **_COMMON_ERRORS}}},
+        "/v1/models": {"get": {"operationId": "listModels", "responses": {
+            "200": {"description": "the served models", "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"object": {"const": "list"}, "data": {
+                    "type": "array", "items": {"$ref": "#/components/schemas/Model"}}}}}}},
+            "401": _COMMON_ERRORS["401"]}}},
+        "/v1/models/{model}": {"get": {
+            "operationId": "retrieveModel",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "one model", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Model"}}}},
+                "401": _COMMON_ERRORS["401"], "404": _COMMON_ERRORS["404"]}}},
+        "/health": {"get": {"operationId": "health", "security": [],
+                            "responses": {"200": {"description": "the process serves"}}}},
+        "/ready": {"get": {"operationId": "ready", "security": [],
+                           "responses": {"200": {"description": "a backend passed its health check"},
+                                         "503": {"description": "no healthy backend"}}}},
+        "/metrics": {"get": {"operationId": "metrics", "security": [],
+                             "responses": {"200": {"description": "Prometheus text format"}}}},
+        "/openapi.json": {"get": {"operationId": "openapi", "security": [],
+                                  "responses": {"200": {"description": "this document"}}}},
+        "/admin/backends": {"get": {"operationId": "adminBackends", "responses": {
+            "200": {"description": "backend status"}, "401": _COMMON_ERRORS["401"],
+            "404": _err("admin endpoints are off (no admin key configured)")}}},
+        "/admin/backends/{name}/drain": {"post": {
+            "operationId": "adminDrain",
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the backend takes no new requests"},
+                          "401": _COMMON_ERRORS["401"], "404": _err("unknown backend, or admin off")}}},
+        "/admin/backends/{name}/undrain": {"post": {
+            "operationId": "adminUndrain",
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the backend takes requests again"},
+                          "401": _COMMON_ERRORS["401"], "404": _err("unknown backend, or admin off")}}},
+        "/admin/reload": {"post": {"operationId": "adminReload", "responses": {
+            "200": {"description": "reloaded"}, "400": _err("the new config was rejected; the old one stays"),
+            "401": _COMMON_ERRORS["401"], "404": _err("admin endpoints are off"),
+            "409": _err("not started from a config file")}}},
+    },
+}
+OPENAPI_BYTES = orjson.dumps(OPENAPI)

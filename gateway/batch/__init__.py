@@ -1,0 +1,96 @@
+"""Batch work: the OpenAI Files and Batches API, a Redis Streams queue, and consumers
+that drain it through the gateway's routing at a lower priority.
+
+| module | holds |
+|---|---|
+| :mod:`~gateway.batch.store` | Redis keys and scripts (why Streams, how exactly-once output), files on disk |
+| :mod:`~gateway.batch.api` | ``/v1/files`` and ``/v1/batches`` handlers |
+| :mod:`~gateway.batch.manager` | the life cycle: validate + enqueue, finalize, expire, cancel |
+| :mod:`~gateway.batch.admission` | the batch priority class (interactive TTFT SLO, maximum share) |
+| :mod:`~gateway.batch.worker` | consumers (``XREADGROUP``/``XAUTOCLAIM``), retries, senders |
+| :mod:`~gateway.batch.cli` | ``python -m gateway.batch`` (consumers) and ``... run`` (local mode) |
+
+:func:`setup_batch` is the only thing the app calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from aiohttp import web
+
+log = logging.getLogger("gateway.batch")
+
+
+class BatchRuntime:
+    """What a gateway with ``batch.enabled`` holds: store, manager, gate, workers."""
+
+    def __init__(self, cfg, store, manager, gate) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.manager = manager
+        self.gate = gate
+        self.consumer = None
+
+
+def setup_batch(app: web.Application, cfg) -> None:
+    """Add the Files/Batches routes, the batch admission middleware and the manager
+    (plus ``batch.workers`` in-process consumers) to ``app`` when ``batch.enabled``."""
+    b = cfg.batch
+    if not b.enabled:
+        return
+    from gateway.app import STATE
+    from gateway.batch.admission import BatchGate, GateCollector, batch_middleware
+    from gateway.batch.api import BATCH, add_routes
+    from gateway.batch.manager import BatchManager
+    from gateway.batch.store import BatchStore
+
+    state = app[STATE]
+    store = BatchStore.from_url(b.redis_url or cfg.state.url, cfg.state.namespace, b.files_dir)
+    gate = BatchGate(state, b)
+    state.metrics.registry.register(GateCollector(gate))
+    rt = BatchRuntime(b, store, BatchManager(store), gate)
+    app[BATCH] = rt
+    app.middlewares.append(batch_middleware(gate))
+    add_routes(app)
+    app.cleanup_ctx.append(_lifecycle)
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    from gateway.app import STATE
+    from gateway.batch.api import BATCH
+    from gateway.batch.worker import Consumer, LocalSender
+
+    rt = app[BATCH]
+    stop = asyncio.Event()
+    tasks = []
+    try:
+        await rt.store.ensure_group()
+    except Exception as e:  # Redis down at start: the manager and consumers retry
+        log.warning("batch: cannot reach Redis at start (%s); retrying in the background", e)
+    tasks.append(asyncio.create_task(rt.manager.run()))
+    if rt.cfg.workers > 0:
+        sender = LocalSender(app[STATE], rt.gate, rt.cfg.request_timeout_s)
+        rt.consumer = Consumer(rt.store, sender, rt.cfg, concurrency=rt.cfg.workers)
+        tasks.append(asyncio.create_task(_consume_forever(rt.consumer, stop)))
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await rt.store.close()
+
+
+async def _consume_forever(consumer, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await consumer.run(stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("batch consumer stopped (%s); restarting", e)
+            await asyncio.sleep(1.0)

@@ -1,0 +1,232 @@
+"""The OpenAI Files and Batches HTTP API (the subset batch work needs).
+
+- ``POST /v1/files`` (multipart: ``file``, ``purpose``), ``GET /v1/files``,
+  ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``
+- ``POST /v1/batches`` (``input_file_id``, ``endpoint``, ``completion_window``,
+  ``metadata``), ``GET /v1/batches``, ``GET /v1/batches/{id}``,
+  ``POST /v1/batches/{id}/cancel``
+
+Object shapes, statuses, list pages (``data``, ``first_id``, ``last_id``, ``has_more``,
+``after`` / ``limit``) and errors follow OpenAI's, so ``openai`` SDK calls work
+unchanged. ``completion_window`` accepts ``<n>s|m|h|d`` (OpenAI: only ``24h``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.batch.store import ENDPOINTS, BatchStore, batch_object, new_id, parse_window
+from gateway.errors import ClientError
+
+PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "vision", "user", "evals"})
+
+BATCH = web.AppKey("batch", "BatchRuntime")
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def _page(items: list[dict[str, Any]], request: web.Request, default_limit: int) -> dict[str, Any]:
+    try:
+        limit = int(request.query.get("limit", default_limit))
+    except ValueError:
+        raise ClientError(400, "`limit` must be an integer.", param="limit") from None
+    if not 1 <= limit <= 10000:
+        raise ClientError(400, "`limit` must be between 1 and 10000.", param="limit")
+    after = request.query.get("after")
+    if after:
+        ids = [x["id"] for x in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def _store(request: web.Request) -> BatchStore:
+    return request.app[BATCH].store
+
+
+# ---- files ---------------------------------------------------------------------
+
+
+async def create_file(request: web.Request) -> web.Response:
+    store = _store(request)
+    limit = request.app[BATCH].cfg.max_file_bytes
+    if not request.content_type.startswith("multipart/"):
+        raise ClientError(400, "Upload the file as multipart/form-data with fields `file` and `purpose`.")
+    reader = await request.multipart()
+    purpose: str | None = None
+    file_id = new_id("file-")
+    filename = None
+    size = 0
+    store.files_dir.mkdir(parents=True, exist_ok=True)
+    tmp = store.files_dir / f".{file_id}.upload"
+    try:
+        while (part := await reader.next()) is not None:
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                filename = part.filename or "upload.jsonl"
+                with open(tmp, "wb") as out:
+                    while chunk := await part.read_chunk(1 << 20):
+                        size += len(chunk)
+                        if size > limit:
+                            raise ClientError(413, f"File is larger than the limit of {limit} bytes.",
+                                              param="file", code="file_too_large")
+                        out.write(chunk)
+        if filename is None:
+            raise ClientError(400, "Missing required parameter: 'file'.", param="file")
+        if purpose is None:
+            raise ClientError(400, "Missing required parameter: 'purpose'.", param="purpose")
+        if purpose not in PURPOSES:
+            raise ClientError(400, f"Invalid value for purpose: {purpose!r}.", param="purpose")
+        os.replace(tmp, store.path(file_id))
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "expires_at": None,
+           "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
+    await store.add_file(obj)
+    return _json(obj)
+
+
+async def _file_or_404(request: web.Request) -> dict[str, Any]:
+    fid = request.match_info["file_id"]
+    obj = await _store(request).get_file(fid)
+    if obj is None:
+        raise ClientError(404, f"No such File object: {fid}", param="id")
+    return obj
+
+
+async def list_files(request: web.Request) -> web.Response:
+    items = await _store(request).list_files()
+    purpose = request.query.get("purpose")
+    if purpose:
+        items = [x for x in items if x.get("purpose") == purpose]
+    if request.query.get("order") == "asc":
+        items.reverse()
+    return _json(_page(items, request, 10000))
+
+
+async def get_file(request: web.Request) -> web.Response:
+    return _json(await _file_or_404(request))
+
+
+async def file_content(request: web.Request) -> web.StreamResponse:
+    obj = await _file_or_404(request)
+    path = _store(request).path(obj["id"])
+    if not path.exists():
+        raise ClientError(404, f"The content of file {obj['id']} is gone.", param="id")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    obj = await _file_or_404(request)
+    await _store(request).delete_file(obj["id"])
+    return _json({"id": obj["id"], "object": "file", "deleted": True})
+
+
+# ---- batches -------------------------------------------------------------------
+
+
+async def create_batch(request: web.Request) -> web.Response:
+    store = _store(request)
+    try:
+        data = await request.json(loads=orjson.loads)
+    except (orjson.JSONDecodeError, UnicodeDecodeError):
+        raise ClientError(400, "The body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise ClientError(400, "The body must be a JSON object.")
+    for k in ("input_file_id", "endpoint", "completion_window"):
+        if not isinstance(data.get(k), str):
+            raise ClientError(400, f"Missing required parameter: '{k}'.", param=k)
+    endpoint = data["endpoint"]
+    if endpoint not in ENDPOINTS:
+        raise ClientError(400, f"Invalid value for endpoint: {endpoint!r}; supported: {', '.join(ENDPOINTS)}.",
+                          param="endpoint")
+    window = parse_window(data["completion_window"])
+    if window is None:
+        raise ClientError(400, f"Invalid value for completion_window: {data['completion_window']!r} "
+                               "(e.g. '24h').", param="completion_window")
+    meta = data.get("metadata")
+    if meta is not None and (not isinstance(meta, dict) or len(meta) > 16
+                             or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise ClientError(400, "`metadata` must be an object of at most 16 string pairs.", param="metadata")
+    f = await store.get_file(data["input_file_id"])
+    if f is None:
+        raise ClientError(400, f"No such File object: {data['input_file_id']}", param="input_file_id")
+    if f.get("purpose") != "batch":
+        raise ClientError(400, f"File {f['id']} has purpose {f.get('purpose')!r}; a batch needs purpose 'batch'.",
+                          param="input_file_id")
+    now = int(time.time())
+    bid = new_id("batch_")
+    await store.create_batch({"id": bid, "endpoint": endpoint, "input_file_id": f["id"],
+                              "completion_window": data["completion_window"], "status": "validating",
+                              "created_at": now, "expires_at": int(now + window),
+                              "metadata": orjson.dumps(meta) if meta else None,
+                              "total": 0, "completed": 0, "failed": 0})
+    request.app[BATCH].manager.wake()
+    return _json(batch_object(await store.batch_fields(bid)))
+
+
+async def _batch_or_404(request: web.Request) -> dict[str, str]:
+    bid = request.match_info["batch_id"]
+    f = await _store(request).batch_fields(bid)
+    if f is None:
+        raise ClientError(404, f"No batch found with id '{bid}'.", param="batch_id")
+    return f
+
+
+async def get_batch(request: web.Request) -> web.Response:
+    return _json(batch_object(await _batch_or_404(request)))
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    store = _store(request)
+    ids = await store.list_batch_ids()
+    items = []
+    after = request.query.get("after")
+    if after in ids:
+        ids = ids[ids.index(after) + 1:]
+    try:
+        limit = int(request.query.get("limit", 20))
+    except ValueError:
+        raise ClientError(400, "`limit` must be an integer.", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise ClientError(400, "`limit` must be between 1 and 100.", param="limit")
+    for bid in ids[:limit + 1]:
+        f = await store.batch_fields(bid)
+        if f is not None:
+            items.append(batch_object(f))
+    page = items[:limit]
+    return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    f = await _batch_or_404(request)
+    store = _store(request)
+    status = await store.cancel(f["id"])
+    if status not in ("cancelling", "cancelled"):
+        raise ClientError(409, f"Cannot cancel a batch with status {status!r}.", code="batch_not_cancellable")
+    request.app[BATCH].manager.wake()
+    return _json(batch_object(await store.batch_fields(f["id"])))
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/files", create_file)
+    r.add_get("/v1/files", list_files)
+    r.add_get("/v1/files/{file_id}", get_file)
+    r.add_delete("/v1/files/{file_id}", delete_file)
+    r.add_get("/v1/files/{file_id}/content", file_content)
+    r.add_post("/v1/batches", create_batch)
+    r.add_get("/v1/batches", list_batches)
+    r.add_get("/v1/batches/{batch_id}", get_batch)
+    r.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)

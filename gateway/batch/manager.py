@@ -1,0 +1,255 @@
+"""The batch life cycle, run by every gateway with ``batch.enabled`` (it owns ``files_dir``).
+
+``validating`` -> parse the input file, count its lines, record a per-line error for
+each malformed one, ``in_progress``, then enqueue the valid lines (``XADD``, 500 per
+transaction together with the ``enqueued`` cursor, so a gateway that dies mid-way is
+resumed by the next tick from the cursor) -> consumers record results -> the last
+result moves the batch to ``finalizing`` (in the record script) -> the output and error
+files are written from the results hash -> ``completed``.
+
+``cancelling`` (the cancel endpoint): consumers stop starting its lines; once no line is
+in flight (leases in the ``fly`` zset, so a dead consumer's line stops counting) the
+batch is frozen and ends ``cancelled`` with the results it has. Past ``expires_at`` an
+unfinished batch is frozen and ends ``expired``: finished lines in the output file, the
+others in the error file with code ``batch_expired``. Freezing (the ``closing`` field)
+makes the record script drop late results, so the files are final when written.
+
+Each step takes a short per-batch lock, so several gateway replicas sharing Redis and
+``files_dir`` can all run the manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from gateway.batch.store import ENDPOINTS, FINAL, BatchStore
+from gateway.batch.worker import output_line
+
+log = logging.getLogger("gateway.batch")
+
+ENQUEUE_CHUNK = 500
+LOCK_TTL_S = 60.0
+
+
+def parse_input(raw: bytes, endpoint: str | None) -> tuple[list[tuple[int, str, str, bytes]],
+                                                          list[tuple[int, str | None, str]]]:
+    """Split an input file into valid lines ``(index, custom_id, url, body)`` and malformed
+    ones ``(index, custom_id or None, message)``. Blank lines are skipped; ``index``
+    counts the others from 0; messages name the 1-based line number."""
+    valid: list[tuple[int, str, bytes]] = []
+    bad: list[tuple[int, str | None, str]] = []
+    seen: dict[str, int] = {}
+    index = 0
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        i = index
+        index += 1
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            bad.append((i, None, f"Line {lineno}: not valid JSON ({e})."))
+            continue
+        if not isinstance(obj, dict):
+            bad.append((i, None, f"Line {lineno}: must be a JSON object."))
+            continue
+        cid = obj.get("custom_id")
+        if not isinstance(cid, str) or not cid:
+            bad.append((i, None, f"Line {lineno}: `custom_id` must be a non-empty string."))
+            continue
+        if cid in seen:
+            bad.append((i, cid, f"Line {lineno}: duplicate `custom_id` {cid!r} (first on line {seen[cid]})."))
+            continue
+        seen[cid] = lineno
+        if obj.get("method", "POST") != "POST":
+            bad.append((i, cid, f"Line {lineno}: `method` must be \"POST\"."))
+            continue
+        url = obj.get("url")
+        if endpoint is not None and url != endpoint:
+            bad.append((i, cid, f"Line {lineno}: `url` must be {endpoint!r}, the batch's endpoint."))
+            continue
+        if url not in ENDPOINTS:
+            bad.append((i, cid, f"Line {lineno}: `url` must be one of {', '.join(ENDPOINTS)}."))
+            continue
+        body = obj.get("body")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            bad.append((i, cid, f"Line {lineno}: `body` must be an object with a `model`."))
+            continue
+        body.pop("stream", None)
+        body.pop("stream_options", None)
+        valid.append((i, cid, url, orjson.dumps(body)))
+    return valid, bad
+
+
+def custom_ids(raw: bytes) -> dict[int, str | None]:
+    """Line index -> custom_id (``None`` when unreadable), indexed as :func:`parse_input`."""
+    out: dict[int, str | None] = {}
+    index = 0
+    for line in raw.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+            cid = obj.get("custom_id") if isinstance(obj, dict) else None
+        except orjson.JSONDecodeError:
+            cid = None
+        out[index] = cid if isinstance(cid, str) else None
+        index += 1
+    return out
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"code": code, "message": message}
+
+
+class BatchManager:
+    """Moves batches through their statuses (see the module docstring)."""
+
+    def __init__(self, store: BatchStore, *, tick_s: float = 0.2) -> None:
+        self.store = store
+        self.tick_s = tick_s
+        self.owner = uuid.uuid4().hex
+        self._wake = asyncio.Event()
+        self._busy: set[str] = set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        import redis.exceptions
+
+        while True:
+            try:
+                await self.tick()
+            except (redis.exceptions.RedisError, OSError) as e:
+                log.warning("batch manager: Redis error (%s); retrying", e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch manager tick failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            except TimeoutError:
+                pass
+
+    async def tick(self) -> None:
+        for bid in await self.store.active_ids():
+            if bid in self._busy:
+                continue
+            self._busy.add(bid)
+            try:
+                await self.step(bid)
+            finally:
+                self._busy.discard(bid)
+
+    async def step(self, bid: str) -> None:
+        f = await self.store.batch_fields(bid)
+        if f is None:
+            await self.store.r.srem(self.store.active, bid)
+            return
+        status, closing = f["status"], f.get("closing")
+        if status in FINAL:
+            await self.store.r.srem(self.store.active, bid)
+            return
+        now = time.time()
+        expires_at = float(f["expires_at"])
+        if closing is None and status in ("validating", "in_progress") and now >= expires_at:
+            closing = await self.store.close_batch(bid, "expired") or None
+        if closing is None and status == "cancelling" and await self.store.in_flight(bid) == 0:
+            closing = await self.store.close_batch(bid, "cancelled") or None
+        if closing is not None:
+            await self._locked(bid, self._finalize(bid, f, closing))
+        elif status == "finalizing":
+            await self._locked(bid, self._finalize(bid, f, "completed"))
+        elif status == "validating" or (status == "in_progress"
+                                         and int(f.get("enqueued") or 0) < int(f.get("to_enqueue") or 0)):
+            await self._locked(bid, self._enqueue(bid, f))
+
+    async def _locked(self, bid: str, coro) -> None:
+        if not await self.store.lock(bid, self.owner, LOCK_TTL_S):
+            coro.close()
+            return
+        try:
+            await coro
+        finally:
+            await self.store.unlock(bid, self.owner)
+
+    async def _read_input(self, f: dict[str, str]) -> bytes | None:
+        try:
+            return await asyncio.to_thread(self.store.path(f["input_file_id"]).read_bytes)
+        except OSError:
+            return None
+
+    async def _enqueue(self, bid: str, f: dict[str, str]) -> None:
+        raw = await self._read_input(f)
+        if raw is None:
+            await self.store.finish(bid, "failed", None, None, _errors("file_not_found", "The input file is gone.",
+                                                                      "input_file_id"))
+            return
+        valid, bad = await asyncio.to_thread(parse_input, raw, f["endpoint"])
+        total = len(valid) + len(bad)
+        if total == 0:
+            await self.store.finish(bid, "failed", None, None, _errors("empty_file", "The input file has no requests.",
+                                                                      "input_file_id"))
+            return
+        if f["status"] == "validating":
+            await self.store.r.hset(self.store.key("b", bid), "to_enqueue", len(valid))
+            if not await self.store.start(bid, total):
+                return
+        for index, cid, message in bad:
+            await self.store.record(bid, index, output_line(cid, None, None, None, _error("invalid_request", message)),
+                                    False)
+        start = int(f.get("enqueued") or 0)
+        key = self.store.key("b", bid)
+        for lo in range(start, len(valid), ENQUEUE_CHUNK):
+            status, closing, _ = await self.store.status_of(bid)
+            if closing is not None or status not in ("in_progress", "finalizing"):
+                return
+            chunk = valid[lo:lo + ENQUEUE_CHUNK]
+            async with self.store.r.pipeline(transaction=True) as p:
+                for index, cid, _url, body in chunk:
+                    p.xadd(self.store.queue, {"b": bid, "i": index, "c": cid, "u": f["endpoint"], "d": body})
+                p.hset(key, "enqueued", lo + len(chunk))
+                await p.execute()
+        log.info("batch %s: %d lines enqueued, %d malformed", bid, len(valid), len(bad))
+
+    async def _finalize(self, bid: str, f: dict[str, str], final: str) -> None:
+        results = await self.store.results(bid)
+        out: list[bytes] = []
+        err: list[bytes] = []
+        for index in sorted(results):
+            v = results[index]
+            (out if v[:1] == b"o" else err).append(v[1:] + b"\n")
+        if final == "expired":
+            total = int(f.get("total") or 0)
+            raw = await self._read_input(f) or b""
+            ids = custom_ids(raw)
+            missing = [i for i in range(total or len(ids)) if i not in results]
+            for i in missing:
+                err.append(output_line(ids.get(i), None, None, None, _error(
+                    "batch_expired", "This request could not be executed before the completion window expired."))
+                    + b"\n")
+        hexid = bid.removeprefix("batch_")
+        out_id = await self._write(f"file-{hexid}out", f"{bid}_output.jsonl", out) if out else None
+        err_id = await self._write(f"file-{hexid}err", f"{bid}_error.jsonl", err) if err else None
+        await self.store.finish(bid, final, out_id, err_id)
+        await self.store.r.delete(self.store.key("res", bid))
+        log.info("batch %s %s: %d output lines, %d error lines", bid, final, len(out), len(err))
+
+    async def _write(self, file_id: str, filename: str, lines: list[bytes]) -> str:
+        size = await asyncio.to_thread(self.store.write_file_bytes, file_id, lines)
+        await self.store.add_file({"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+                                   "expires_at": None, "filename": filename, "purpose": "batch_output",
+                                   "status": "processed", "status_details": None})
+        return file_id
+
+
+def _errors(code: str, message: str, param: str | None = None, line: int | None = None) -> dict[str, Any]:
+    return {"object": "list", "data": [{"code": code, "message": message, "param": param, "line": line}]}

@@ -1,0 +1,330 @@
+"""Batch job state and the line queue in Redis; file contents on disk.
+
+Why Redis Streams with a consumer group (rather than lists or sorted sets)
+--------------------------------------------------------------------------
+Every input line is one stream entry (``XADD``). Consumers on any machine read with
+``XREADGROUP``: the group hands each entry to exactly one consumer and keeps it in that
+consumer's *pending entries list* until ``XACK``. A consumer that dies (SIGKILL, machine
+lost) leaves its entries pending; they are not lost. Live consumers refresh the idle
+time of the entries they hold (``XCLAIM ... JUSTID``, a heartbeat every third of the
+visibility timeout), so a line may run for minutes; entries whose idle time exceeds
+``visibility_timeout_s`` belong to a consumer that stopped heartbeating and are taken
+over by another with ``XAUTOCLAIM``. That is at-least-once delivery with crash
+recovery built into the server, without a lease bookkeeping of our own (a ``BRPOPLPUSH``
+list pattern needs a reaper that scans processing lists; a sorted-set queue needs
+polling and a claim protocol).
+
+At-least-once becomes exactly-once in the output: a line's result is written with
+``HSETNX`` on the batch's results hash, keyed by the line's index (custom_ids are
+unique in a valid file), inside one Lua script that also acknowledges the entry, counts
+the result (``request_counts`` stay exact: the counter moves only when ``HSETNX``
+wrote) and moves the batch to ``finalizing`` when every line has a result. A line run
+twice (a reclaimed entry whose first consumer was slow, not dead) writes once. The
+output and error files are assembled from that hash at the end, ordered by line.
+
+Keys (all under the ``{namespace}`` hash tag, so the scripts stay on one Cluster slot)::
+
+    tg:{ns}:batch:queue            stream of lines, group ``consumers``
+    tg:{ns}:batch:files            hash file id -> file object (JSON)
+    tg:{ns}:batch:files:z          zset file id by creation
+    tg:{ns}:batch:b:<batch id>     hash: the batch object's fields and counters
+    tg:{ns}:batch:batches:z        zset batch id by creation
+    tg:{ns}:batch:res:<batch id>   hash line index -> "o"|"e" + output/error line
+    tg:{ns}:batch:fly:<batch id>   zset line index -> lease deadline (lines in flight)
+    tg:{ns}:batch:active           set of batches not yet in a final state
+    tg:{ns}:batch:lock:<batch id>  who validates / finalizes a batch now
+
+Files (uploads, output and error files) live in ``files_dir`` as ``<file id>``, written
+to a temporary name then renamed, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+GROUP = "consumers"
+FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+RUNNING = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+_TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+               "cancelled_at")
+
+# Record one line's result exactly once; acknowledge its queue entry.
+# KEYS: batch, results, in-flight, queue. ARGV: index, value, counter field, entry id or "", group, now.
+# Returns 1 written, 0 already there, -1 unknown batch, -2 batch closed (result dropped).
+_RECORD = """
+if ARGV[4] ~= '' then
+  redis.call('XACK', KEYS[4], ARGV[5], ARGV[4])
+  redis.call('XDEL', KEYS[4], ARGV[4])
+end
+redis.call('ZREM', KEYS[3], ARGV[1])
+local st = redis.call('HMGET', KEYS[1], 'status', 'closing', 'total')
+local status = st[1]
+if not status then return -1 end
+if st[2] then return -2 end
+if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then return -2 end
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+if status == 'in_progress' and st[3] and redis.call('HLEN', KEYS[2]) >= tonumber(st[3]) then
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[6])
+end
+return 1
+"""
+
+# validating -> in_progress once the file is parsed. KEYS: batch, results. ARGV: total, now.
+_START = """
+local st = redis.call('HMGET', KEYS[1], 'status', 'closing')
+if st[1] ~= 'validating' or st[2] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[2], 'total', ARGV[1])
+if redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[2])
+end
+return 1
+"""
+
+# validating|in_progress -> cancelling. KEYS: batch. ARGV: now. Returns the status after.
+_CANCEL = """
+local st = redis.call('HMGET', KEYS[1], 'status', 'closing')
+if not st[1] then return false end
+if (st[1] == 'validating' or st[1] == 'in_progress') and not st[2] then
+  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
+  return 'cancelling'
+end
+return st[1]
+"""
+
+# Freeze a batch before its files are written (no result is recorded after this).
+# KEYS: batch. ARGV: expired|cancelled. Returns the closing kind, or "" if not allowed.
+_CLOSE = """
+local st = redis.call('HMGET', KEYS[1], 'status', 'closing')
+if st[2] then return st[2] end
+local s = st[1]
+if ARGV[1] == 'expired' and (s == 'validating' or s == 'in_progress') then
+  redis.call('HSET', KEYS[1], 'closing', 'expired') return 'expired' end
+if ARGV[1] == 'cancelled' and s == 'cancelling' then
+  redis.call('HSET', KEYS[1], 'closing', 'cancelled') return 'cancelled' end
+return ''
+"""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def parse_window(window: str) -> float | None:
+    """``"24h"`` -> seconds. Accepts ``<n>s|m|h|d``; OpenAI itself accepts only ``24h``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if not isinstance(window, str) or len(window) < 2 or window[-1] not in units:
+        return None
+    try:
+        n = float(window[:-1])
+    except ValueError:
+        return None
+    return n * units[window[-1]] if n > 0 else None
+
+
+def _s(v: Any) -> str | None:
+    if v is None:
+        return None
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _i(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+class BatchStore:
+    """Batch objects, file records, the queue and results (one Redis client)."""
+
+    def __init__(self, redis, namespace: str, files_dir: str | os.PathLike[str]) -> None:
+        self.r = redis
+        self.p = f"tg:{{{namespace}}}:batch:"
+        self.queue = self.p + "queue"
+        self.active = self.p + "active"
+        self.files_dir = Path(files_dir)
+        self._record = redis.register_script(_RECORD)
+        self._start = redis.register_script(_START)
+        self._cancel = redis.register_script(_CANCEL)
+        self._close = redis.register_script(_CLOSE)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str, files_dir: str | os.PathLike[str]) -> "BatchStore":
+        import redis.asyncio as aioredis
+
+        client = aioredis.from_url(url, socket_timeout=10.0, socket_connect_timeout=5.0, health_check_interval=30)
+        return cls(client, namespace, files_dir)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    def key(self, kind: str, batch_id: str) -> str:
+        return f"{self.p}{kind}:{batch_id}"
+
+    async def ensure_group(self) -> None:
+        import redis.exceptions
+
+        try:
+            await self.r.xgroup_create(self.queue, GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    # ---- files -------------------------------------------------------------------
+
+    def path(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    async def add_file(self, obj: dict[str, Any]) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(self.p + "files", obj["id"], orjson.dumps(obj))
+            p.zadd(self.p + "files:z", {obj["id"]: obj["created_at"]})
+            await p.execute()
+
+    async def get_file(self, file_id: str) -> dict[str, Any] | None:
+        raw = await self.r.hget(self.p + "files", file_id)
+        return orjson.loads(raw) if raw else None
+
+    async def list_files(self) -> list[dict[str, Any]]:
+        ids = await self.r.zrevrange(self.p + "files:z", 0, -1)
+        if not ids:
+            return []
+        raws = await self.r.hmget(self.p + "files", ids)
+        return [orjson.loads(x) for x in raws if x]
+
+    async def delete_file(self, file_id: str) -> bool:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hdel(self.p + "files", file_id)
+            p.zrem(self.p + "files:z", file_id)
+            n, _ = await p.execute()
+        if n:
+            try:
+                self.path(file_id).unlink()
+            except FileNotFoundError:
+                pass
+        return bool(n)
+
+    def write_file_bytes(self, file_id: str, chunks: list[bytes]) -> int:
+        """Write a file atomically (temporary name, then rename); returns its size."""
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.files_dir / f".{file_id}.tmp{os.getpid()}"
+        n = 0
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+                n += len(c)
+        os.replace(tmp, self.path(file_id))
+        return n
+
+    # ---- batches -----------------------------------------------------------------
+
+    async def create_batch(self, fields: dict[str, Any]) -> None:
+        bid = fields["id"]
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(self.key("b", bid), mapping={k: v for k, v in fields.items() if v is not None})
+            p.zadd(self.p + "batches:z", {bid: fields["created_at"]})
+            p.sadd(self.active, bid)
+            await p.execute()
+
+    async def batch_fields(self, batch_id: str) -> dict[str, str] | None:
+        raw = await self.r.hgetall(self.key("b", batch_id))
+        if not raw:
+            return None
+        return {_s(k): _s(v) for k, v in raw.items()}
+
+    async def list_batch_ids(self) -> list[str]:
+        return [_s(x) for x in await self.r.zrevrange(self.p + "batches:z", 0, -1)]
+
+    async def active_ids(self) -> list[str]:
+        return sorted(_s(x) for x in await self.r.smembers(self.active))
+
+    async def status_of(self, batch_id: str) -> tuple[str | None, str | None, float | None]:
+        """(status, closing, expires_at) of a batch; what consumers check before a line."""
+        st, closing, exp = await self.r.hmget(self.key("b", batch_id), "status", "closing", "expires_at")
+        return _s(st), _s(closing), (float(exp) if exp is not None else None)
+
+    async def start(self, batch_id: str, total: int) -> bool:
+        return bool(await self._start(keys=[self.key("b", batch_id), self.key("res", batch_id)],
+                                      args=[total, int(time.time())]))
+
+    async def cancel(self, batch_id: str) -> str | None:
+        return _s(await self._cancel(keys=[self.key("b", batch_id)], args=[int(time.time())]))
+
+    async def close_batch(self, batch_id: str, kind: str) -> str:
+        return _s(await self._close(keys=[self.key("b", batch_id)], args=[kind])) or ""
+
+    async def record(self, batch_id: str, index: int, line: bytes, ok: bool, entry_id: str = "") -> int:
+        """Store line ``index``'s output (``ok``) or error line exactly once."""
+        return int(await self._record(
+            keys=[self.key("b", batch_id), self.key("res", batch_id), self.key("fly", batch_id), self.queue],
+            args=[index, (b"o" if ok else b"e") + line, "completed" if ok else "failed", entry_id, GROUP,
+                  int(time.time())]))
+
+    async def has_result(self, batch_id: str, index: int) -> bool:
+        return bool(await self.r.hexists(self.key("res", batch_id), index))
+
+    async def ack(self, entry_id: str) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.xack(self.queue, GROUP, entry_id)
+            p.xdel(self.queue, entry_id)
+            await p.execute()
+
+    async def mark_in_flight(self, batch_id: str, index: int, lease_s: float) -> None:
+        await self.r.zadd(self.key("fly", batch_id), {str(index): time.time() + lease_s})
+
+    async def in_flight(self, batch_id: str) -> int:
+        return int(await self.r.zcount(self.key("fly", batch_id), time.time(), "+inf"))
+
+    async def results(self, batch_id: str) -> dict[int, bytes]:
+        out: dict[int, bytes] = {}
+        async for k, v in self.r.hscan_iter(self.key("res", batch_id), count=1000):
+            out[int(k)] = v
+        return out
+
+    async def finish(self, batch_id: str, status: str, output_file_id: str | None, error_file_id: str | None,
+                     errors: dict[str, Any] | None = None) -> None:
+        fields: dict[str, Any] = {"status": status, f"{status}_at": int(time.time())}
+        if output_file_id:
+            fields["output_file_id"] = output_file_id
+        if error_file_id:
+            fields["error_file_id"] = error_file_id
+        if errors is not None:
+            fields["errors"] = orjson.dumps(errors)
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(self.key("b", batch_id), mapping=fields)
+            p.srem(self.active, batch_id)
+            p.delete(self.key("fly", batch_id))
+            await p.execute()
+
+    async def lock(self, batch_id: str, owner: str, ttl_s: float) -> bool:
+        return bool(await self.r.set(self.key("lock", batch_id), owner, nx=True, px=int(ttl_s * 1000)))
+
+    async def unlock(self, batch_id: str, owner: str) -> None:
+        key = self.key("lock", batch_id)
+        if _s(await self.r.get(key)) == owner:
+            await self.r.delete(key)
+
+
+def batch_object(f: dict[str, str]) -> dict[str, Any]:
+    """The OpenAI ``batch`` object from the stored fields."""
+    meta = f.get("metadata")
+    errors = f.get("errors")
+    total = int(f.get("total") or 0)
+    obj: dict[str, Any] = {
+        "id": f["id"], "object": "batch", "endpoint": f["endpoint"],
+        "errors": orjson.loads(errors) if errors else None,
+        "input_file_id": f["input_file_id"], "completion_window": f["completion_window"],
+        "status": f["status"], "output_file_id": f.get("output_file_id"), "error_file_id": f.get("error_file_id"),
+        "created_at": int(f["created_at"]), "expires_at": _i(f.get("expires_at")),
+    }
+    for k in _TIMESTAMPS:
+        obj[k] = _i(f.get(k))
+    obj["request_counts"] = {"total": total, "completed": int(f.get("completed") or 0),
+                             "failed": int(f.get("failed") or 0)}
+    obj["metadata"] = orjson.loads(meta) if meta else None
+    return obj

@@ -1,0 +1,360 @@
+"""Queue consumers: drain batch lines through the gateway's routing at batch priority.
+
+A :class:`Consumer` (one per process, ``concurrency`` lines at a time) reads entries
+with ``XREADGROUP``, takes over entries a dead consumer left pending longer than
+``visibility_timeout_s`` with ``XAUTOCLAIM``, and heartbeats the entries it holds
+(``XCLAIM ... JUSTID`` resets their idle time) so that a long line is never taken from a
+live consumer. Why streams, and how exactly-once output follows: :mod:`gateway.batch.store`.
+
+Each line is sent by a *sender*: :class:`HttpSender` posts it to a gateway with
+``x-turbo-priority: batch`` (``python -m gateway.batch`` on any machine);
+:class:`LocalSender` hands it to this gateway's own proxy (in-process workers). Both
+pass the same admission gate (:mod:`gateway.batch.admission`).
+
+Per line: up to ``max_attempts`` attempts of at most ``request_timeout_s`` each,
+full-jitter exponential backoff between them (:func:`gateway.proxy.full_jitter_backoff`);
+connect errors, timeouts, 408/409/429/5xx are retried, other statuses are final. A
+``batch_deferred`` answer (no spare capacity) is waited out and not counted. The final
+failure goes to the error file: the backend's HTTP status and error body as
+``response``, or ``error`` ``{code, message}`` when no answer came. A cancelled or
+expired batch's lines are acknowledged and dropped before they are sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.batch.admission import DEFERRED_CODE, PRIORITY_HEADER
+from gateway.batch.store import GROUP, BatchStore
+from gateway.config import Batch
+from gateway.proxy import full_jitter_backoff
+
+log = logging.getLogger("gateway.batch")
+
+RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
+_STATUS_TTL_S = 0.25
+Answer = tuple[int, dict[str, str], bytes]
+
+
+class HttpSender:
+    """Posts lines to a gateway (``base_url`` without ``/v1``)."""
+
+    def __init__(self, base_url: str, timeout_s: float, *, priority: bool = True, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.headers = {"Content-Type": "application/json"}
+        if priority:
+            self.headers[PRIORITY_HEADER] = "batch"
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.session: aiohttp.ClientSession | None = None
+
+    async def send(self, url: str, body: bytes, request_id: str) -> Answer:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        async with self.session.post(self.base_url + url, data=body, timeout=self.timeout,
+                                     headers={**self.headers, "x-request-id": request_id}) as resp:
+            data = await resp.read()
+            return resp.status, dict(resp.headers), data
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+class _NoClient:
+    """Stands in for the aiohttp request of an in-process line: the proxy only touches
+    the client's request to stream, and batch lines never stream."""
+
+
+class LocalSender:
+    """Sends lines through this gateway's own gate and proxy (no HTTP hop)."""
+
+    def __init__(self, state, gate, timeout_s: float) -> None:
+        self.state = state
+        self.gate = gate
+        self.timeout_s = timeout_s
+
+    async def send(self, url: str, body: bytes, request_id: str) -> Answer:
+        from gateway.errors import ClientError
+        from gateway.openai_api import parse_completion_request
+        from gateway.proxy import Exchange
+        from routing import UnknownModel
+
+        endpoint = "chat" if url == "/v1/chat/completions" else "completions"
+        try:
+            parsed = parse_completion_request(endpoint, body, orjson.loads(body))
+            try:
+                self.state.fleet.candidates(parsed.model)
+            except UnknownModel as e:
+                raise ClientError(404, str(e), param="model", code="model_not_found") from None
+            async with asyncio.timeout(self.timeout_s):
+                async with self.gate.admit(parsed):
+                    assert self.state.proxy is not None
+                    ex = Exchange(_NoClient(), parsed, request_id, asyncio.get_running_loop().time())  # type: ignore[arg-type]
+                    resp = await self.state.proxy.forward(ex)
+        except ClientError as e:
+            r = e.response()
+            return r.status, dict(r.headers), bytes(r.body)  # type: ignore[arg-type]
+        headers = dict(resp.headers)
+        headers.setdefault("x-request-id", request_id)
+        return resp.status, headers, bytes(resp.body)  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        return None
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        obj = orjson.loads(body)
+        return obj["error"].get("code") if isinstance(obj, dict) and isinstance(obj.get("error"), dict) else None
+    except (orjson.JSONDecodeError, AttributeError, TypeError):
+        return None
+
+
+def output_line(custom_id: str | None, status: int | None, request_id: str | None, body: Any,
+                error: dict[str, Any] | None) -> bytes:
+    """One line of an OpenAI batch output or error file."""
+    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
+    return orjson.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
+                         "error": error})
+
+
+def consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Consumer:
+    """Drains the batch queue with up to ``concurrency`` lines in flight."""
+
+    def __init__(self, store: BatchStore, sender, cfg: Batch, *, concurrency: int, name: str | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.store = store
+        self.sender = sender
+        self.cfg = cfg
+        self.concurrency = max(concurrency, 1)
+        self.name = name or consumer_name()
+        self.rng = rng or random.Random()
+        self.held: dict[str, asyncio.Task] = {}
+        self._slot = asyncio.Event()
+        self._status: dict[str, tuple[float, tuple[str | None, str | None, float | None]]] = {}
+        self.processed = 0
+        self.reclaimed = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop`` is set; lines still in flight then are cancelled and
+        stay pending, for another consumer to reclaim."""
+        import redis.exceptions
+
+        await self.store.ensure_group()
+        hb = asyncio.create_task(self._heartbeat(stop))
+        vis_ms = int(self.cfg.visibility_timeout_s * 1000)
+        next_claim = 0.0
+        errors = 0
+        try:
+            while not stop.is_set():
+                free = self.concurrency - len(self.held)
+                if free <= 0:
+                    self._slot.clear()
+                    await _wait_any(self._slot, stop, 1.0)
+                    continue
+                try:
+                    entries: list[tuple[bytes, dict]] = []
+                    now = time.monotonic()
+                    if now >= next_claim:
+                        next_claim = now + min(self.cfg.visibility_timeout_s / 2, 5.0)
+                        res = await self.store.r.xautoclaim(self.store.queue, GROUP, self.name, vis_ms,
+                                                            start_id="0-0", count=free)
+                        claimed = [e for e in res[1] if e and e[1]]
+                        self.reclaimed += len(claimed)
+                        if claimed:
+                            log.info("consumer %s reclaimed %d lines from dead consumers", self.name, len(claimed))
+                            next_claim = now  # there may be more
+                        entries += claimed
+                    if len(entries) < free:
+                        got = await self.store.r.xreadgroup(GROUP, self.name, {self.store.queue: ">"},
+                                                            count=free - len(entries), block=500)
+                        for _stream, items in got or []:
+                            entries += [e for e in items if e and e[1]]
+                    errors = 0
+                except (redis.exceptions.RedisError, OSError) as e:
+                    errors += 1
+                    log.warning("consumer %s: Redis error (%s); retrying", self.name, e)
+                    await _wait_any(stop, None, min(0.2 * 2 ** min(errors, 5), 5.0))
+                    continue
+                for eid, fields in entries:
+                    eid = eid.decode() if isinstance(eid, bytes) else eid
+                    if eid in self.held:
+                        continue
+                    t = asyncio.create_task(self._line(eid, fields))
+                    self.held[eid] = t
+                    t.add_done_callback(lambda _t, eid=eid: self._done(eid))
+        finally:
+            hb.cancel()
+            tasks = list(self.held.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(hb, *tasks, return_exceptions=True)
+
+    def _done(self, eid: str) -> None:
+        self.held.pop(eid, None)
+        self._slot.set()
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        import redis.exceptions
+
+        every = self.cfg.visibility_timeout_s / 3
+        while not stop.is_set():
+            await asyncio.sleep(every)
+            ids = list(self.held)
+            if not ids:
+                continue
+            try:
+                await self.store.r.xclaim(self.store.queue, GROUP, self.name, 0, ids, justid=True)
+            except (redis.exceptions.RedisError, OSError) as e:
+                log.warning("consumer %s: heartbeat failed (%s)", self.name, e)
+
+    async def _batch_status(self, batch_id: str, fresh: bool = False) -> tuple[str | None, str | None, float | None]:
+        now = time.monotonic()
+        hit = self._status.get(batch_id)
+        if hit is not None and not fresh and now - hit[0] < _STATUS_TTL_S:
+            return hit[1]
+        st = await self.store.status_of(batch_id)
+        self._status[batch_id] = (now, st)
+        return st
+
+    async def _active(self, batch_id: str, fresh: bool = False) -> bool:
+        status, closing, expires_at = await self._batch_status(batch_id, fresh)
+        return (status in ("validating", "in_progress") and closing is None
+                and (expires_at is None or time.time() < expires_at))
+
+    async def _line(self, eid: str, fields: dict) -> None:
+        f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+        try:
+            batch_id = f["b"].decode()
+            index = int(f["i"])
+            custom_id = f["c"].decode()
+            url = f["u"].decode()
+            body = f["d"]
+        except (KeyError, ValueError, AttributeError):
+            log.warning("dropping malformed queue entry %s", eid)
+            await self.store.ack(eid)
+            return
+        try:
+            if not await self._active(batch_id) or await self.store.has_result(batch_id, index):
+                await self._abandon(batch_id, index, eid)
+                return
+            line = await self._run_line(batch_id, index, custom_id, url, body)
+            if line is None:
+                await self._abandon(batch_id, index, eid)
+                return
+            ok, data = line
+            await self.store.record(batch_id, index, data, ok, eid)
+            self.processed += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("consumer %s: line %s of %s failed unexpectedly; it stays pending", self.name, index,
+                          batch_id)
+
+    async def _abandon(self, batch_id: str, index: int, eid: str) -> None:
+        await self.store.ack(eid)
+        await self.store.r.zrem(self.store.key("fly", batch_id), str(index))
+
+    async def _run_line(self, batch_id: str, index: int, custom_id: str, url: str,
+                        body: bytes) -> tuple[bool, bytes] | None:
+        """Attempts with backoff; returns (ok, output or error line), or ``None`` when the
+        batch stopped (cancelled, expired) before the line finished."""
+        cfg = self.cfg
+        fly = self.store.key("fly", batch_id)
+        lease_s = cfg.request_timeout_s + cfg.admission_wait_s + 30.0
+
+        async def before_send() -> bool:
+            if not await self._active(batch_id, fresh=True):  # a cancel stops the very next send
+                return False
+            await self.store.mark_in_flight(batch_id, index, lease_s)
+            return True
+
+        async def paused() -> None:
+            await self.store.r.zrem(fly, str(index))
+
+        return await run_with_retries(self.sender, url, body, custom_id, request_timeout_s=cfg.request_timeout_s,
+                                      max_attempts=cfg.max_attempts, base_backoff_s=cfg.base_backoff_s,
+                                      max_backoff_s=cfg.max_backoff_s, rng=self.rng,
+                                      request_id=f"{batch_id}-{index}", before_send=before_send, paused=paused)
+
+
+async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None, *, request_timeout_s: float,
+                           max_attempts: int, base_backoff_s: float, max_backoff_s: float, rng: random.Random,
+                           request_id: str, before_send=None, paused=None) -> tuple[bool, bytes] | None:
+    """Send one line with up to ``max_attempts`` attempts (full-jitter backoff between
+    them; a ``batch_deferred`` answer is waited out and not counted). Returns (ok, the
+    output or error line), or ``None`` when ``before_send()`` says to stop."""
+    attempts = 0
+    deferrals = 0
+    while True:
+        if before_send is not None and not await before_send():
+            return None
+        rid = f"{request_id}-{attempts}-{deferrals}"
+        status: int | None = None
+        headers: dict[str, str] = {}
+        data = b""
+        err: dict[str, Any] | None = None
+        try:
+            status, headers, data = await sender.send(url, body, rid)
+        except TimeoutError:
+            err = {"code": "timeout", "message": f"No answer within the per-request timeout of {request_timeout_s} s"}
+        except (aiohttp.ClientError, OSError) as e:
+            err = {"code": "connection_error", "message": f"Could not reach the server: {e}"}
+        if status == 200:
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = data.decode("utf-8", "replace")
+            return True, output_line(custom_id, 200, headers.get("x-request-id", rid), obj, None)
+        if paused is not None:
+            await paused()
+        if status == 429 and _error_code(data) == DEFERRED_CODE:
+            deferrals += 1
+            await asyncio.sleep(rng.uniform(0.05, 0.25))
+            continue
+        attempts += 1
+        retryable = status is None or status in RETRYABLE
+        if not retryable or attempts >= max_attempts:
+            if status is None:
+                assert err is not None
+                return False, output_line(custom_id, None, None, None,
+                                          {"code": err["code"], "message": f"{err['message']} ({attempts} attempts)."})
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = {"error": {"message": data.decode("utf-8", "replace")[:2000], "type": "server_error",
+                                 "param": None, "code": None}}
+            return False, output_line(custom_id, status, headers.get("x-request-id", rid), obj, None)
+        delay = full_jitter_backoff(attempts, base_backoff_s, max_backoff_s, rng)
+        log.info("%s: attempt %d failed (%s); retrying in %.2f s", request_id, attempts,
+                 status or (err or {}).get("code"), delay)
+        await asyncio.sleep(delay)
+
+
+async def _wait_any(ev: asyncio.Event, other: asyncio.Event | None, timeout: float) -> None:
+    waits = [asyncio.ensure_future(ev.wait())]
+    if other is not None:
+        waits.append(asyncio.ensure_future(other.wait()))
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
