@@ -177,8 +177,9 @@ class StateStore(_Strict):
     """Where the routing state lives: in this process (default) or shared by every
     replica through Redis (see :mod:`routing.state`).
 
-    - ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` for TLS, or
-      ``unix://``; unset = in-process.
+    - ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` for TLS, ``unix://``,
+      or ``redis+sentinel://[:password@]h1:26379,h2:26379/service[/db]`` (Sentinel);
+      unset = in-process.
     - ``namespace``: keys are ``tg:{namespace}:...`` (a Cluster hash tag).
     - ``staleness_s``: bound on the age of the other replicas' view (default 50 ms).
     - ``lease_s``: a replica's load stops counting this long after its last sync.
@@ -198,8 +199,11 @@ class StateStore(_Strict):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
+            raise ValueError("must be a redis://, rediss://, unix:// or redis+sentinel:// URL")
+        if v is not None and v.startswith("redis+sentinel://"):
+            from routing.state import parse_sentinel_url
+            parse_sentinel_url(v)
         return v
 
 

@@ -218,15 +218,9 @@ class LimiterSync:
         self._logged_down = False
 
     async def start(self) -> None:
-        import redis.asyncio as aioredis
+        from routing.state import redis_client
 
-        kw = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                  retry_on_timeout=False, health_check_interval=0)
-        if self.cluster:
-            from redis.asyncio.cluster import RedisCluster
-            self.client = RedisCluster.from_url(self.url, **kw)
-        else:
-            self.client = aioredis.from_url(self.url, **kw)
+        self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
         self.limiter.shared = True
         self._task = asyncio.create_task(self._run())
 

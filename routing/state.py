@@ -70,6 +70,49 @@ class StoreStats:
     published_dispatches: int = 0
 
 
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
+    """``redis+sentinel://[:password@]host:port[,host:port...]/service[/db]`` to
+    (sentinel addresses, master service name, db, password). Raises ``ValueError``."""
+    from urllib.parse import unquote
+
+    rest = url.removeprefix("redis+sentinel://")
+    password = None
+    if "@" in rest:
+        cred, rest = rest.rsplit("@", 1)
+        password = unquote(cred.split(":", 1)[1] if ":" in cred else cred) or None
+    hostpart, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p]
+    if not hostpart or not parts:
+        raise ValueError("expected redis+sentinel://host:port[,host:port...]/service[/db]")
+    hosts = []
+    for h in hostpart.split(","):
+        host, _, port = h.rpartition(":")
+        hosts.append((host or h, int(port) if host else 26379))
+    return hosts, parts[0], int(parts[1]) if len(parts) > 1 else 0, password
+
+
+def redis_client(url: str, *, timeout_s: float, cluster: bool = False) -> Any:
+    """A redis-py asyncio client for a ``state.url``: standalone (``redis://``,
+    ``rediss://``, ``unix://``), Cluster (``cluster=True``) or Sentinel
+    (``redis+sentinel://``). Every call gets ``timeout_s`` to connect and to answer,
+    and no automatic retry, so a frozen server costs one timeout, never a hang."""
+    import redis.asyncio as aioredis
+
+    kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
+                              health_check_interval=0)
+    if url.startswith("redis+sentinel://"):
+        from redis.asyncio.sentinel import Sentinel
+
+        hosts, service, db, password = parse_sentinel_url(url)
+        sentinel = Sentinel(hosts, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return sentinel.master_for(service, db=db, password=password, **kw)
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, **kw)
+    return aioredis.from_url(url, **kw)
+
+
 class InProcessStore:
     """The default: the state is this process's memory and nothing is shared."""
 
@@ -103,7 +146,9 @@ def _unpack_hashes(data: bytes) -> tuple[int, ...]:
 class RedisStore:
     """Shares load and prefix placement with the other replicas through Redis.
 
-    - ``url``: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password in the URL.
+    - ``url``: ``redis://``, ``rediss://`` (TLS) or ``unix://``, a password in the URL;
+      or ``redis+sentinel://[:password@]h1:26379,h2:26379/service[/db]`` to find the
+      master through Redis Sentinel.
     - ``namespace``: key prefix; keys are ``tg:{namespace}:...``.
     - ``staleness_s``: bound on how old the other replicas' view may be; the sync
       interval is half of it.
@@ -156,15 +201,7 @@ class RedisStore:
         that does not answer leaves the store degraded; it never raises."""
         if initial_sync_timeout_s is None:
             initial_sync_timeout_s = max(1.0, 4 * self.timeout_s)
-        import redis.asyncio as aioredis
-
-        kw = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                  retry_on_timeout=False, health_check_interval=0)
-        if self.cluster:
-            from redis.asyncio.cluster import RedisCluster
-            self.client = RedisCluster.from_url(self.url, **kw)
-        else:
-            self.client = aioredis.from_url(self.url, **kw)
+        self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
         self._task = asyncio.create_task(self._run())
         try:
             await asyncio.wait_for(self._synced.wait(), initial_sync_timeout_s)

@@ -235,3 +235,46 @@ async def test_workers_share_one_port_and_one_view(fleet, tmp_path):
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
         assert proc.returncode == 0
+
+
+async def test_store_finds_the_master_through_sentinel(fleet, tmp_path):
+    from tests.redis_server import valkey_binary
+
+    master = ValkeyProcess()
+    master.start()
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {tmp_path}\n"
+                    f"sentinel monitor tgmaster 127.0.0.1 {master.port} 1\n")
+    sentinel = subprocess.Popen([valkey_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        import redis.asyncio as aioredis
+        probe = aioredis.Redis(host="127.0.0.1", port=port)
+
+        async def sentinel_knows_master() -> bool:
+            try:
+                return bool(await probe.execute_command("SENTINEL", "get-master-addr-by-name", "tgmaster"))
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+
+        for _ in range(200):
+            if await sentinel_knows_master():
+                break
+            await asyncio.sleep(0.05)
+        await probe.aclose()
+        cfg = gateway_config(_backends(fleet), state={"url": f"redis+sentinel://127.0.0.1:{port}/tgmaster/0"})
+        async with running_gateway(cfg) as gw:
+            await wait_until(lambda: gw.state.store.stats.up)
+            status, _, _ = await _chat(gw.url, LONG, 2)  # long enough to have full prefix blocks
+            assert status == 200
+            await wait_until(lambda: gw.state.store.stats.published_dispatches >= 1)
+        # the dispatch landed on the master that Sentinel named
+        direct = aioredis.from_url(master.url)
+        keys = [k async for k in direct.scan_iter("tg:{turbo-gateway}:*")]
+        await direct.aclose()
+        assert any(k.endswith(b":prefix") for k in keys)
+    finally:
+        sentinel.terminate()
+        sentinel.wait(10)
+        master.cleanup()
