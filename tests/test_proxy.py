@@ -316,3 +316,27 @@ async def test_done_inside_content_does_not_hide_a_cut_stream():
             assert status == 200
             assert b'"error"' in body.split(b"\n\n")[-2]  # ended with an error event
             assert gw.metric("turbo_gateway_stream_errors_total", backend="b", reason="disconnected") == 1
+
+
+async def test_no_request_field_or_header_changes_where_traffic_goes():
+    """Upstream URLs come from the config only (no SSRF), and the caller's headers,
+    hop-by-hop or spoofable, are not forwarded: the gateway builds upstream headers
+    from scratch."""
+    async with ScriptedBackend().running() as be:
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])
+        async with running_gateway(cfg) as gw:
+            hostile = {"Content-Type": "application/json", "Host": "169.254.169.254", "X-Forwarded-Host": "evil",
+                       "X-Forwarded-For": "1.2.3.4", "Connection": "keep-alive, X-Secret", "X-Secret": "s3cret",
+                       "Proxy-Authorization": "Basic Zm9vOmJhcg==", "Authorization": "Bearer caller",
+                       "X-Turbo-Backend": "other", "Forwarded": "for=1.2.3.4;host=evil"}
+            for body in ({**CHAT, "base_url": "http://127.0.0.1:1/", "api_base": "http://evil/",
+                          "url": "http://evil/"},
+                         {**CHAT, "model": "http://169.254.169.254/latest/meta-data"}):
+                status, _, _ = await post(gw.url, body, headers=hostile)
+                assert status in (200, 404)
+            assert len(be.headers) == 1  # the first reached the configured backend; the URL-like model was a 404
+            sent = {k.lower() for k in be.headers[0]}
+            for h in ("x-forwarded-host", "x-forwarded-for", "x-secret", "proxy-authorization", "authorization",
+                      "x-turbo-backend", "forwarded"):
+                assert h not in sent, h
+            assert be.headers[0]["Host"] == be.url.removeprefix("http://")
