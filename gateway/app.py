@@ -40,6 +40,11 @@ STATE = web.AppKey("state", "GatewayState")
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
+def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
+    """``routing.canaries`` as the router takes them."""
+    return {c.model: (c.stable_pool, c.canary_pool, c.canary_weight) for c in cfg.routing.canaries}
+
+
 class GatewayState:
     """Everything one running gateway holds; created at startup."""
 
@@ -61,6 +66,7 @@ class GatewayState:
             self.store = InProcessStore()
         self.router = Router(self.fleet, make_policy(r.policy), index, block_tokens=r.block_tokens,
                              store=self.store if st.url else None)
+        self.router.set_canaries(canary_splits(cfg))
         self.metrics = GatewayMetrics(self.fleet, self.store, index)
         self.clients: dict[str, BackendClient] = {}
         self.proxy: Proxy | None = None

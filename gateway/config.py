@@ -143,6 +143,17 @@ class Listen(_Strict):
     port: int = Field(8080, ge=0, le=65535)
 
 
+class CanarySplit(_Strict):
+    """Serve ``model`` from ``stable_pool`` and, for a ``canary_weight`` fraction of its
+    requests (0 to 1, e.g. 0.05), from ``canary_pool``; a canary request that fails
+    before its first byte is retried on the stable pool."""
+
+    model: str
+    stable_pool: str
+    canary_pool: str
+    canary_weight: float = Field(0.05, ge=0, le=1)
+
+
 class Routing(_Strict):
     """How a backend is chosen.
 
@@ -164,6 +175,7 @@ class Routing(_Strict):
     prefix_index_max_blocks: int = Field(2_000_000, ge=1000)
     long_prompt_tokens: int = Field(8192, ge=1)
     scrape_interval_s: float = Field(2.0, ge=0)
+    canaries: list[CanarySplit] = []
 
     @field_validator("policy")
     @classmethod
@@ -402,6 +414,10 @@ class GatewayConfig(_Strict):
         for b in self.backends:
             if b.pool not in pools:
                 raise ValueError(f"backend {b.name!r} names pool {b.pool!r}, which is not in `pools` ({', '.join(sorted(pools))})")
+        for c in self.routing.canaries:
+            for pool in (c.stable_pool, c.canary_pool):
+                if not any(b.pool == pool and c.model in b.models for b in self.backends):
+                    raise ValueError(f"canary split for model {c.model!r}: no backend in pool {pool!r} serves it")
         return self
 
     @model_validator(mode="after")

@@ -139,6 +139,13 @@ class GatewayMetrics:
                                      "Requests planned for disaggregated prefill/decode, by outcome of the prefill leg "
                                      "(ok, or fallback: served by a decode or mixed backend that recomputed the prompt)",
                                      ["outcome"], registry=r)
+        self.pool_requests = Counter("turbo_gateway_pool_requests", "Requests answered, by the serving backend's pool",
+                                     ["pool", "status"], registry=r)
+        self.pool_ttft = Histogram("turbo_gateway_pool_ttft_seconds", "TTFT by the serving backend's pool",
+                                   ["pool"], buckets=TTFT_BUCKETS_S, registry=r)
+        self.canary_fallbacks = Counter("turbo_gateway_canary_fallbacks",
+                                        "Canary requests retried on the stable pool, by the canary's failure",
+                                        ["reason"], registry=r)
         self.retries = Counter("turbo_gateway_retries", "Retries, by the failure that caused them", ["reason"], registry=r)
         self.upstream_errors = Counter("turbo_gateway_upstream_errors", "Failed upstream attempts",
                                        ["backend", "reason"], registry=r)

@@ -210,13 +210,18 @@ class Proxy:
             else:  # the prefill leg failed: a decode or mixed backend recomputes the prompt
                 roles = SERVING
                 self.metrics.child(self.metrics.disaggregated, "fallback").inc()
+        pools, stable_pools = self.router.canary_pools(parsed.model)
         while True:
             now = loop.time()
             try:
                 decision, reservation = self.router.route(
                     RouteRequest(parsed.model, frozenset(excluded), est.text, est.size_bytes, est.hashes,
-                                 est.prompt_tokens, est.output_tokens, tokens_per_block, roles, remote), now)
+                                 est.prompt_tokens, est.output_tokens, tokens_per_block, roles, pools, remote), now)
             except NoBackendAvailable as e:
+                if stable_pools is not None:  # no canary backend can take it: the stable pool does
+                    pools, stable_pools = stable_pools, None
+                    self.metrics.child(self.metrics.canary_fallbacks, "no_canary_backend").inc()
+                    continue
                 wait = e.retry_after_s
                 if wait is not None and len(ex.attempts) < retries.max_attempts and \
                         now + wait - t0 <= retries.budget_s and wait <= retries.max_retry_after_s:
@@ -254,6 +259,9 @@ class Proxy:
                 if now + delay - t0 > retries.budget_s:
                     return self._final_failure(ex, err)
                 excluded.add(backend.name)
+                if stable_pools is not None:  # a canary failed: retry on the stable pool
+                    pools, stable_pools = stable_pools, None
+                    self.metrics.child(self.metrics.canary_fallbacks, err.reason).inc()
                 self.metrics.child(self.metrics.retries, err.reason).inc()
                 log.info("retrying request %s after %s from %s (attempt %d)", ex.request_id, err.reason,
                          backend.name, len(ex.attempts))
@@ -325,7 +333,7 @@ class Proxy:
                 phase = "stream"
                 first_at = loop.time()
                 reservation.first_token(first_at)
-                self.metrics.child(self.metrics.ttft, parsed.model).observe(first_at - ex.arrival)
+                self._observe_ttft(ex, first_at - ex.arrival)
                 out = web.StreamResponse(status=200, headers={
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache", BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id,
@@ -460,7 +468,7 @@ class Proxy:
             except orjson.JSONDecodeError:
                 pass
         now = asyncio.get_running_loop().time()
-        self.metrics.child(self.metrics.ttft, parsed.model).observe(now - ex.arrival)
+        self._observe_ttft(ex, now - ex.arrival)
         self._settle(ex, reservation, usage, 0, whole=True)
         self._finish(ex, 200)
         return web.Response(status=200, body=data, headers={
@@ -502,11 +510,22 @@ class Proxy:
         else:
             reservation.release(now, completion)
 
+    def _pool(self, ex: Exchange) -> str:
+        b = self.router.fleet.backends.get(ex.backend) if ex.backend else None
+        return b.spec.pool if b is not None else "none"
+
+    def _observe_ttft(self, ex: Exchange, seconds: float) -> None:
+        m = self.metrics
+        m.child(m.ttft, ex.parsed.model).observe(seconds)
+        m.child(m.pool_ttft, self._pool(ex)).observe(seconds)
+
     def _finish(self, ex: Exchange, status: int) -> None:
         now = asyncio.get_running_loop().time()
-        self.metrics.child(self.metrics.requests, ex.parsed.model, ex.backend or "none", str(status)).inc()
+        m = self.metrics
+        m.child(m.requests, ex.parsed.model, ex.backend or "none", str(status)).inc()
+        m.child(m.pool_requests, self._pool(ex), str(status)).inc()
         if status == 200:
-            self.metrics.child(self.metrics.e2e, ex.parsed.model).observe(now - ex.arrival)
+            m.child(m.e2e, ex.parsed.model).observe(now - ex.arrival)
 
     async def _end_stream_with_error(self, ex: Exchange, err: UpstreamError) -> web.StreamResponse:
         out = ex.response

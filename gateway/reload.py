@@ -152,6 +152,8 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[aiohttp.Clien
     router = state.router
     if new.routing.policy != old.routing.policy or set(states) != set(old_backends):
         router.policy = make_policy(new.routing.policy)
+    from gateway.app import canary_splits  # a late import: app imports this module
+    router.set_canaries(canary_splits(new))
     for st in states.values():
         router.index.set_capacity(st.name, router.capacity_blocks(st))
     state.clients.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from routing.fleet import BackendState, Fleet, NoBackendAvailable, Reservation
@@ -46,6 +47,8 @@ class Router:
         self.block_tokens = block_tokens
         self.store = store  # publishes dispatched prefix blocks to other replicas (routing.state)
         self._next_expire = 0.0
+        self.canaries: dict[str, tuple[str, str, float]] = {}
+        self._canary_rng = random.Random()
         for b in fleet.backends.values():
             self.index.set_capacity(b.name, self.capacity_blocks(b))
 
@@ -69,6 +72,10 @@ class Router:
             all_candidates = [b for b in all_candidates if b.spec.role in request.roles]
             if not all_candidates:
                 raise NoBackendAvailable(request.model)
+        if request.pools is not None:
+            all_candidates = [b for b in all_candidates if b.spec.pool in request.pools]
+            if not all_candidates:
+                raise NoBackendAvailable(request.model)
         all_candidates = [b for b in all_candidates if not b.draining]  # draining: no new requests
         if not all_candidates:
             raise NoBackendAvailable(request.model)
@@ -87,6 +94,24 @@ class Router:
             if fresh:
                 return fresh
         return warm
+
+    def set_canaries(self, canaries: dict[str, tuple[str, str, float]], rng: random.Random | None = None) -> None:
+        """Canary splits: ``{model: (stable pool, canary pool, canary weight in [0, 1])}``."""
+        self.canaries = canaries
+        if rng is not None:
+            self._canary_rng = rng
+
+    def canary_pools(self, model: str) -> tuple[frozenset[str] | None, frozenset[str] | None]:
+        """(pools this request may use, pools to fall back to) for ``model``: with a
+        canary split, the canary pool for a ``weight`` fraction of requests (with the
+        stable pool as fallback) and the stable pool for the rest; otherwise any pool."""
+        split = self.canaries.get(model)
+        if split is None:
+            return None, None
+        stable, canary, weight = split
+        if self._canary_rng.random() < weight:
+            return frozenset({canary}), frozenset({stable})
+        return frozenset({stable}), None
 
     def _match(self, request: RouteRequest, now: float) -> None:
         if request.matched_at == now:

@@ -107,3 +107,64 @@ async def test_failed_prefill_leg_falls_back_to_decode_backend():
     finally:
         for b in backends:
             await b.cleanup()
+
+
+def _two_pools(canary_url: str, stable_url: str, weight: float) -> dict:
+    return dict(backends=[{"name": "stable", "url": stable_url, "models": ["m"], "pool": "main"},
+                          {"name": "canary", "url": canary_url, "models": ["m"], "pool": "canary"}],
+                pools=[{"name": "main"}, {"name": "canary"}],
+                routing={"policy": "least_requests", "scrape_interval_s": 0,
+                         "canaries": [{"model": "m", "stable_pool": "main", "canary_pool": "canary",
+                                       "canary_weight": weight}]})
+
+
+async def test_canary_split_by_weight_with_per_pool_metrics():
+    import random
+
+    from tests.servers import ScriptedBackend
+
+    async with ScriptedBackend().running() as stable, ScriptedBackend().running() as canary:
+        spec = _two_pools(canary.url, stable.url, 0.2)
+        cfg = gateway_config(spec.pop("backends"), **spec)
+        async with running_gateway(cfg) as gw:
+            gw.state.router.set_canaries(gw.state.router.canaries, random.Random(4))
+            for i in range(200):
+                status, _, _ = await _chat(gw.url, f"q{i}")
+                assert status == 200
+            n_canary = len(canary.attempt_times)
+            assert len(stable.attempt_times) + n_canary == 200
+            assert 20 <= n_canary <= 60  # 20% of 200 = 40
+            assert gw.metric("turbo_gateway_pool_requests_total", pool="canary", status="200") == n_canary
+            assert gw.metric("turbo_gateway_pool_requests_total", pool="main", status="200") == 200 - n_canary
+            assert gw.metric("turbo_gateway_pool_ttft_seconds_count", pool="canary") == n_canary
+
+
+async def test_failing_canary_falls_back_to_the_stable_pool():
+    from aiohttp import web
+
+    from tests.servers import ScriptedBackend
+
+    async def broken(b, request, body):
+        return web.json_response({"error": {"message": "canary is broken"}}, status=503)
+
+    async with ScriptedBackend().running() as stable, ScriptedBackend(handler=broken).running() as canary:
+        spec = _two_pools(canary.url, stable.url, 1.0)  # every request tries the canary first
+        cfg = gateway_config(spec.pop("backends"), **spec)
+        async with running_gateway(cfg) as gw:
+            for i in range(5):
+                status, headers, _ = await _chat(gw.url, f"q{i}")
+                assert status == 200 and headers["x-turbo-backend"] == "stable"
+            assert len(canary.attempt_times) >= 1
+            assert gw.metric("turbo_gateway_canary_fallbacks_total", reason="status_503") >= 1
+            assert gw.idle("canary") and gw.idle("stable")
+
+
+def test_canary_config_is_checked():
+    import pytest
+
+    from gateway.config import ConfigError, parse_config
+
+    spec = _two_pools("http://127.0.0.1:1", "http://127.0.0.1:2", 0.1)
+    spec["routing"]["canaries"][0]["canary_pool"] = "nowhere"
+    with pytest.raises(ConfigError, match="no backend in pool 'nowhere' serves it"):
+        parse_config(spec)

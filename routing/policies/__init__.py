@@ -33,6 +33,8 @@ class RouteRequest:
     - ``output_tokens``: expected completion length in tokens.
     - ``tokens_per_block``: estimated tokens in one prefix block.
     - ``roles``: pool roles the backend may have (``None``: any).
+    - ``pools``: pool names the backend may belong to (``None``: any), set by a
+      canary split (see :meth:`routing.router.Router.canary_pools`).
     - ``remote_prefill``: the prompt's KV arrives by transfer (decode leg of a
       disaggregated request): the backend computes no prefill for it.
     - Set by the router before ``choose``: ``now`` (monotonic seconds) and
@@ -48,6 +50,7 @@ class RouteRequest:
     output_tokens: int = 0
     tokens_per_block: float = 64.0
     roles: frozenset[str] | None = None
+    pools: frozenset[str] | None = None
     remote_prefill: bool = False
     now: float = 0.0
     matched_blocks: dict[str, int] = field(default_factory=dict)
