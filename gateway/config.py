@@ -129,6 +129,7 @@ class HealthChecks(_Strict):
     timeout_s: float = Field(2.0, gt=0)
     path: str = "/health"
     unhealthy_threshold: int = Field(2, ge=1)
+    healthy_threshold: int = Field(1, ge=1)
 
 
 class Pool(_Strict):

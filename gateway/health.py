@@ -15,7 +15,8 @@ log = logging.getLogger("gateway.health")
 
 class HealthChecker:
     """Probes ``GET {base_url}{path}``; updates ``BackendState.healthy`` and
-    ``checked``. A backend is marked down after ``unhealthy_threshold`` consecutive
+    ``checked``. A backend is marked up again after ``healthy_threshold`` consecutive
+    successful probes, and down after ``unhealthy_threshold`` consecutive
     failed probes and up after one successful probe."""
 
     def __init__(self, cfg: HealthChecks, clients: Iterable, paths: dict[str, str]) -> None:
@@ -23,6 +24,7 @@ class HealthChecker:
         self.clients = list(clients)
         self.paths = paths
         self.failures: dict[str, int] = {}
+        self.successes: dict[str, int] = {}
         self.checked: set[str] = set()
 
     async def probe(self, client) -> bool:
@@ -41,11 +43,13 @@ class HealthChecker:
             name = c.state.name
             self.checked.add(name)
             if ok:
-                if not c.state.healthy:
-                    log.warning("backend %s is healthy again", name)
                 self.failures[name] = 0
-                c.state.healthy = True
+                n_ok = self.successes[name] = self.successes.get(name, 0) + 1
+                if not c.state.healthy and n_ok >= self.cfg.healthy_threshold:
+                    log.warning("backend %s passed %d health checks; it is healthy again", name, n_ok)
+                    c.state.healthy = True
             else:
+                self.successes[name] = 0
                 n = self.failures[name] = self.failures.get(name, 0) + 1
                 if n >= self.cfg.unhealthy_threshold and c.state.healthy:
                     log.warning("backend %s failed %d health checks; marking it down", name, n)

@@ -226,3 +226,34 @@ def _shared_requests(gw) -> float:
         return 0.0
     w = lim.window()
     return u.count(w)[0] + u.count(w - 1)[0]
+
+
+async def test_limits_keep_working_with_a_frozen_redis():
+    """A Redis that accepts connections and never answers: requests flow, limits are
+    enforced on local counts, and the limiter says its store is down."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        while await reader.read(4096):
+            pass
+
+    frozen = await asyncio.start_server(never_reply, "127.0.0.1", 0)
+    port = frozen.sockets[0].getsockname()[1]
+    try:
+        async with ScriptedBackend().running() as be:
+            cfg = gateway_config(
+                [{"name": "b", "url": be.url, "models": ["m"]}],
+                state={"url": f"redis://127.0.0.1:{port}/0", "timeout_s": 0.1},
+                auth={"keys": [{"name": "alpha", "key_sha256": sha(KEY_A), "requests_per_minute": 3}]})
+            async with running_gateway(cfg) as gw:
+                statuses = [(await post(gw.url, CHAT, auth(KEY_A)))[0] for _ in range(4)]
+                assert statuses == [200, 200, 200, 429]
+                await wait_until(lambda: gw.metric("turbo_gateway_limits_store_up") == 0)
+                assert gw.state.limiter.usage["alpha"].concurrent == 0
+                assert held  # it did connect to the frozen server
+    finally:
+        for w in held:
+            w.close()
+        frozen.close()
+        await frozen.wait_closed()
