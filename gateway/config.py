@@ -267,8 +267,8 @@ class Batch(_Strict):
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
+            raise ValueError("must be a redis://, rediss://, unix:// or redis+sentinel:// URL")
         return v
 
 

@@ -8,7 +8,8 @@ result moves the batch to ``finalizing`` (in the record script) -> the output an
 files are written from the results hash -> ``completed``.
 
 ``cancelling`` (the cancel endpoint): consumers stop starting its lines; once no line is
-in flight (leases in the ``fly`` zset, so a dead consumer's line stops counting) the
+in flight (leases in the ``fly`` zset renewed by the consumers' heartbeat, so a dead
+consumer's line stops counting after ``visibility_timeout_s``) the
 batch is frozen and ends ``cancelled`` with the results it has. Past ``expires_at`` an
 unfinished batch is frozen and ends ``expired``: finished lines in the output file, the
 others in the error file with code ``batch_expired``. Freezing (the ``closing`` field)
@@ -124,18 +125,24 @@ class BatchManager:
     async def run(self) -> None:
         import redis.exceptions
 
+        errors = 0
         while True:
             try:
                 await self.tick()
+                if errors:
+                    log.warning("batch manager: Redis is back")
+                errors = 0
             except (redis.exceptions.RedisError, OSError) as e:
-                log.warning("batch manager: Redis error (%s); retrying", e)
+                if not errors:
+                    log.warning("batch manager: Redis error (%s); retrying with backoff", e)
+                errors += 1
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("batch manager tick failed")
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+                await asyncio.wait_for(self._wake.wait(), min(self.tick_s * 2 ** min(errors, 5), 5.0))
             except TimeoutError:
                 pass
 

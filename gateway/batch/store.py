@@ -155,10 +155,9 @@ class BatchStore:
 
     @classmethod
     def from_url(cls, url: str, namespace: str, files_dir: str | os.PathLike[str]) -> "BatchStore":
-        import redis.asyncio as aioredis
+        from routing.state import redis_client  # redis://, rediss://, unix:// and redis+sentinel://
 
-        client = aioredis.from_url(url, socket_timeout=10.0, socket_connect_timeout=5.0, health_check_interval=30)
-        return cls(client, namespace, files_dir)
+        return cls(redis_client(url, timeout_s=10.0), namespace, files_dir)
 
     async def close(self) -> None:
         await self.r.aclose()

@@ -148,6 +148,7 @@ class Consumer:
         self.name = name or consumer_name()
         self.rng = rng or random.Random()
         self.held: dict[str, asyncio.Task] = {}
+        self.lines: dict[str, tuple[str, int]] = {}  # entry id -> (batch id, line index) being sent
         self._slot = asyncio.Event()
         self._status: dict[str, tuple[float, tuple[str | None, str | None, float | None]]] = {}
         self.processed = 0
@@ -210,6 +211,7 @@ class Consumer:
 
     def _done(self, eid: str) -> None:
         self.held.pop(eid, None)
+        self.lines.pop(eid, None)
         self._slot.set()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
@@ -223,6 +225,13 @@ class Consumer:
                 continue
             try:
                 await self.store.r.xclaim(self.store.queue, GROUP, self.name, 0, ids, justid=True)
+                lines = list(self.lines.values())
+                if lines:  # lines being sent stay "in flight" (a cancel waits for them) while we live
+                    async with self.store.r.pipeline(transaction=False) as p:
+                        for batch_id, index in lines:
+                            p.zadd(self.store.key("fly", batch_id), {str(index): time.time()
+                                                                     + self.cfg.visibility_timeout_s}, xx=True)
+                        await p.execute()
             except (redis.exceptions.RedisError, OSError) as e:
                 log.warning("consumer %s: heartbeat failed (%s)", self.name, e)
 
@@ -256,6 +265,7 @@ class Consumer:
             if not await self._active(batch_id) or await self.store.has_result(batch_id, index):
                 await self._abandon(batch_id, index, eid)
                 return
+            self.lines[eid] = (batch_id, index)
             line = await self._run_line(batch_id, index, custom_id, url, body)
             if line is None:
                 await self._abandon(batch_id, index, eid)
@@ -264,6 +274,12 @@ class Consumer:
             await self.store.record(batch_id, index, data, ok, eid)
             self.processed += 1
         except asyncio.CancelledError:
+            # stopping: the entry stays pending (another consumer reclaims it); stop
+            # counting it as in flight so that a cancel does not wait for it
+            try:
+                await asyncio.wait_for(self.store.r.zrem(self.store.key("fly", batch_id), str(index)), 1.0)
+            except Exception:
+                pass
             raise
         except Exception:
             log.exception("consumer %s: line %s of %s failed unexpectedly; it stays pending", self.name, index,
@@ -279,7 +295,7 @@ class Consumer:
         batch stopped (cancelled, expired) before the line finished."""
         cfg = self.cfg
         fly = self.store.key("fly", batch_id)
-        lease_s = cfg.request_timeout_s + cfg.admission_wait_s + 30.0
+        lease_s = cfg.visibility_timeout_s  # renewed by the heartbeat while this consumer lives
 
         async def before_send() -> bool:
             if not await self._active(batch_id, fresh=True):  # a cancel stops the very next send
