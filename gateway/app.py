@@ -40,6 +40,15 @@ STATE = web.AppKey("state", "GatewayState")
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("turbo-gateway")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
     """``routing.canaries`` as the router takes them."""
     return {c.model: (c.stable_pool, c.canary_pool, c.canary_weight) for c in cfg.routing.canaries}
@@ -68,6 +77,7 @@ class GatewayState:
                              store=self.store if st.url else None)
         self.router.set_canaries(canary_splits(cfg))
         self.metrics = GatewayMetrics(self.fleet, self.store, index)
+        self.metrics.build_info.labels(_version(), r.policy).set(1)
         self.clients: dict[str, BackendClient] = {}
         self.proxy: Proxy | None = None
         self.health: HealthChecker | None = None

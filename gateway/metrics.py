@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -109,6 +109,8 @@ class GatewayMetrics:
     def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple, object] = {}
+        self.build_info = Gauge("turbo_gateway_build_info", "Always 1; the labels say the version and routing policy",
+                                ["version", "policy"], registry=r)
         self.requests = Counter("turbo_gateway_requests", "Requests answered, by final HTTP status",
                                 ["model", "backend", "status"], registry=r)
         self.ttft = Histogram("turbo_gateway_ttft_seconds",

@@ -245,7 +245,7 @@ def backend_load(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, 
 def gateway_info(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any] | None:
     """What a turbo-gateway's ``/metrics`` says about itself (``None`` when the target
     is not one): its backends, the policy seen in routing decisions, and a version
-    when it exports a ``turbo_gateway_build_info`` metric (it does not yet)."""
+    from its ``turbo_gateway_build_info`` metric."""
     if not any(n.startswith("turbo_gateway_") for n, _, _ in samples):
         return None
     info: dict[str, Any] = {"backends": sorted({lab["backend"] for n, lab, _ in samples
