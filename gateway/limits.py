@@ -305,7 +305,8 @@ class LimiterSync:
         while True:
             started = loop.time()
             try:
-                await asyncio.wait_for(self.sync_once(), self.timeout_s * 4)
+                async with asyncio.timeout(self.timeout_s * 4):
+                    await self.sync_once()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - Redis failures degrade to local limits

@@ -330,7 +330,8 @@ class RedisStore:
         while True:
             started = loop.time()
             try:
-                await asyncio.wait_for(self.sync_once(), self.timeout_s * 4)
+                async with asyncio.timeout(self.timeout_s * 4):
+                    await self.sync_once()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any Redis failure degrades, never crashes

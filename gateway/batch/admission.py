@@ -96,7 +96,8 @@ class BatchGate:
                                   code=DEFERRED_CODE, headers={"Retry-After": "1"})
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), min(_POLL_S, left))
+                async with asyncio.timeout(min(_POLL_S, left)):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
         self.in_flight += 1

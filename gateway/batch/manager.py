@@ -142,7 +142,8 @@ class BatchManager:
                 log.exception("batch manager tick failed")
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), min(self.tick_s * 2 ** min(errors, 5), 5.0))
+                async with asyncio.timeout(min(self.tick_s * 2 ** min(errors, 5), 5.0)):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
