@@ -105,36 +105,6 @@ async def _reload(request: web.Request) -> web.Response:
     return _json({"status": "reloaded"})
 
 
-async def _batches(request: web.Request) -> web.Response:
-    """Every batch of every caller, newest first, with its status and counts."""
-    from gateway.batch.api import BATCH, batch_object
-
-    state = _state(request)
-    check_admin(request, state.admin_digest)
-    if BATCH not in request.app:
-        raise ClientError(404, "The batch API is not enabled (batch.enabled).", code="batch_disabled")
-    store = request.app[BATCH].store
-    out = []
-    for bid in await store.list_batch_ids():
-        f = await store.batch_fields(bid)
-        if f is not None:
-            out.append(batch_object(f))
-    by_status: dict[str, int] = {}
-    for b in out:
-        by_status[b["status"]] = by_status.get(b["status"], 0) + 1
-    return _json({"object": "list", "data": out, "by_status": by_status})
-
-
-async def _cancel_batch(request: web.Request) -> web.Response:
-    from gateway.batch.api import BATCH, cancel_batch
-
-    state = _state(request)
-    check_admin(request, state.admin_digest)
-    if BATCH not in request.app:
-        raise ClientError(404, "The batch API is not enabled (batch.enabled).", code="batch_disabled")
-    return await cancel_batch(request)
-
-
 async def _openapi(request: web.Request) -> web.Response:
     return web.Response(body=OPENAPI_BYTES, content_type="application/json")
 
@@ -144,8 +114,6 @@ def setup_admin(app: web.Application) -> None:
     app.router.add_post("/admin/backends/{name}/drain", _drain)
     app.router.add_post("/admin/backends/{name}/undrain", _undrain)
     app.router.add_post("/admin/reload", _reload)
-    app.router.add_get("/admin/batches", _batches)
-    app.router.add_post("/admin/batches/{batch_id}/cancel", _cancel_batch)
     app.router.add_get("/openapi.json", _openapi)
 
 

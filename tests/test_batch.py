@@ -367,33 +367,3 @@ async def test_sigkill_one_of_two_consumers_loses_and_duplicates_nothing(redis, 
         for be in backends:
             await be.cleanup()
 
-
-async def test_batch_administration_needs_the_admin_key(redis, tmp_path):
-    import hashlib
-
-    import aiohttp
-
-    admin_key = "admin-secret-for-batches"
-    backends, urls = await sim_fleet()
-    # no workers (the default): nothing drains, the batch stays open for the admin to see and cancel
-    cfg = gateway_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()],
-                         state={"namespace": f"t{uuid.uuid4().hex[:8]}"},
-                         batch={"enabled": True, "redis_url": redis, "files_dir": str(tmp_path / "files")},
-                         admin={"key_sha256": hashlib.sha256(admin_key.encode()).hexdigest()})
-    try:
-        async with running_gateway(cfg) as gw:
-            async with sdk(gw) as client:
-                b = await submit(client, jsonl([line(i) for i in range(3)]))
-            headers = {"Authorization": f"Bearer {admin_key}"}
-            async with aiohttp.ClientSession() as s:
-                async with s.get(gw.url + "/admin/batches") as r:
-                    assert r.status == 401
-                async with s.get(gw.url + "/admin/batches", headers=headers) as r:
-                    listing = orjson.loads(await r.read())
-                assert r.status == 200 and [x["id"] for x in listing["data"]] == [b.id]
-                async with s.post(gw.url + f"/admin/batches/{b.id}/cancel", headers=headers) as r:
-                    assert r.status == 200
-                    assert orjson.loads(await r.read())["status"] in ("cancelling", "cancelled")
-    finally:
-        for be in backends:
-            await be.cleanup()
