@@ -4,14 +4,15 @@ loopback port and stopped by its PID."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 from tests.servers import free_port
 
@@ -77,3 +78,24 @@ def redis_url() -> Iterator[str]:
         yield server.url
     finally:
         server.cleanup()
+
+
+@asynccontextmanager
+async def frozen_redis() -> AsyncIterator[tuple[str, list]]:
+    """A server that accepts connections and never answers (a frozen Redis). Yields
+    its ``redis://`` URL and the list of connections it accepted."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        while await reader.read(4096):
+            pass
+
+    server = await asyncio.start_server(never_reply, "127.0.0.1", 0)
+    try:
+        yield f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0", held
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()

@@ -15,7 +15,7 @@ from aiohttp import web
 from gateway.limits import Limiter
 from gateway.config import ClientKey
 from gateway.errors import ClientError
-from tests.redis_server import ValkeyProcess
+from tests.redis_server import ValkeyProcess, frozen_redis
 from tests.servers import ScriptedBackend, free_port, gateway_config, running_gateway, sse_chunk, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -231,20 +231,11 @@ def _shared_requests(gw) -> float:
 async def test_limits_keep_working_with_a_frozen_redis():
     """A Redis that accepts connections and never answers: requests flow, limits are
     enforced on local counts, and the limiter says its store is down."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def never_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        while await reader.read(4096):
-            pass
-
-    frozen = await asyncio.start_server(never_reply, "127.0.0.1", 0)
-    port = frozen.sockets[0].getsockname()[1]
-    try:
+    async with frozen_redis() as (url, held):
         async with ScriptedBackend().running() as be:
             cfg = gateway_config(
                 [{"name": "b", "url": be.url, "models": ["m"]}],
-                state={"url": f"redis://127.0.0.1:{port}/0", "timeout_s": 0.1},
+                state={"url": url, "timeout_s": 0.1},
                 auth={"keys": [{"name": "alpha", "key_sha256": sha(KEY_A), "requests_per_minute": 3}]})
             async with running_gateway(cfg) as gw:
                 statuses = [(await post(gw.url, CHAT, auth(KEY_A)))[0] for _ in range(4)]
@@ -252,8 +243,3 @@ async def test_limits_keep_working_with_a_frozen_redis():
                 await wait_until(lambda: gw.metric("turbo_gateway_limits_store_up") == 0)
                 assert gw.state.limiter.usage["alpha"].concurrent == 0
                 assert held  # it did connect to the frozen server
-    finally:
-        for w in held:
-            w.close()
-        frozen.close()
-        await frozen.wait_closed()

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from loadtest.sim.server import SimBackendConfig, start_backends
-from tests.redis_server import ValkeyProcess, redis_url
+from tests.redis_server import ValkeyProcess, frozen_redis, redis_url
 from tests.servers import free_port, gateway_config, running_gateway, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,8 @@ def _backends(urls):
 
 
 async def _chat(url: str, content: str, max_tokens: int = 4, stream: bool = False):
-    async with aiohttp.ClientSession() as s:
+    # bounded, so that a stall fails the test instead of hanging the suite
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         async with s.post(url + "/v1/chat/completions",
                           json={"model": "m", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
                                 "messages": [{"role": "user", "content": content}]}) as r:
@@ -177,18 +178,8 @@ async def test_redis_outage_fails_no_request_and_replicas_reconverge(fleet):
 
 
 async def test_frozen_redis_does_not_block_requests(fleet):
-    # accepts connections and never answers
-    held: list[asyncio.StreamWriter] = []
-
-    async def never_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        while await reader.read(4096):
-            pass
-
-    server = await asyncio.start_server(never_reply, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        cfg = gateway_config(_backends(fleet), state={"url": f"redis://127.0.0.1:{port}/0", "timeout_s": 0.1})
+    async with frozen_redis() as (url, held):
+        cfg = gateway_config(_backends(fleet), state={"url": url, "timeout_s": 0.1})
         async with running_gateway(cfg) as gw:
             for i in range(5):
                 status, _, _ = await _chat(gw.url, f"question {i}", 2, stream=bool(i % 2))
@@ -196,11 +187,6 @@ async def test_frozen_redis_does_not_block_requests(fleet):
             assert gw.metric("turbo_gateway_state_store_up", store="redis") == 0
             assert gw.state.store.stats.last_sync_at is None
             assert held  # the gateway did connect to the frozen server
-    finally:
-        for w in held:
-            w.close()
-        server.close()
-        await server.wait_closed()
 
 
 @pytest.mark.slow
