@@ -300,29 +300,24 @@ class LimiterSync:
         for name, u in lim.usage.items():
             u.remote_concurrent = remote.get(name, 0)
 
+    def _on_sync_error(self, e: Exception) -> None:
+        if self.up or not self._logged_down:
+            log.warning("limits: shared store unreachable (%s); enforcing per-key limits locally", type(e).__name__)
+            self._logged_down = True
+        self.up = False
+        if self.last_ok is None or asyncio.get_running_loop().time() - self.last_ok > self.lease_s:
+            for u in self.limiter.usage.values():
+                u.remote_concurrent = 0
+
+    def _on_sync_ok(self) -> None:
+        if self._logged_down:
+            log.warning("limits: shared store is back; per-key limits shared again")
+            self._logged_down = False
+        self.up = True
+        self.last_ok = asyncio.get_running_loop().time()
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                async with asyncio.timeout(self.timeout_s * 4):
-                    await self.sync_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - Redis failures degrade to local limits
-                if self.up or not self._logged_down:
-                    log.warning("limits: shared store unreachable (%s); enforcing per-key limits locally",
-                                type(e).__name__)
-                    self._logged_down = True
-                self.up = False
-                if self.last_ok is None or loop.time() - self.last_ok > self.lease_s:
-                    for u in self.limiter.usage.values():
-                        u.remote_concurrent = 0
-                await asyncio.sleep(min(max(self.interval_s, 0.1), 1.0))
-                continue
-            if self._logged_down:
-                log.warning("limits: shared store is back; per-key limits shared again")
-                self._logged_down = False
-            self.up = True
-            self.last_ok = loop.time()
-            await asyncio.sleep(max(self.interval_s - (loop.time() - started), 0.0))
+        from routing.state import sync_forever
+
+        await sync_forever(self.sync_once, interval_s=self.interval_s, timeout_s=self.timeout_s * 4,
+                           on_error=self._on_sync_error, on_ok=self._on_sync_ok)

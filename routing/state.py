@@ -46,7 +46,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -111,6 +111,30 @@ def redis_client(url: str, *, timeout_s: float, cluster: bool = False) -> Any:
 
         return RedisCluster.from_url(url, **kw)
     return aioredis.from_url(url, **kw)
+
+
+async def sync_forever(sync_once: Callable[[], Awaitable[None]], *, interval_s: float, timeout_s: float,
+                       on_error: Callable[[Exception], None], on_ok: Callable[[], None]) -> None:
+    """Run ``sync_once`` every ``interval_s`` seconds until cancelled, each call bounded
+    by ``timeout_s``. A failure (any exception, the timeout included) goes to
+    ``on_error`` and the next try comes after ``min(max(interval_s, 0.1), 1)`` s; a
+    success goes to ``on_ok``. Never raises but ``CancelledError``. Uses
+    ``asyncio.timeout``, not ``asyncio.wait_for``, whose Python 3.11 version can swallow
+    a cancel and keep the loop alive at shutdown."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await sync_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any Redis failure degrades, never crashes
+            on_error(e)
+            await asyncio.sleep(min(max(interval_s, 0.1), 1.0))
+            continue
+        on_ok()
+        await asyncio.sleep(max(interval_s - (loop.time() - started), 0.0))
 
 
 class InProcessStore:
@@ -325,34 +349,28 @@ class RedisStore:
             b.remote_in_flight = 0
         self.stats.replicas = 1
 
+    def _on_sync_error(self, e: Exception) -> None:
+        op = type(e).__name__
+        self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
+        if self.stats.up or not self._degraded_logged:
+            log.warning("state store degraded: Redis at %s failed (%s: %s); serving on local state",
+                        self._safe_url(), op, e)
+            self._degraded_logged = True
+        self.stats.up = False
+        last = self.stats.last_sync_at
+        if last is None or asyncio.get_running_loop().time() - last > self.lease_s:
+            self._drop_remote()
+
+    def _on_sync_ok(self) -> None:
+        if self._degraded_logged:
+            log.warning("state store: Redis at %s is back; shared view resynchronized", self._safe_url())
+            self._degraded_logged = False
+        self.stats.up = True
+        self._synced.set()
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                async with asyncio.timeout(self.timeout_s * 4):
-                    await self.sync_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any Redis failure degrades, never crashes
-                op = type(e).__name__
-                self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
-                if self.stats.up or not self._degraded_logged:
-                    log.warning("state store degraded: Redis at %s failed (%s: %s); serving on local state",
-                                self._safe_url(), op, e)
-                    self._degraded_logged = True
-                self.stats.up = False
-                last = self.stats.last_sync_at
-                if last is None or loop.time() - last > self.lease_s:
-                    self._drop_remote()
-                await asyncio.sleep(min(max(self.interval_s, 0.1), 1.0))
-                continue
-            if self._degraded_logged:
-                log.warning("state store: Redis at %s is back; shared view resynchronized", self._safe_url())
-                self._degraded_logged = False
-            self.stats.up = True
-            self._synced.set()
-            await asyncio.sleep(max(self.interval_s - (loop.time() - started), 0.0))
+        await sync_forever(self.sync_once, interval_s=self.interval_s, timeout_s=self.timeout_s * 4,
+                           on_error=self._on_sync_error, on_ok=self._on_sync_ok)
 
     def _safe_url(self) -> str:
         # never log a password
