@@ -12,6 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -26,7 +27,8 @@ from gateway.health import HealthChecker
 from gateway.scraper import MetricsScraper
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import models_list, parse_completion_request, read_json_body
-from gateway.proxy import REQUEST_ID_HEADER, BackendClient, ClientGone, Exchange, Proxy
+from gateway.downstream import AiohttpDownstream, ClientGone
+from gateway.proxy import REQUEST_ID_HEADER, BackendClient, Exchange, Proxy
 from gateway.reload import init_hardening, make_session, watch_config
 from routing import BackendSpec, Fleet, Router, UnknownModel, make_policy
 from routing.estimate import TokenEstimator
@@ -174,6 +176,8 @@ def _lifecycle(backend_urls: dict[str, str]):
                 await state.limiter_sync.stop()
             for s in sessions:
                 await s.close()
+            for c in state.clients.values():
+                c.pool.close()
             if demo is not None:
                 await demo.stop()
 
@@ -210,25 +214,36 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
     arrival = asyncio.get_running_loop().time()
     state = request.app[STATE]
     body, data = await read_json_body(request, state.cfg.limits.max_body_bytes)
+    down = AiohttpDownstream(request)
+    await complete(state, endpoint, body, data, request.get(CALLER) or state.keyring.anonymous, request[REQUEST_ID],
+                   down, arrival)
+    return down.response or web.Response(status=499)
+
+
+async def complete(state: GatewayState, endpoint: str, body: bytes, data: dict, caller: Any, request_id: str,
+                   down: Any, arrival: float) -> None:
+    """Serve one completion whose JSON body was read: validate it, apply the caller's
+    limits and admission, and forward it; the answer goes to ``down`` (see
+    :mod:`gateway.downstream`). Raises :class:`ClientError` (4xx) before any byte was
+    sent, and :class:`ClientGone` / ``CancelledError`` when the client left."""
     parsed = parse_completion_request(endpoint, body, data)
     try:
         state.fleet.candidates(parsed.model)
     except UnknownModel as e:
         raise ClientError(404, str(e), param="model", code="model_not_found") from None
-    caller = request.get(CALLER) or state.keyring.anonymous
-    key = caller.key  # type: ignore[attr-defined]
+    key = caller.key
     est = 0.0
     if key is not None and key.tokens_per_minute is not None:
         est = len(parsed.prompt_text) / state.estimator.stats(parsed.model).bytes_per_token + (parsed.max_tokens or 0)
     permit = state.limiter.acquire(key, est)  # 429 when over a per-key limit (gateway/limits.py)
-    ex = Exchange(request, parsed, request[REQUEST_ID], arrival)
+    ex = Exchange(down, parsed, request_id, arrival)
     try:
-        await state.admission.admit(parsed.model, caller.name, caller.priority)  # type: ignore[attr-defined]
+        await state.admission.admit(parsed.model, caller.name, caller.priority)
         assert state.proxy is not None
         try:
-            return await state.proxy.forward(ex)
+            await state.proxy.forward(ex)
         except ClientGone:
-            return ex.response or web.Response(status=499)
+            pass
     finally:
         permit.release(ex.tokens, dispatched=bool(ex.attempts))
         state.admission.pump()

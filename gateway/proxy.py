@@ -33,11 +33,13 @@ from gateway.errors import (
     TotalTimeout,
     UpstreamError,
     error_body,
-    error_response,
     sse_error_event,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.downstream import ClientGone, CollectDownstream, Downstream
 from gateway.openai_api import ParsedRequest
+from gateway.upstream import ConnectError, ConnectTimedOut, UpstreamClosed, UpstreamPool
+from gateway.upstream import Exchange as UpstreamExchange
 from routing import Decision, NoBackendAvailable, Reservation, Router, RouteRequest
 from routing.estimate import PromptEstimate, TokenEstimator
 from routing.fleet import BackendState
@@ -51,23 +53,42 @@ REQUEST_ID_HEADER = "x-request-id"
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _MAX_SCAN_TAIL_BYTES = 1024 * 1024
 _EMPTY_CONTENT = re.compile(rb'"content":\s*(""|null)')
-_DONE_LINE = re.compile(rb"^data: ?\[DONE\]\r?$", re.M)
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-class ClientGone(Exception):
-    """The client closed its connection while the response was being written."""
+_JSON_HEADERS = b"Content-Type: application/json\r\nAccept: application/json\r\n"
+_STREAM_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+_HIGH_WATER_BYTES = 256 * 1024  # the client's unsent bytes past which the backend is not read
+_LOW_WATER_BYTES = 64 * 1024
+_DRAIN_POLL_S = 0.005
+
+
+def _header_value(value: str) -> bytes:
+    """``value`` as a header value: latin-1, with CR, LF and NUL dropped."""
+    return value.encode("latin-1", "replace").translate(None, b"\r\n\x00")
 
 
 @dataclass(slots=True)
 class BackendClient:
-    """How to reach one backend: its base URL, pooled session, auth and timeouts."""
+    """How to reach one backend: its base URL, auth and timeouts, the data plane's
+    keep-alive pool (:class:`gateway.upstream.UpstreamPool`, completions) and an aiohttp
+    session (health checks, scraping, the prefill leg). Made inside the running loop."""
 
     state: BackendState
     base_url: str
     session: aiohttp.ClientSession
     timeouts: Timeouts
     auth_header: str | None = None
+    pool: UpstreamPool = field(init=False)
+    auth_line: bytes = field(init=False)  # the ``Authorization`` header line for the pool, or b""
+
+    def __post_init__(self) -> None:
+        self.pool = UpstreamPool(self.base_url, self.timeouts.connect_s)
+        self.auth_line = b"Authorization: %s\r\n" % _header_value(self.auth_header) if self.auth_header else b""
+
+    async def close(self) -> None:
+        self.pool.close()
+        await self.session.close()
 
 
 @dataclass(slots=True)
@@ -101,8 +122,11 @@ class StreamScan:
         # ``complete`` starts at a line start: count events only at line starts, so that
         # "data:" or "[DONE]" inside a token's text changes nothing
         self.events += complete.startswith(b"data:") + complete.count(b"\ndata:")
-        if b"[DONE]" in complete and _DONE_LINE.search(complete):
-            self.done = True
+        i = complete.rfind(b"[DONE]")  # the last event, when the stream is well formed
+        if i >= 0:
+            line = complete[complete.rfind(b"\n", 0, i) + 1:complete.find(b"\n", i)].rstrip(b"\r ")
+            if line == b"data: [DONE]" or line == b"data:[DONE]":
+                self.done = True
         if b'"usage"' in complete:
             for line in reversed(complete.split(b"\n")):
                 if line.startswith(b"data:") and b'"usage"' in line:
@@ -122,15 +146,96 @@ class StreamScan:
         return max(self.events - (1 if self.done else 0) - (1 if self.usage else 0) - self.role_only, 0)
 
 
+class _Relay:
+    """Relays one stream's body from the backend to the client inside the upstream
+    connection's ``data_received``: scan the chunk, observe ITL, write it with HTTP/1.1
+    chunk framing straight to the client's transport. One timer enforces the idle and
+    total timeouts without a reschedule per chunk; a client slower than the stream
+    pauses reading from the backend (backpressure), and a client that left aborts the
+    upstream connection."""
+
+    __slots__ = ("loop", "up", "transport", "collect", "scan", "itl", "last_at", "name", "idle_s", "total_s",
+                 "total_deadline", "timer", "paused")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, up: UpstreamExchange, down: Downstream,
+                 scan: StreamScan, itl: Any, first_at: float, name: str, timeouts: Timeouts,
+                 total_deadline: float | None) -> None:
+        self.loop, self.up, self.scan, self.itl = loop, up, scan, itl
+        self.transport = down.transport
+        self.collect = down if isinstance(down, CollectDownstream) else None
+        self.last_at = first_at
+        self.name = name
+        self.idle_s, self.total_s, self.total_deadline = timeouts.idle_s, timeouts.total_s, total_deadline
+        self.timer: asyncio.TimerHandle | None = None
+        self.paused = False
+
+    def run(self) -> asyncio.Future[None]:
+        fut = self.up.relay(self)
+        self._arm()
+        return fut
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def __call__(self, data: bytes) -> None:
+        now = self.loop.time()
+        self.itl.observe(now - self.last_at)
+        self.last_at = now
+        self.scan.feed(data)
+        if self.collect is not None:
+            self.collect.body += data
+            return
+        t = self.transport
+        if t is None or t.is_closing():
+            self.up.abort(ClientGone())
+            return
+        t.write(b"%x\r\n%b\r\n" % (len(data), data))  # type: ignore[attr-defined]
+        if t.get_write_buffer_size() > _HIGH_WATER_BYTES and not self.paused:  # type: ignore[attr-defined]
+            self.paused = True
+            self.up.pause_reading()
+            self.loop.call_later(_DRAIN_POLL_S, self._drain)
+
+    def _drain(self) -> None:
+        t = self.transport
+        if not self.paused or self.up.complete:
+            return
+        if t is None or t.is_closing():
+            self.up.abort(ClientGone())
+        elif t.get_write_buffer_size() <= _LOW_WATER_BYTES:  # type: ignore[attr-defined]
+            self.paused = False
+            self.last_at = self.loop.time()  # time spent waiting for the client is not a stall
+            self.up.resume_reading()
+        else:
+            self.loop.call_later(_DRAIN_POLL_S, self._drain)
+
+    def _arm(self) -> None:
+        """(Re)arm the timeout timer at the nearer of the idle and total deadlines."""
+        self.timer = None
+        now = self.loop.time()
+        last = max(self.last_at, self.up.last_data_at)
+        idle_at = (now if self.paused else last) + self.idle_s if self.idle_s else None
+        total_at = self.total_deadline
+        if total_at is not None and now >= total_at:
+            self.up.abort(TotalTimeout(self.name, f"backend {self.name} exceeded the total timeout of {self.total_s} s"))
+            return
+        if idle_at is not None and now >= idle_at:
+            self.up.abort(IdleTimeout(self.name, f"backend {self.name} stalled for more than {self.idle_s} s between chunks"))
+            return
+        at = min(x for x in (idle_at, total_at) if x is not None) if (idle_at or total_at) else None
+        if at is not None:
+            self.timer = self.loop.call_at(at, self._arm)
+
+
 @dataclass(slots=True)
 class Exchange:
     """One client request's progress across attempts."""
 
-    request: web.Request
+    down: Downstream  # where the answer goes (gateway/downstream.py)
     parsed: ParsedRequest
     request_id: str
     arrival: float
-    response: web.StreamResponse | None = None  # set once bytes went to the client
     backend: str = ""
     estimate: PromptEstimate | None = None
     decision: Decision | None = None
@@ -184,9 +289,10 @@ class Proxy:
             parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
         return "; ".join(parts)
 
-    async def forward(self, ex: Exchange) -> web.StreamResponse:
-        """Route, attempt and retry; return the response the client gets (already
-        written when it is a stream). Never raises an :class:`UpstreamError`."""
+    async def forward(self, ex: Exchange) -> None:
+        """Route, attempt and retry; the answer goes to ``ex.down``. Never raises an
+        :class:`UpstreamError`; raises :class:`ClientGone` (or ``CancelledError``)
+        when the client left."""
         loop = asyncio.get_running_loop()
         retries = self.cfg.retries
         parsed = ex.parsed
@@ -242,7 +348,7 @@ class Proxy:
                 reservation.release(loop.time())
                 ex.attempts[-1] = (backend.name, now, err.reason)
                 self.metrics.child(self.metrics.upstream_errors, backend.name, err.reason).inc()
-                if ex.response is not None:  # bytes already reached the client: end the stream
+                if ex.down.started:  # bytes already reached the client: end the stream
                     return await self._end_stream_with_error(ex, err)
                 last = err
                 now = loop.time()
@@ -271,12 +377,13 @@ class Proxy:
 
     # ---- one attempt -------------------------------------------------------------
 
-    async def _attempt(self, ex: Exchange, client: BackendClient, reservation: Reservation) -> web.StreamResponse:
+    async def _attempt(self, ex: Exchange, client: BackendClient, reservation: Reservation) -> None:
         """Send the request to one backend and relay its answer.
 
-        Raises an :class:`UpstreamError` subclass on failure (with ``ex.response`` set
+        Raises an :class:`UpstreamError` subclass on failure (with ``ex.down.started``
         when bytes had already been written to the client) and :class:`ClientGone`
-        is handled here: the upstream response is closed at once.
+        (or ``CancelledError``) when the client left; either way the upstream
+        connection is closed at once, so the engine aborts the generation.
         """
         loop = asyncio.get_running_loop()
         t = client.timeouts
@@ -284,112 +391,102 @@ class Proxy:
         name = client.state.name
         start = loop.time()
         total_deadline = start + t.total_s if t.total_s else None
-
-        def deadline(phase_s: float | None) -> float | None:
-            d = loop.time() + phase_s if phase_s else None
-            if total_deadline is not None and (d is None or total_deadline < d):
-                return total_deadline
-            return d
-
-        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: ex.request_id,
-                   "Accept": "text/event-stream" if parsed.stream else "application/json"}
-        if client.auth_header:
-            headers["Authorization"] = client.auth_header
-        phase = "ttft"
-        resp: aiohttp.ClientResponse | None = None
-        completed = False
+        ttft_deadline = start + t.ttft_s if t.ttft_s else None
+        if total_deadline is not None and (ttft_deadline is None or total_deadline < ttft_deadline):
+            ttft_deadline = total_deadline
+        headers = (_STREAM_HEADERS if parsed.stream else _JSON_HEADERS) + b"x-request-id: %s\r\n%s" % (
+            _header_value(ex.request_id), client.auth_line)
+        up: UpstreamExchange | None = None
         try:
-            async with asyncio.timeout_at(deadline(t.ttft_s)) as cm:
-                try:
-                    resp = await client.session.post(client.base_url + _PATHS[parsed.endpoint],
-                                                     data=ex.body, headers=headers)
-                except aiohttp.ConnectionTimeoutError as e:
-                    raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
-                except aiohttp.ClientConnectorError as e:
-                    raise ConnectFailed(name, f"could not connect to backend {name}: {e.os_error.strerror or e}") from e
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as e:
-                    raise Disconnected(name, f"backend {name} closed the connection before answering") from e
-
-                if resp.status != 200:
-                    body = await self._read_error_body(resp)
-                    raise BackendStatus(name, resp.status, body, resp.content_type,
-                                        parse_retry_after(resp.headers.get("Retry-After")))
-                if not parsed.stream or not resp.content_type.startswith("text/event-stream"):
+            try:
+                async with asyncio.timeout_at(ttft_deadline):
                     try:
-                        data = await resp.read()
-                    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                        raise Disconnected(name, f"backend {name} closed the connection mid-response") from e
-                    completed = True
-                    return await self._relay_whole(ex, resp, data, reservation)
-
-                # streaming: wait for the first chunk before answering the client, so
-                # that everything up to here can still be retried elsewhere
-                try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                    raise Disconnected(name, f"backend {name} closed the stream before the first byte") from e
-                if not chunk:
-                    raise Disconnected(name, f"backend {name} ended the stream without sending an event")
-                phase = "stream"
-                first_at = loop.time()
-                reservation.first_token(first_at)
-                self._observe_ttft(ex, first_at - ex.arrival)
-                out = web.StreamResponse(status=200, headers={
-                    "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                    "Cache-Control": "no-cache", BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id,
-                    ROUTE_HEADER: self.route_header(ex.decision)})
-                out.enable_chunked_encoding()
-                try:
-                    await out.prepare(ex.request)
-                except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
-                    raise ClientGone() from e
-                ex.response = out
-                scan = StreamScan()
-                itl = self.metrics.child(self.metrics.itl, parsed.model)
-                last_at = first_at
-                read = resp.content.readany
-                while chunk:
-                    scan.feed(chunk)
+                        up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body)
+                    except ConnectTimedOut as e:
+                        raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
+                    except ConnectError as e:
+                        raise ConnectFailed(name, f"could not connect to backend {name}: {e}") from e
+                    except UpstreamClosed as e:
+                        raise Disconnected(name, f"backend {name} closed the connection before answering") from e
+                    if up.status != 200:
+                        try:
+                            body = await up.read(_MAX_ERROR_BODY_BYTES)
+                        except UpstreamClosed:
+                            body = b""
+                        ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+                        raise BackendStatus(name, up.status, body, ctype,
+                                            parse_retry_after(up.headers.get("retry-after")))
+                    if not parsed.stream or not up.headers.get("content-type", "").startswith("text/event-stream"):
+                        try:
+                            data = await up.read()
+                        except UpstreamClosed as e:
+                            raise Disconnected(name, f"backend {name} closed the connection mid-response") from e
+                        return await self._relay_whole(ex, up, data, reservation)
+                    # streaming: wait for the first chunk before answering the client, so
+                    # that everything up to here can still be retried elsewhere
                     try:
-                        await out.write(chunk)
-                    except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
-                        raise ClientGone() from e
-                    cm.reschedule(deadline(t.idle_s))
-                    try:
-                        chunk = await read()
-                    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                        ex.scan = scan
-                        raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
-                    now = loop.time()
-                    itl.observe(now - last_at)
-                    last_at = now
-                if not scan.done:
-                    ex.scan = scan
-                    raise Disconnected(name, f"backend {name} ended the stream without `data: [DONE]`")
-                completed = True
-                self._settle(ex, reservation, scan.usage, scan.content_events)
-                try:
-                    await out.write_eof()
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
-                    pass
-                self._finish(ex, 200)
-                return out
-        except TimeoutError as e:
-            if total_deadline is not None and loop.time() >= total_deadline:
-                raise TotalTimeout(name, f"backend {name} exceeded the total timeout of {t.total_s} s") from e
-            if phase == "ttft":
+                        chunk = await up.wait_first_body()
+                    except UpstreamClosed as e:
+                        raise Disconnected(name, f"backend {name} closed the stream before the first byte") from e
+                    if not chunk:
+                        raise Disconnected(name, f"backend {name} ended the stream without sending an event")
+            except TimeoutError as e:
+                if total_deadline is not None and loop.time() >= total_deadline:
+                    raise TotalTimeout(name, f"backend {name} exceeded the total timeout of {t.total_s} s") from e
                 raise FirstByteTimeout(name, f"backend {name} sent no first byte within {t.ttft_s} s") from e
-            raise IdleTimeout(name, f"backend {name} stalled for more than {t.idle_s} s between chunks") from e
+            return await self._relay_stream(ex, client, up, chunk, reservation, total_deadline)
         except (ClientGone, asyncio.CancelledError):
             self.metrics.child(self.metrics.client_disconnects, name).inc()
             self._finish(ex, 499)
             raise
         finally:
-            if resp is not None:
-                if completed:
-                    resp.release()
-                else:
-                    resp.close()  # drop the connection: the backend sees the client go away
+            if up is not None:
+                up.finish()  # back to the pool when complete, else closed (the engine aborts)
+
+    async def _relay_stream(self, ex: Exchange, client: BackendClient, up: UpstreamExchange, chunk: bytes,
+                            reservation: Reservation, total_deadline: float | None) -> None:
+        """Answer the client with the stream's first ``chunk``, then relay the rest
+        from inside the upstream connection's ``data_received`` (no task switch per
+        read) until the backend ends the response; the last read goes out with the
+        end of the chunked response, in one write."""
+        loop = asyncio.get_running_loop()
+        name = client.state.name
+        first_at = loop.time()
+        reservation.first_token(first_at)
+        self._observe_ttft(ex, first_at - ex.arrival)
+        headers = {"Content-Type": up.headers.get("content-type", "text/event-stream"), "Cache-Control": "no-cache",
+                   BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id, ROUTE_HEADER: self.route_header(ex.decision)}
+        down = ex.down
+        scan = ex.scan = StreamScan()
+        scan.feed(chunk)
+        if up.complete and scan.done:  # the whole stream arrived at once: one write
+            self._settle(ex, reservation, scan.usage, scan.content_events)
+            await down.start_stream(headers, chunk, end=True)
+            self._finish(ex, 200)
+            return
+        if not up.complete:
+            await down.start_stream(headers, chunk)
+            chunk = b""
+            relay = _Relay(loop, up, down, scan, self.metrics.child(self.metrics.itl, ex.parsed.model),
+                           first_at, name, client.timeouts, total_deadline)
+            try:
+                await relay.run()
+            except UpstreamClosed as e:
+                raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
+            finally:
+                relay.stop()
+            chunk = up.take()
+            scan.feed(chunk)
+        elif not down.started:
+            await down.start_stream(headers, chunk)
+            chunk = b""
+        if not scan.done:
+            if chunk:
+                await down.write(chunk)
+            raise Disconnected(name, f"backend {name} ended the stream without `data: [DONE]`")
+        self._settle(ex, reservation, scan.usage, scan.content_events)
+        await down.end_stream(chunk)  # the last bytes and the end of the chunked body in one write
+        self._finish(ex, 200)
 
     async def _prefill_leg(self, ex: Exchange, base: RouteRequest) -> dict[str, Any] | None:
         """Run the prefill leg of a disaggregated request (vLLM's disaggregated-serving
@@ -457,9 +554,8 @@ class Proxy:
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             return b""
 
-    async def _relay_whole(self, ex: Exchange, resp: aiohttp.ClientResponse, data: bytes,
-                           reservation: Reservation) -> web.Response:
-        parsed = ex.parsed
+    async def _relay_whole(self, ex: Exchange, up: UpstreamExchange, data: bytes,
+                           reservation: Reservation) -> None:
         usage = None
         if b'"usage"' in data:
             try:
@@ -471,9 +567,9 @@ class Proxy:
         self._observe_ttft(ex, now - ex.arrival)
         self._settle(ex, reservation, usage, 0, whole=True)
         self._finish(ex, 200)
-        return web.Response(status=200, body=data, headers={
-            "Content-Type": resp.headers.get("Content-Type", "application/json"), BACKEND_HEADER: ex.backend,
-            ROUTE_HEADER: self.route_header(ex.decision)})
+        ex.down.respond(200, data, {
+            "Content-Type": up.headers.get("content-type", "application/json"), BACKEND_HEADER: ex.backend,
+            REQUEST_ID_HEADER: ex.request_id, ROUTE_HEADER: self.route_header(ex.decision)})
 
     # ---- settling ----------------------------------------------------------------
 
@@ -527,23 +623,19 @@ class Proxy:
         if status == 200:
             m.child(m.e2e, ex.parsed.model).observe(now - ex.arrival)
 
-    async def _end_stream_with_error(self, ex: Exchange, err: UpstreamError) -> web.StreamResponse:
-        out = ex.response
-        assert out is not None
+    async def _end_stream_with_error(self, ex: Exchange, err: UpstreamError) -> None:
         self.metrics.child(self.metrics.stream_errors, err.backend, err.reason).inc()
         prefix = b"\n\n" if ex.scan is not None and ex.scan.tail else b""
         log.warning("stream %s from %s failed after the first byte: %s", ex.request_id, err.backend, err.message)
         try:
-            await out.write(prefix + sse_error_event(err.message, err.reason))
-            await out.write_eof()
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            await ex.down.end_stream(prefix + sse_error_event(err.message, err.reason))
+        except ClientGone:
             pass
         self._finish(ex, err.status)
-        return out
 
     def _final_failure(self, ex: Exchange, err: UpstreamError | None,
-                       no_backend: NoBackendAvailable | None = None) -> web.Response:
-        headers = {REQUEST_ID_HEADER: ex.request_id}
+                       no_backend: NoBackendAvailable | None = None) -> None:
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: ex.request_id}
         if ex.backend:
             headers[BACKEND_HEADER] = ex.backend
         if isinstance(err, BackendStatus):
@@ -558,12 +650,14 @@ class Proxy:
                 body = error_body(f"Backend {err.backend} answered HTTP {err.status}.", err.status,
                                   code=f"backend_status_{err.status}")
             self._finish(ex, err.status)
-            return web.Response(status=err.status, body=body, content_type="application/json", headers=headers)
+            ex.down.respond(err.status, body, headers)
+            return
         if err is not None:
             self._finish(ex, err.status)
-            return error_response(err.message, err.status, code=err.reason, headers=headers)
+            ex.down.respond(err.status, error_body(err.message, err.status, code=err.reason), headers)
+            return
         assert no_backend is not None
         if no_backend.retry_after_s is not None:
             headers["Retry-After"] = str(max(int(no_backend.retry_after_s + 0.999), 1))
         self._finish(ex, 503)
-        return error_response(str(no_backend), 503, code="no_backend_available", headers=headers)
+        ex.down.respond(503, error_body(str(no_backend), 503, code="no_backend_available"), headers)

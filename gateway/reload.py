@@ -139,9 +139,11 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[aiohttp.Clien
             clients[b.name] = BackendClient(st, url, session, t, auth)
             if prev is not None:
                 retired.append(prev.session)
+                prev.pool.retire()
     for name, c in state.clients.items():
         if name not in clients:
             retired.append(c.session)
+            c.pool.retire()
     # ---- the swap: nothing below awaits ----
     fleet.backends.clear()
     fleet.backends.update(states)

@@ -74,11 +74,6 @@ class HttpSender:
             await self.session.close()
 
 
-class _NoClient:
-    """Stands in for the aiohttp request of an in-process line: the proxy only touches
-    the client's request to stream, and batch lines never stream."""
-
-
 class LocalSender:
     """Sends lines through this gateway's own gate and proxy (no HTTP hop)."""
 
@@ -90,6 +85,7 @@ class LocalSender:
     async def send(self, url: str, body: bytes, request_id: str) -> Answer:
         from gateway.errors import ClientError
         from gateway.openai_api import parse_completion_request
+        from gateway.downstream import CollectDownstream
         from gateway.proxy import Exchange
         from routing import UnknownModel
 
@@ -103,14 +99,15 @@ class LocalSender:
             async with asyncio.timeout(self.timeout_s):
                 async with self.gate.admit(parsed):
                     assert self.state.proxy is not None
-                    ex = Exchange(_NoClient(), parsed, request_id, asyncio.get_running_loop().time())  # type: ignore[arg-type]
-                    resp = await self.state.proxy.forward(ex)
+                    down = CollectDownstream()
+                    ex = Exchange(down, parsed, request_id, asyncio.get_running_loop().time())
+                    await self.state.proxy.forward(ex)
         except ClientError as e:
             r = e.response()
             return r.status, dict(r.headers), bytes(r.body)  # type: ignore[arg-type]
-        headers = dict(resp.headers)
+        headers = dict(down.headers)
         headers.setdefault("x-request-id", request_id)
-        return resp.status, headers, bytes(resp.body)  # type: ignore[attr-defined]
+        return down.status, headers, down.body
 
     async def close(self) -> None:
         return None
