@@ -47,15 +47,12 @@ def _setup_logging(level: str) -> None:
 
 async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
     from gateway.app import STATE
+    from gateway.fastpath import listen
     from gateway.reload import reload_from_file
 
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=app[STATE].cfg.lifecycle.drain_timeout_s)
-    await runner.setup()
+    server = await listen(app, host, port, reuse_port=reuse_port)
     try:
-        site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
-        await site.start()
-        addr = runner.addresses[0]
+        addr = server.addresses[0]
         log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
         print(f"turbo-gateway listening on http://{addr[0]}:{addr[1]}", file=sys.stderr, flush=True)
         stop = asyncio.Event()
@@ -72,7 +69,6 @@ async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = 
         loop.add_signal_handler(signal.SIGHUP, on_hup)
         await stop.wait()
         drain_s = app[STATE].cfg.lifecycle.drain_timeout_s  # the value after any reload
-        runner._shutdown_timeout = drain_s  # noqa: SLF001 - aiohttp reads it in cleanup()
         in_flight = sum(b.in_flight for b in app[STATE].fleet.backends.values())
         log.warning("draining: stopped accepting connections; waiting up to %.0f s for %d in-flight request(s)",
                     drain_s, in_flight)
@@ -81,7 +77,7 @@ async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = 
             loop.add_signal_handler(sig, main.cancel)  # type: ignore[union-attr]
     finally:
         try:
-            await runner.cleanup()
+            await server.shutdown(app[STATE].cfg.lifecycle.drain_timeout_s)
         except asyncio.CancelledError:
             log.warning("second signal: stopped without finishing the drain")
         log.info("shut down")

@@ -140,8 +140,12 @@ class Pool(_Strict):
 
 
 class Listen(_Strict):
+    """Where the gateway listens. ``fast_path``: serve plain completion requests on the
+    lean data-plane protocol (:mod:`gateway.fastpath`) instead of aiohttp's server."""
+
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    fast_path: bool = True
 
 
 class CanarySplit(_Strict):

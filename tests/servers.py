@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.app import STATE, create_app
 from gateway.config import parse_config
+from gateway.fastpath import listen
 
 
 def free_port() -> int:
@@ -148,14 +149,11 @@ class RunningGateway:
 async def running_gateway(cfg, backend_urls: dict[str, str] | None = None) -> AsyncIterator[RunningGateway]:
     """The gateway app on a real loopback port, as ``python -m gateway`` runs it."""
     app = create_app(cfg, backend_urls)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    server = await listen(app, "127.0.0.1", 0)
     try:
-        yield RunningGateway(f"http://127.0.0.1:{runner.addresses[0][1]}", app)
+        yield RunningGateway(f"http://127.0.0.1:{server.addresses[0][1]}", app)
     finally:
-        await runner.cleanup()
+        await server.shutdown(app[STATE].cfg.lifecycle.drain_timeout_s)
 
 
 async def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 10.0) -> None:

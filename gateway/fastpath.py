@@ -1,0 +1,430 @@
+"""The listening socket: plain completion requests on a lean HTTP/1.1 protocol, every
+other connection handed to the aiohttp app unchanged.
+
+aiohttp's server costs about 0.15 ms of CPU per request before our handler runs
+(request and response objects, the middleware chain, the router); on the data-plane
+benchmark (``python -m loadtest.cpu_profile``) that was a third of the gateway's CPU
+per non-streamed completion. :class:`DataPlaneProtocol` serves the requests that make
+up the traffic, ``POST /v1/chat/completions`` and ``POST /v1/completions`` over
+HTTP/1.1 with a ``Content-Length`` body and no content coding, itself, and passes the
+connection, with every byte it has read, to aiohttp's ``RequestHandler`` the moment a
+request is anything else (another path or method, HTTP/1.0, chunked or compressed
+bodies, ``Expect``, ``Upgrade``, obsolete line folding, an oversized head or body, bytes
+that are not plain HTTP, a batch line's ``x-turbo-priority``). aiohttp then answers it
+exactly as before, with its own parser's checks and errors; the connection stays with
+aiohttp afterwards. An app with a middleware this module does not know of is served
+by aiohttp alone (the data plane would bypass it).
+
+The served requests go through the same code as aiohttp's: :func:`gateway.app.complete`
+(auth, limits, admission, routing, proxying), with OpenAI error bodies, the request id
+and a client disconnect cancelling the request (and so the backend's generation).
+
+Turn it off with ``listen.fast_path: false`` (every request through aiohttp).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from secrets import token_hex
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.downstream import ClientGone
+from gateway.errors import ClientError, error_body
+
+log = logging.getLogger("gateway.fastpath")
+
+_HOT = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
+_PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110, 5.6.2)
+_MAX_HEAD_BYTES = 16 * 1024  # a longer head goes to aiohttp, which applies its own limits
+_MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
+# headers whose requests aiohttp serves: codings and protocol switches it implements, and
+# ``x-turbo-priority`` (batch lines pass the batch gate, an aiohttp middleware)
+_HANDED_OVER = {b"transfer-encoding", b"expect", b"upgrade", b"x-turbo-priority"}
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+# what the data plane does itself for the app's middleware (request id and errors,
+# authentication) or hands over (the batch gate: x-turbo-priority)
+_KNOWN_MIDDLEWARE_MODULES = {"gateway.app", "gateway.admin", "gateway.batch.admission"}
+KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default: a connection with no request started for this long is closed
+
+
+class _Date:
+    """The ``Date`` header value, formatted at most once a second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def get(cls) -> bytes:
+        now = int(time.time())
+        if now != cls.second:
+            cls.second, cls.value = now, formatdate(now, usegmt=True).encode()
+        return cls.value
+
+
+def _head(status: int, headers: dict[str, str], tail: bytes) -> bytes:
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+    for k, v in headers.items():
+        lines.append(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1", "replace").translate(None, b"\r\n\x00")))
+    lines.append(b"Date: %s\r\nServer: turbo-gateway\r\n%s\r\n" % (_Date.get(), tail))
+    return b"".join(lines)
+
+
+class FastDownstream:
+    """Answers one request of a :class:`DataPlaneProtocol` connection (see
+    :mod:`gateway.downstream` for the interface)."""
+
+    __slots__ = ("proto", "request_id", "started", "finished")
+
+    def __init__(self, proto: DataPlaneProtocol, request_id: str) -> None:
+        self.proto = proto
+        self.request_id = request_id
+        self.started = False
+        self.finished = False
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.proto.transport
+
+    def _write(self, data: bytes) -> None:
+        t = self.proto.transport
+        if t is None or t.is_closing():
+            raise ClientGone()
+        t.write(data)
+
+    def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        if self.finished:
+            return
+        headers.setdefault("x-request-id", self.request_id)
+        tail = b"Content-Length: %d\r\n" % len(body)
+        if not self.proto.keep_alive:
+            tail += b"Connection: close\r\n"
+        self.started = self.finished = True
+        try:
+            self._write(_head(status, headers, tail) + body)
+        except ClientGone:
+            pass
+
+    async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        tail = b"Transfer-Encoding: chunked\r\n"
+        if not self.proto.keep_alive:
+            tail += b"Connection: close\r\n"
+        self.started = True
+        data = _head(200, headers, tail)
+        if first:
+            data += b"%x\r\n%b\r\n" % (len(first), first)
+        if end:
+            data += b"0\r\n\r\n"
+            self.finished = True
+        self._write(data)
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self._write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def end_stream(self, last: bytes = b"") -> None:
+        self.finished = True
+        self._write((b"%x\r\n%b\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
+
+
+class DataPlaneProtocol(asyncio.Protocol):
+    """One client connection (see the module doc)."""
+
+    def __init__(self, server: DataPlaneServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.task: asyncio.Task | None = None
+        self.keep_alive = True
+        self.paused = False
+        self.idle_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.conns.add(self)
+        self._arm_idle()
+
+    def _arm_idle(self) -> None:
+        """Close the connection unless a request starts (fully arrives) within
+        :data:`KEEPALIVE_TIMEOUT_S`: idle keep-alive and slowly trickling heads alike."""
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+        self.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_TIMEOUT_S, self._idle_close)
+
+    def _idle_close(self) -> None:
+        self.idle_timer = None
+        if self.task is None and self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.server.conns.discard(self)
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        if self.task is not None:
+            self.task.cancel()  # the client left: stop the request (and the backend's generation)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.task is None:
+            self._next()
+        elif len(self.buf) > _MAX_BUFFERED_BYTES and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    # eof_received: the default (close) as aiohttp does: a client that shuts its side
+    # down mid-request has gone, and its request is cancelled in connection_lost
+
+    def _next(self) -> None:
+        """Start the next buffered request, wait for more bytes, or hand over."""
+        buf = self.buf
+        if not buf or self.transport is None or self.server.closing:
+            return
+        n = len(buf)
+        if not (buf.startswith(_PREFIXES[0]) or buf.startswith(_PREFIXES[1])):
+            if any(p.startswith(bytes(buf)) for p in _PREFIXES):
+                return  # the request line is still arriving
+            return self._hand_over()
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if n > _MAX_HEAD_BYTES:
+                self._hand_over()
+            return
+        if end > _MAX_HEAD_BYTES:
+            return self._hand_over()
+        head = bytes(buf[:end])
+        bare = head.replace(b"\r\n", b"")
+        if b"\n" in bare or b"\r" in bare or b"\x00" in bare:
+            return self._hand_over()
+        lines = head.split(b"\r\n")
+        path = lines[0].split(b" ", 2)[1]
+        pairs: list[tuple[str, str]] = []
+        length = -1
+        keep_alive = True
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep or _TOKEN.fullmatch(name) is None:  # also rejects obs-fold and "Name :"
+                return self._hand_over()
+            lname = name.lower()
+            value = value.strip(b" \t")
+            if lname == b"content-length":
+                if length >= 0 or not value.isdigit():
+                    return self._hand_over()
+                length = int(value)
+            elif lname in _HANDED_OVER:
+                return self._hand_over()
+            elif lname == b"content-encoding":
+                if value.lower() != b"identity":
+                    return self._hand_over()
+            elif lname == b"connection":
+                v = value.lower()
+                if b"upgrade" in v:
+                    return self._hand_over()
+                if b"close" in v:
+                    keep_alive = False
+            pairs.append((name.decode("latin-1"), value.decode("latin-1")))
+        if length < 0 or length > self.server.max_body_bytes():
+            return self._hand_over()
+        need = end + 4 + length
+        if n < need:
+            return
+        body = bytes(buf[end + 4:need])
+        del buf[:need]
+        self.keep_alive = keep_alive
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        self.task = asyncio.get_running_loop().create_task(self._serve(_HOT[path], CIMultiDict(pairs), body))
+
+    def _hand_over(self) -> None:
+        """Give the connection, with the bytes read so far, to aiohttp."""
+        transport = self.transport
+        assert transport is not None
+        handler = self.server.aiohttp_server()
+        self.server.conns.discard(self)
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        self.transport = None
+        data = bytes(self.buf)
+        self.buf.clear()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.paused:
+            transport.resume_reading()
+        if data:
+            handler.data_received(data)
+
+    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes) -> None:
+        server = self.server
+        state = server.state()
+        arrival = asyncio.get_running_loop().time()
+        rid = headers.get("x-request-id") or token_hex(16)
+        down = FastDownstream(self, rid)
+        try:
+            caller = state.keyring.authenticate(_Req(headers))  # first, as aiohttp's auth middleware does
+            ctype = headers.get("Content-Type")
+            if ctype:
+                mime = ctype.split(";", 1)[0].strip().lower()
+                if not (mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))):
+                    raise ClientError(415, f"Unsupported content type `{mime}`; send `Content-Type: application/json`.",
+                                      code="unsupported_media_type")
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError as e:
+                raise ClientError(400, f"We could not parse the JSON body of your request: {e}",
+                                  code="invalid_json") from None
+            if not isinstance(data, dict):
+                raise ClientError(400, "The request body must be a JSON object.", code="invalid_json")
+            await server.complete(state, endpoint, body, data, caller, rid, down, arrival)
+        except ClientError as e:
+            if not down.started:
+                h = dict(e.headers or {})
+                h["Content-Type"] = "application/json"
+                down.respond(e.status, error_body(e.message, e.status, code=e.code, param=e.param), h)
+        except (asyncio.CancelledError, ClientGone):
+            down.finished = False  # the client left: close
+        except Exception:
+            log.exception("unhandled error on POST /v1/%s (request %s)", endpoint, rid)
+            if not down.started:
+                down.respond(500, error_body("The gateway hit an internal error.", 500, code="internal_error"),
+                             {"Content-Type": "application/json"})
+        finally:
+            self.task = None
+            self._after(down)
+
+    def _after(self, down: FastDownstream) -> None:
+        t = self.transport
+        if t is None:
+            return
+        if not down.finished or not self.keep_alive or self.server.closing:
+            t.close()
+            return
+        if self.paused:
+            self.paused = False
+            t.resume_reading()
+        self._arm_idle()
+        self._next()
+
+
+class _Req:
+    """What :meth:`gateway.auth.KeyRing.authenticate` reads of a request."""
+
+    __slots__ = ("headers",)
+
+    def __init__(self, headers: CIMultiDict) -> None:
+        self.headers = headers
+
+
+class DataPlaneServer:
+    """Listens on ``host:port`` for both the data-plane protocol and the aiohttp app.
+
+    ``runner`` is the app's set-up :class:`aiohttp.web.AppRunner`; its ``server`` makes
+    the aiohttp protocol for handed-over connections. :meth:`shutdown` stops
+    accepting, lets in-flight requests finish for up to ``timeout_s`` seconds, then
+    cleans the runner up (aiohttp drains its own requests in the same way).
+    """
+
+    def __init__(self, app: web.Application, runner: web.AppRunner) -> None:
+        from gateway.app import STATE, complete
+
+        self.app = app
+        self.runner = runner
+        self.aiohttp_server: Any = runner.server
+        self.conns: set[DataPlaneProtocol] = set()
+        self.closing = False
+        self.complete = complete
+        self._state_key = STATE
+        self._server: asyncio.base_events.Server | None = None
+
+    def state(self) -> Any:
+        return self.app[self._state_key]
+
+    def max_body_bytes(self) -> int:
+        return self.state().cfg.limits.max_body_bytes
+
+    async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 1024) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: DataPlaneProtocol(self), host, port, backlog=backlog,
+                                                reuse_port=reuse_port or None)
+
+    @property
+    def addresses(self) -> list[Any]:
+        assert self._server is not None
+        return [s.getsockname() for s in self._server.sockets]
+
+    def in_flight(self) -> int:
+        """Requests this protocol is serving now."""
+        return sum(1 for c in self.conns if c.task is not None)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Stop accepting, finish in-flight requests (up to ``timeout_s`` seconds),
+        close idle connections, then clean the aiohttp runner up."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for c in list(self.conns):
+            if c.task is None and c.transport is not None:
+                c.transport.close()
+        while self.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for c in list(self.conns):
+            if c.transport is not None:
+                c.transport.close()
+        await self.runner.cleanup()
+
+
+class _AiohttpOnly:
+    """The same start/shutdown surface over a plain aiohttp ``TCPSite`` (``listen.fast_path: false``)."""
+
+    def __init__(self, runner: web.AppRunner) -> None:
+        self.runner = runner
+
+    async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 1024) -> None:
+        await web.TCPSite(self.runner, host, port, backlog=backlog, reuse_port=reuse_port or None).start()
+
+    @property
+    def addresses(self) -> list[Any]:
+        return list(self.runner.addresses)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        self.runner._shutdown_timeout = timeout_s  # noqa: SLF001 - aiohttp reads it in cleanup()
+        await self.runner.cleanup()
+
+
+async def listen(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> DataPlaneServer | _AiohttpOnly:
+    """Set the app up and listen on ``host:port`` (port 0: any free port, see
+    ``.addresses``); with ``listen.fast_path`` (the default) through
+    :class:`DataPlaneServer`. Stop it with ``await server.shutdown(drain_timeout_s)``.
+    Raises ``OSError`` when the address cannot be bound."""
+    from gateway.app import STATE
+
+    cfg = app[STATE].cfg
+    fast = cfg.listen.fast_path
+    unknown = [m for m in app.middlewares if getattr(m, "__module__", "") not in _KNOWN_MIDDLEWARE_MODULES]
+    if fast and unknown:
+        log.warning("listen.fast_path: off, the app has middleware the data plane would bypass: %s",
+                    ", ".join(getattr(m, "__qualname__", repr(m)) for m in unknown))
+        fast = False
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.lifecycle.drain_timeout_s)
+    await runner.setup()
+    server: DataPlaneServer | _AiohttpOnly = DataPlaneServer(app, runner) if fast else _AiohttpOnly(runner)
+    try:
+        await server.start(host, port, reuse_port=reuse_port)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return server
