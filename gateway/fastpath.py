@@ -28,7 +28,7 @@ import asyncio
 import logging
 import re
 import time
-from secrets import token_hex
+import random
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
@@ -54,6 +54,7 @@ _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 # what the data plane does itself for the app's middleware (request id and errors,
 # authentication) or hands over (the batch gate: x-turbo-priority)
 _KNOWN_MIDDLEWARE_MODULES = {"gateway.app", "gateway.admin", "gateway.batch.admission"}
+_ids = random.Random()  # request ids: unique, not secret (uuid4's os.urandom is a syscall per request)
 KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default: a connection with no request started for this long is closed
 
 
@@ -147,6 +148,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         self.keep_alive = True
         self.paused = False
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -155,15 +157,25 @@ class DataPlaneProtocol(asyncio.Protocol):
 
     def _arm_idle(self) -> None:
         """Close the connection unless a request starts (fully arrives) within
-        :data:`KEEPALIVE_TIMEOUT_S`: idle keep-alive and slowly trickling heads alike."""
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-        self.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_TIMEOUT_S, self._idle_close)
+        :data:`KEEPALIVE_TIMEOUT_S`: idle keep-alive and slowly trickling heads alike.
+        One timer per connection, re-armed lazily when it fires."""
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()
+        if self.idle_timer is None:
+            self.idle_timer = loop.call_at(self.idle_since + KEEPALIVE_TIMEOUT_S, self._idle_check)
 
-    def _idle_close(self) -> None:
+    def _idle_check(self) -> None:
         self.idle_timer = None
-        if self.task is None and self.transport is not None:
+        if self.transport is None:
+            return
+        if self.task is not None:  # busy: look again a full period after it is idle again
+            self.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_TIMEOUT_S, self._idle_check)
+            return
+        due = self.idle_since + KEEPALIVE_TIMEOUT_S
+        if asyncio.get_running_loop().time() >= due:
             self.transport.close()
+        else:
+            self.idle_timer = asyncio.get_running_loop().call_at(due, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -241,9 +253,6 @@ class DataPlaneProtocol(asyncio.Protocol):
         body = bytes(buf[end + 4:need])
         del buf[:need]
         self.keep_alive = keep_alive
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
         self.task = asyncio.get_running_loop().create_task(self._serve(_HOT[path], CIMultiDict(pairs), body))
 
     def _hand_over(self) -> None:
@@ -269,7 +278,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         server = self.server
         state = server.state()
         arrival = asyncio.get_running_loop().time()
-        rid = headers.get("x-request-id") or token_hex(16)
+        rid = headers.get("x-request-id") or "%032x" % _ids.getrandbits(128)
         down = FastDownstream(self, rid)
         try:
             caller = state.keyring.authenticate(_Req(headers))  # first, as aiohttp's auth middleware does

@@ -398,42 +398,42 @@ class Proxy:
             _header_value(ex.request_id), client.auth_line)
         up: UpstreamExchange | None = None
         try:
-            try:
-                async with asyncio.timeout_at(ttft_deadline):
+            try:  # every wait up to the first body byte is bounded by ttft_deadline (the exchange's timer)
+                try:
+                    up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body, ttft_deadline)
+                except ConnectTimedOut as e:
+                    raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
+                except ConnectError as e:
+                    raise ConnectFailed(name, f"could not connect to backend {name}: {e}") from e
+                except UpstreamClosed as e:
+                    raise Disconnected(name, f"backend {name} closed the connection before answering") from e
+                if up.status != 200:
                     try:
-                        up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body)
-                    except ConnectTimedOut as e:
-                        raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
-                    except ConnectError as e:
-                        raise ConnectFailed(name, f"could not connect to backend {name}: {e}") from e
-                    except UpstreamClosed as e:
-                        raise Disconnected(name, f"backend {name} closed the connection before answering") from e
-                    if up.status != 200:
-                        try:
-                            body = await up.read(_MAX_ERROR_BODY_BYTES)
-                        except UpstreamClosed:
-                            body = b""
-                        ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-                        raise BackendStatus(name, up.status, body, ctype,
-                                            parse_retry_after(up.headers.get("retry-after")))
-                    if not parsed.stream or not up.headers.get("content-type", "").startswith("text/event-stream"):
-                        try:
-                            data = await up.read()
-                        except UpstreamClosed as e:
-                            raise Disconnected(name, f"backend {name} closed the connection mid-response") from e
-                        return await self._relay_whole(ex, up, data, reservation)
-                    # streaming: wait for the first chunk before answering the client, so
-                    # that everything up to here can still be retried elsewhere
+                        body = await up.read(_MAX_ERROR_BODY_BYTES)
+                    except UpstreamClosed:
+                        body = b""
+                    ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+                    raise BackendStatus(name, up.status, body, ctype,
+                                        parse_retry_after(up.headers.get("retry-after")))
+                if not parsed.stream or not up.headers.get("content-type", "").startswith("text/event-stream"):
                     try:
-                        chunk = await up.wait_first_body()
+                        data = await up.read()
                     except UpstreamClosed as e:
-                        raise Disconnected(name, f"backend {name} closed the stream before the first byte") from e
-                    if not chunk:
-                        raise Disconnected(name, f"backend {name} ended the stream without sending an event")
+                        raise Disconnected(name, f"backend {name} closed the connection mid-response") from e
+                    return await self._relay_whole(ex, up, data, reservation)
+                # streaming: wait for the first chunk before answering the client, so
+                # that everything up to here can still be retried elsewhere
+                try:
+                    chunk = await up.wait_first_body()
+                except UpstreamClosed as e:
+                    raise Disconnected(name, f"backend {name} closed the stream before the first byte") from e
+                if not chunk:
+                    raise Disconnected(name, f"backend {name} ended the stream without sending an event")
             except TimeoutError as e:
                 if total_deadline is not None and loop.time() >= total_deadline:
                     raise TotalTimeout(name, f"backend {name} exceeded the total timeout of {t.total_s} s") from e
                 raise FirstByteTimeout(name, f"backend {name} sent no first byte within {t.ttft_s} s") from e
+            up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
             return await self._relay_stream(ex, client, up, chunk, reservation, total_deadline)
         except (ClientGone, asyncio.CancelledError):
             self.metrics.child(self.metrics.client_disconnects, name).inc()

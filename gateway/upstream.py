@@ -67,7 +67,7 @@ class Exchange:
     """
 
     __slots__ = ("conn", "status", "headers", "_head", "_waiter", "_chunks", "_size", "_limit", "_sink",
-                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at")
+                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at", "_error", "_timer")
 
     def __init__(self, conn: _Connection) -> None:
         self.conn = conn
@@ -83,6 +83,8 @@ class Exchange:
         self._keep_alive = False
         self._wake_on_data = False
         self.last_data_at = 0.0  # loop time of the last body bytes
+        self._error: BaseException | None = None  # the first failure, raised by every later wait
+        self._timer: asyncio.TimerHandle | None = None
 
     # ---- called by the connection (inside data_received) ------------------------
 
@@ -115,8 +117,29 @@ class Exchange:
             self._wake()
 
     def _on_error(self, exc: BaseException) -> None:
-        _fail(self._head, exc)
-        _fail(self._waiter, exc)
+        if self._error is None:
+            self._error = exc
+        _fail(self._head, self._error)
+        _fail(self._waiter, self._error)
+
+    def set_deadline(self, at: float | None) -> None:
+        """Fail every wait of this exchange with ``TimeoutError`` at loop time ``at``
+        (``None``: no deadline) and drop the connection; replaces an earlier deadline."""
+        self.clear_deadline()
+        if at is not None:
+            self._timer = self.conn.loop.call_at(at, self._expire)
+
+    def clear_deadline(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self._complete:
+            self._on_error(TimeoutError())
+            self.conn.exchange = None
+            self.conn.close()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -124,6 +147,8 @@ class Exchange:
             w.set_result(None)
 
     async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
         self._waiter = self.conn.loop.create_future()
         try:
             await self._waiter
@@ -207,6 +232,7 @@ class Exchange:
         """Hand the connection back: into the pool after a complete keep-alive
         response that was read whole, closed otherwise (the backend then sees the
         client go away and aborts the generation)."""
+        self.clear_deadline()
         conn = self.conn
         if conn.exchange is self:
             conn.exchange = None
@@ -356,15 +382,17 @@ class UpstreamPool:
             conn.close()
         return None
 
-    async def request(self, path: str, headers: bytes, body: bytes) -> Exchange:
+    async def request(self, path: str, headers: bytes, body: bytes, deadline: float | None = None) -> Exchange:
         """Send ``POST prefix+path`` with the extra header lines ``headers`` (CRLF
         terminated, no Host/Content-Length) and ``body``; return the exchange once the
         status line and headers arrived.
 
         A reused connection that the backend closed before answering a single byte is
         retried once on a new connection (the backend never saw the request).
-        Raises :class:`ConnectError`, :class:`UpstreamClosed` (the caller's own
-        timeouts surface as ``TimeoutError``/``CancelledError``).
+        ``deadline`` (loop time, or ``None``) bounds the connect and every wait of the
+        returned exchange until :meth:`Exchange.clear_deadline` or :meth:`Exchange.finish`:
+        past it they raise ``TimeoutError`` and the connection is dropped.
+        Raises :class:`ConnectError`, :class:`UpstreamClosed`, ``TimeoutError``.
         """
         head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
             self.prefix.encode(), path.encode(), self.host_header, len(body), headers)
@@ -372,8 +400,13 @@ class UpstreamPool:
             conn = self._take_idle() if first else None
             reused = conn is not None
             if conn is None:
-                conn = await self._connect()
+                if deadline is None:
+                    conn = await self._connect()
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        conn = await self._connect()
             ex = Exchange(conn)
+            ex.set_deadline(deadline)
             conn.exchange = ex
             conn.got_bytes = False
             conn.served += 1
@@ -382,12 +415,14 @@ class UpstreamPool:
             try:
                 await ex._head
             except UpstreamClosed as e:
+                ex.clear_deadline()
                 conn.exchange = None
                 conn.close()
                 if first and reused and not e.got_bytes:
                     continue
                 raise
             except BaseException:
+                ex.clear_deadline()
                 conn.exchange = None
                 conn.close()
                 raise
