@@ -225,18 +225,9 @@ class LimiterSync:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        if self.client is not None:
-            try:
-                await asyncio.wait_for(self.client.delete(self.prefix + "conc:" + self.replica), self.timeout_s)
-            except Exception:  # noqa: BLE001 - best effort on shutdown
-                pass
-            await self.client.aclose()
+        from routing.state import stop_sync
+
+        await stop_sync(self._task, self.client, self.prefix + "conc:" + self.replica, self.timeout_s)
         self.limiter.shared = False
 
     async def sync_once(self) -> None:

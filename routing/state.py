@@ -113,6 +113,27 @@ def redis_client(url: str, *, timeout_s: float, cluster: bool = False) -> Any:
     return aioredis.from_url(url, **kw)
 
 
+async def stop_sync(task: asyncio.Task | None, client: Any, key: str, timeout_s: float) -> None:
+    """Stop a background sync loop (:func:`sync_forever`) and its Redis client: cancel
+    ``task``, delete this replica's ``key`` (best effort), close ``client``. Each step
+    waits at most ``max(timeout_s, 1)`` seconds, so a shutdown never hangs on Redis or
+    on a task that missed its cancel; never raises but ``CancelledError`` (of the caller)."""
+    bound = max(timeout_s, 1.0)
+    if task is not None:
+        task.cancel()
+        await asyncio.wait({task}, timeout=bound)
+        if not task.done():
+            log.warning("a Redis sync loop did not stop within %.1f s of its cancel; leaving it", bound)
+    if client is None:
+        return
+    for step in (lambda: client.delete(key), client.aclose):
+        try:
+            async with asyncio.timeout(bound):
+                await step()
+        except Exception:  # noqa: BLE001 - best effort on shutdown
+            pass
+
+
 async def sync_forever(sync_once: Callable[[], Awaitable[None]], *, interval_s: float, timeout_s: float,
                        on_error: Callable[[Exception], None], on_ok: Callable[[], None]) -> None:
     """Run ``sync_once`` every ``interval_s`` seconds until cancelled, each call bounded
@@ -234,18 +255,8 @@ class RedisStore:
                         initial_sync_timeout_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        if self.client is not None:
-            try:  # let the others stop counting this replica's load now
-                await asyncio.wait_for(self.client.delete(self.k_load_prefix + self.replica), self.timeout_s)
-            except Exception:  # noqa: BLE001 - best effort on shutdown
-                pass
-            await self.client.aclose()
+        # deleting the snapshot lets the others stop counting this replica's load now
+        await stop_sync(self._task, self.client, self.k_load_prefix + self.replica, self.timeout_s)
 
     # ---- sync ----------------------------------------------------------------------
 
