@@ -6,10 +6,10 @@ aiohttp's server costs about 0.15 ms of CPU per request before our handler runs
 benchmark (``python -m loadtest.cpu_profile``) that was a third of the gateway's CPU
 per non-streamed completion. :class:`DataPlaneProtocol` serves the requests that make
 up the traffic, ``POST /v1/chat/completions`` and ``POST /v1/completions`` over
-HTTP/1.1 with a ``Content-Length`` body and no content coding, itself, and passes the
+HTTP/1.1 with a ``Content-Length`` body (identity, gzip or deflate), itself, and passes the
 connection, with every byte it has read, to aiohttp's ``RequestHandler`` the moment a
-request is anything else (another path or method, HTTP/1.0, chunked or compressed
-bodies, ``Expect``, ``Upgrade``, obsolete line folding, an oversized head or body, bytes
+request is anything else (another path or method, HTTP/1.0, chunked bodies, other
+content codings, ``Expect``, ``Upgrade``, obsolete line folding, an oversized head or body, bytes
 that are not plain HTTP, a batch line's ``x-turbo-priority``). aiohttp then answers it
 exactly as before, with its own parser's checks and errors; the connection stays with
 aiohttp afterwards. An app with a middleware this module does not know of is served
@@ -28,17 +28,18 @@ import asyncio
 import logging
 import re
 import time
+import zlib
 import random
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
 
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.downstream import ClientGone
 from gateway.errors import ClientError, error_body
+from gateway.openai_api import check_json_content_type, parse_json_object
 
 log = logging.getLogger("gateway.fastpath")
 
@@ -50,6 +51,8 @@ _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pau
 # headers whose requests aiohttp serves: codings and protocol switches it implements, and
 # ``x-turbo-priority`` (batch lines pass the batch gate, an aiohttp middleware)
 _HANDED_OVER = {b"transfer-encoding", b"expect", b"upgrade", b"x-turbo-priority"}
+# request body codings decoded here (zlib); others (br, several codings) go to aiohttp
+_CODINGS = {b"identity", b"gzip", b"x-gzip", b"deflate"}
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 # what the data plane does itself for the app's middleware (request id and errors,
 # authentication) or hands over (the batch gate: x-turbo-priority)
@@ -223,6 +226,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         pairs: list[tuple[str, str]] = []
         length = -1
         keep_alive = True
+        coding = b"identity"
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep or _TOKEN.fullmatch(name) is None:  # also rejects obs-fold and "Name :"
@@ -236,7 +240,8 @@ class DataPlaneProtocol(asyncio.Protocol):
             elif lname in _HANDED_OVER:
                 return self._hand_over()
             elif lname == b"content-encoding":
-                if value.lower() != b"identity":
+                coding = value.lower()
+                if coding not in _CODINGS:
                     return self._hand_over()
             elif lname == b"connection":
                 v = value.lower()
@@ -253,7 +258,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         body = bytes(buf[end + 4:need])
         del buf[:need]
         self.keep_alive = keep_alive
-        self.task = asyncio.get_running_loop().create_task(self._serve(_HOT[path], CIMultiDict(pairs), body))
+        self.task = asyncio.get_running_loop().create_task(self._serve(_HOT[path], CIMultiDict(pairs), body, coding))
 
     def _hand_over(self) -> None:
         """Give the connection, with the bytes read so far, to aiohttp."""
@@ -274,7 +279,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         if data:
             handler.data_received(data)
 
-    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes) -> None:
+    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: bytes = b"identity") -> None:
         server = self.server
         state = server.state()
         arrival = asyncio.get_running_loop().time()
@@ -282,19 +287,10 @@ class DataPlaneProtocol(asyncio.Protocol):
         down = FastDownstream(self, rid)
         try:
             caller = state.keyring.authenticate(_Req(headers))  # first, as aiohttp's auth middleware does
-            ctype = headers.get("Content-Type")
-            if ctype:
-                mime = ctype.split(";", 1)[0].strip().lower()
-                if not (mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))):
-                    raise ClientError(415, f"Unsupported content type `{mime}`; send `Content-Type: application/json`.",
-                                      code="unsupported_media_type")
-            try:
-                data = orjson.loads(body)
-            except orjson.JSONDecodeError as e:
-                raise ClientError(400, f"We could not parse the JSON body of your request: {e}",
-                                  code="invalid_json") from None
-            if not isinstance(data, dict):
-                raise ClientError(400, "The request body must be a JSON object.", code="invalid_json")
+            check_json_content_type(headers.get("Content-Type"))
+            if coding != b"identity":
+                body = _decode(body, coding, server.max_body_bytes())
+            data = parse_json_object(body)
             await server.complete(state, endpoint, body, data, caller, rid, down, arrival)
         except ClientError as e:
             if not down.started:
@@ -324,6 +320,28 @@ class DataPlaneProtocol(asyncio.Protocol):
             t.resume_reading()
         self._arm_idle()
         self._next()
+
+
+def _decode(body: bytes, coding: bytes, limit: int) -> bytes:
+    """A ``gzip`` or ``deflate`` request body, decompressed (zlib), at most ``limit``
+    bytes. Raises :class:`ClientError` 400 (not a valid stream of that coding) or 413."""
+    modes = (16 + zlib.MAX_WBITS,) if coding in (b"gzip", b"x-gzip") else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    why = ""
+    for wbits in modes:  # "deflate" is the zlib format (RFC 9110); some clients send raw deflate
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(body, limit + 1)
+        except zlib.error as e:
+            why = str(e)
+            continue
+        if len(out) > limit:
+            raise ClientError(413, f"Request body exceeds the limit of {limit} bytes once decompressed.",
+                              code="request_too_large")
+        if d.eof and not d.unused_data:
+            return out
+        why = "the compressed stream is truncated or followed by other bytes"
+    raise ClientError(400, f"The request body could not be read (Content-Encoding: {coding.decode('latin-1')}): "
+                           f"{why}", code="invalid_body")
 
 
 class _Req:

@@ -7,6 +7,7 @@ because the gateway forwards the original body bytes, never a re-serialization.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,7 @@ async def read_json_body(request: web.Request, max_bytes: int) -> tuple[bytes, d
     Raises :class:`ClientError` 415 (non-JSON content type), 413 (body over
     ``max_bytes`` bytes) or 400 (malformed JSON, not an object).
     """
-    if request.content_type and request.headers.get("Content-Type") and not _is_json_type(request.content_type):
-        raise ClientError(415, f"Unsupported content type `{request.content_type}`; send `Content-Type: application/json`.",
-                          code="unsupported_media_type")
+    check_json_content_type(request.headers.get("Content-Type"))
     if request.content_length is not None and request.content_length > max_bytes:
         raise ClientError(413, f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.",
                           code="request_too_large")
@@ -62,13 +61,37 @@ async def read_json_body(request: web.Request, max_bytes: int) -> tuple[bytes, d
         raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large") from None
     if len(body) > max_bytes:
         raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large")
+    return body, parse_json_object(body)
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """Raises :class:`ClientError` 415 unless ``content_type`` (the header value, or
+    ``None`` when absent) is JSON (``application/json`` or ``application/*+json``)."""
+    if content_type:
+        mime = content_type.split(";", 1)[0].strip().lower()
+        if not _is_json_type(mime):
+            raise ClientError(415, f"Unsupported content type `{mime}`; send `Content-Type: application/json`.",
+                              code="unsupported_media_type")
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """``body`` parsed as a JSON object. Integers beyond 64 bits, valid JSON that
+    orjson refuses, are parsed by the standard library instead. Raises
+    :class:`ClientError` 400 (malformed JSON, not an object)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise ClientError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+        if "64-bit" not in str(e):
+            raise ClientError(400, f"We could not parse the JSON body of your request: {e}",
+                              code="invalid_json") from None
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError) as e2:
+            raise ClientError(400, f"We could not parse the JSON body of your request: {e2}",
+                              code="invalid_json") from None
     if not isinstance(data, dict):
         raise ClientError(400, "The request body must be a JSON object.", code="invalid_json")
-    return body, data
+    return data
 
 
 def _check_optional_int(data: dict[str, Any], field: str, minimum: int) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
+import zlib
 
 import aiohttp
 import httptools
@@ -105,26 +106,39 @@ async def test_unusual_requests_are_handed_over_and_still_answered():
             chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
                        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY))
             cases = {
-                "gzip body": _post("/v1/chat/completions", gz, "Content-Encoding: gzip"),
+                "br body": _post("/v1/chat/completions", BODY, "Content-Encoding: br"),  # aiohttp's 400
                 "chunked body": chunked,
                 "HTTP/1.0": _post("/v1/chat/completions", BODY, version="1.0"),
                 "query string": _post("/v1/chat/completions?x=1", BODY),
             }
             for label, raw in cases.items():
                 done, _ = await _exchange(gw.url, [raw], 1)
-                assert [d[0] for d in done] == [200], label
+                assert [d[0] for d in done] == [400 if label == "br body" else 200], label
                 assert "aiohttp" in done[0][1].get("server", ""), label
+            # gzip and deflate bodies are decoded by the data plane itself; garbage and bombs are 4xx
+            deflated = zlib.compress(BODY)
+            coded = [_post("/v1/chat/completions", gz, "Content-Encoding: gzip"),
+                     _post("/v1/chat/completions", deflated, "Content-Encoding: deflate"),
+                     _post("/v1/chat/completions", b"\x00\x00\x00", "Content-Encoding: deflate"),
+                     _post("/v1/chat/completions", gz[:-4], "Content-Encoding: gzip"),
+                     _post("/v1/chat/completions", gzip.compress(b" " * (40 << 20)), "Content-Encoding: gzip")]
+            done, closed = await _exchange(gw.url, coded, len(coded))
+            assert [d[0] for d in done] == [200, 200, 400, 400, 413] and not closed
+            assert all(d[1]["server"] == "turbo-gateway" for d in done)
+            assert [orjson.loads(d[2])["error"]["code"] for d in done[2:]] == ["invalid_body", "invalid_body",
+                                                                             "request_too_large"]
+            assert be.bodies[-2:] == [BODY, BODY]  # forwarded decoded, as aiohttp did
             # Expect: 100-continue (curl sends it for bodies over 1 KiB): aiohttp answers 100 first
             head = _post("/v1/chat/completions", BODY, "Expect: 100-continue")
             split = head.index(b"\r\n\r\n") + 4
             done, _ = await _exchange(gw.url, [head[:split], head[split:]], 2)
             assert [d[0] for d in done] == [100, 200]
-            assert len(be.bodies) == 5 and all(orjson.loads(b) == CHAT for b in be.bodies)
+            assert len(be.bodies) == 6 and all(orjson.loads(b) == CHAT for b in be.bodies)
             # heads llhttp rejects are rejected as before: aiohttp's 400, nothing forwarded
             for bad in ("Bad Name: x", "X-Folded: a\r\n  b"):
                 done, closed = await _exchange(gw.url, [_post("/v1/chat/completions", BODY, bad)], 1)
                 assert done[0][0] == 400 and "aiohttp" in done[0][1].get("server", ""), bad
-            assert len(be.bodies) == 5
+            assert len(be.bodies) == 6
             assert gw.idle("b")
 
 
@@ -176,3 +190,14 @@ async def test_fast_path_off_serves_everything_through_aiohttp():
                 async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
                     assert r.status == 200 and "aiohttp" in r.headers["Server"]
             assert gw.idle("b")
+
+
+async def test_integers_beyond_64_bits_are_valid_json_and_forwarded_byte_for_byte():
+    raw = BODY[:-1] + b', "x_trace": 123456789012345678901234567890}'  # orjson alone refuses it
+    async with ScriptedBackend().running() as be:
+        for fast in (True, False):
+            cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], listen={"fast_path": fast})
+            async with running_gateway(cfg) as gw:
+                done, _ = await _exchange(gw.url, [_post("/v1/chat/completions", raw)], 1)
+                assert done[0][0] == 200, (fast, done[0][2])
+                assert be.bodies[-1] == raw
