@@ -7,7 +7,17 @@ Admin endpoints answer 404 (like an unknown route) unless ``admin.key_sha256`` o
 - ``POST /admin/backends/{name}/drain`` / ``undrain``: stop / resume sending it new
   requests (its in-flight requests finish);
 - ``POST /admin/reload``: reload the config file (as SIGHUP does); 200, or 400 with
-  the reason the new config was rejected (the running one stays).
+  the reason the new config was rejected (the running one stays);
+- ``GET /admin/batches``: every caller's batches, newest first, with the key name that
+  created each (``owner``); ``status`` filter (repeatable or comma-separated),
+  ``limit`` / ``after`` pages;
+- ``GET /admin/batches/{id}``: one batch with its ``request_counts``, ``progress``
+  (results recorded, lines in flight, lines enqueued) and the shared line ``queue``
+  (length, pending, consumers);
+- ``POST /admin/batches/{id}/cancel``: cancel any caller's batch, as
+  ``POST /v1/batches/{id}/cancel`` does (404 unknown, 409 finalizing or finished).
+
+The batch endpoints answer 404 ``batch_disabled`` when ``batch.enabled`` is off.
 """
 
 from __future__ import annotations
@@ -105,6 +115,39 @@ async def _reload(request: web.Request) -> web.Response:
     return _json({"status": "reloaded"})
 
 
+def _batch_runtime(request: web.Request):
+    """Admin check first (404 when admin is off, 401 without the key), then the batch
+    runtime (404 ``batch_disabled`` without ``batch.enabled``)."""
+    from gateway.batch.api import BATCH
+
+    check_admin(request, _state(request).admin_digest)
+    if BATCH not in request.app:
+        raise ClientError(404, "The batch API is not enabled (batch.enabled).", code="batch_disabled")
+    return request.app[BATCH]
+
+
+async def _batches(request: web.Request) -> web.Response:
+    from gateway.batch.api import admin_list
+
+    return _json(await admin_list(_batch_runtime(request), request))
+
+
+async def _batch(request: web.Request) -> web.Response:
+    from gateway.batch.api import admin_detail
+
+    return _json(await admin_detail(_batch_runtime(request), request.match_info["batch_id"]))
+
+
+async def _cancel_batch(request: web.Request) -> web.Response:
+    from gateway.batch.api import admin_batch_object, cancel
+
+    rt = _batch_runtime(request)
+    f = await cancel(rt, request.match_info["batch_id"])
+    logging.getLogger("gateway.admin").warning("batch %s (owner %s) cancelled by the admin API: %s", f["id"],
+                                               f.get("owner"), f["status"])
+    return _json(admin_batch_object(f))
+
+
 async def _openapi(request: web.Request) -> web.Response:
     return web.Response(body=OPENAPI_BYTES, content_type="application/json")
 
@@ -114,6 +157,9 @@ def setup_admin(app: web.Application) -> None:
     app.router.add_post("/admin/backends/{name}/drain", _drain)
     app.router.add_post("/admin/backends/{name}/undrain", _undrain)
     app.router.add_post("/admin/reload", _reload)
+    app.router.add_get("/admin/batches", _batches)
+    app.router.add_get("/admin/batches/{batch_id}", _batch)
+    app.router.add_post("/admin/batches/{batch_id}/cancel", _cancel_batch)
     app.router.add_get("/openapi.json", _openapi)
 
 
@@ -177,6 +223,9 @@ _COMMON_ERRORS = {
     "504": _err("the backends timed out"),
 }
 
+_BATCH_STATUSES = ["validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired",
+                   "cancelled"]
+
 _STREAMING = {
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
@@ -211,6 +260,31 @@ OPENAPI = {
             "Model": {"type": "object", "required": ["id", "object"],
                       "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                                      "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
+            "AdminBatch": {
+                "type": "object", "required": ["id", "object", "status", "request_counts"],
+                "additionalProperties": True,
+                "description": "The OpenAI batch object plus `owner`, the name of the key that created it",
+                "properties": {
+                    "id": {"type": "string"}, "object": {"const": "batch"},
+                    "status": {"enum": _BATCH_STATUSES},
+                    "request_counts": {"type": "object", "properties": {
+                        "total": {"type": "integer"}, "completed": {"type": "integer"},
+                        "failed": {"type": "integer"}}},
+                    "owner": {"type": ["string", "null"]},
+                    "progress": {"type": "object", "description": "GET /admin/batches/{batch_id} only",
+                                 "properties": {"results_recorded": {"type": "integer"},
+                                                "in_flight": {"type": "integer"},
+                                                "enqueued": {"type": "integer"},
+                                                "to_enqueue": {"type": ["integer", "null"]},
+                                                "closing": {"type": ["string", "null"]}}},
+                    "queue": {"type": "object", "description": "GET /admin/batches/{batch_id} only: the line "
+                                                               "queue all batches share",
+                              "properties": {"length": {"type": "integer"}, "pending": {"type": "integer"},
+                                             "lag": {"type": ["integer", "null"]},
+                                             "consumers": {"type": "array", "items": {
+                                                 "type": "object", "properties": {
+                                                     "name": {"type": "string"}, "pending": {"type": "integer"},
+                                                     "idle_ms": {"type": "integer"}}}}}}}},
         },
     },
     "security": [{"bearer": []}],
@@ -264,6 +338,42 @@ OPENAPI = {
             "200": {"description": "reloaded"}, "400": _err("the new config was rejected; the old one stays"),
             "401": _COMMON_ERRORS["401"], "404": _err("admin endpoints are off"),
             "409": _err("not started from a config file")}}},
+        "/admin/batches": {"get": {
+            "operationId": "adminListBatches",
+            "parameters": [
+                {"name": "status", "in": "query", "required": False,
+                 "description": "only batches in these statuses (repeat it, or separate with commas)",
+                 "schema": {"type": "string"}},
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 20}},
+                {"name": "after", "in": "query", "required": False,
+                 "description": "a batch id: the page starts after it", "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "every caller's batches, newest first", "content": {"application/json": {
+                    "schema": {"type": "object", "properties": {
+                        "object": {"const": "list"},
+                        "data": {"type": "array", "items": {"$ref": "#/components/schemas/AdminBatch"}},
+                        "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
+                        "has_more": {"type": "boolean"}}}}}},
+                "400": _err("a bad status, limit or after"), "401": _COMMON_ERRORS["401"],
+                "404": _err("admin endpoints are off, or the batch API is not enabled")}}},
+        "/admin/batches/{batch_id}": {"get": {
+            "operationId": "adminRetrieveBatch",
+            "parameters": [{"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "the batch with its progress and the queue's consumers",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AdminBatch"}}}},
+                "401": _COMMON_ERRORS["401"],
+                "404": _err("unknown batch, admin endpoints off, or the batch API not enabled")}}},
+        "/admin/batches/{batch_id}/cancel": {"post": {
+            "operationId": "adminCancelBatch",
+            "parameters": [{"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "cancelling (or already cancelled), whoever owns it",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AdminBatch"}}}},
+                "401": _COMMON_ERRORS["401"],
+                "404": _err("unknown batch, admin endpoints off, or the batch API not enabled"),
+                "409": _err("the batch is finalizing or finished (batch_not_cancellable)")}}},
     },
 }
 OPENAPI_BYTES = orjson.dumps(OPENAPI)

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 
+from gateway.app import create_app
 from gateway.batch.api import BATCH
 from gateway.config import ConfigError, parse_config
 from loadtest.sim.server import SimBackendConfig, start_backends
@@ -367,3 +368,202 @@ async def test_sigkill_one_of_two_consumers_loses_and_duplicates_nothing(redis, 
         for be in backends:
             await be.cleanup()
 
+
+
+# ---- admin: every caller's batches -----------------------------------------------
+
+ADMIN_KEY = "admin-secret-for-batches"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
+CLIENT_KEYS = {"alice": "sk-alice-for-batches", "bob": "sk-bob-for-batches"}
+
+
+def _sha(s: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def admin_batch_config(backends: list[dict[str, Any]], redis: str, tmp_path: Path, *, client_keys: bool = True,
+                       **batch: Any):
+    extra: dict[str, Any] = {"admin": {"key_sha256": _sha(ADMIN_KEY)}}
+    if client_keys:
+        extra["auth"] = {"keys": [{"name": n, "key_sha256": _sha(k)} for n, k in CLIENT_KEYS.items()]}
+    return gateway_config(backends, state={"namespace": f"t{uuid.uuid4().hex[:8]}"},
+                          batch={"enabled": True, "redis_url": redis, "files_dir": str(tmp_path / "files"),
+                                 "base_backoff_s": 0.01, "max_backoff_s": 0.05, **batch}, **extra)
+
+
+async def admin(http: aiohttp.ClientSession, method: str, url: str, headers: dict | None = ADMIN_HEADERS):
+    async with http.request(method, url, headers=headers) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+def openai_error(status: int, body: dict, expected_status: int, code: str | None = None) -> None:
+    assert status == expected_status, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err and "param" in err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+async def test_admin_lists_inspects_and_cancels_every_callers_batches(redis, tmp_path):
+    # no consumers (workers 0): the batches stay open for the admin to see and cancel
+    cfg = admin_batch_config([{"name": "b", "url": "http://127.0.0.1:9", "models": ["demo-model"]}], redis, tmp_path)
+    async with running_gateway(cfg) as gw, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        clients = {n: openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=k, max_retries=0)
+                   for n, k in CLIENT_KEYS.items()}
+        try:
+            a1 = await submit(clients["alice"], jsonl([line(i) for i in range(3)]))
+            a2 = await submit(clients["alice"], jsonl([line(i) for i in range(2)]))
+            b1 = await submit(clients["bob"], jsonl([line(i) for i in range(4)]))
+            done = await submit(clients["bob"], jsonl([b"{bad", b"[]"]))  # no valid line: completes at once
+            for c, b in ((clients["alice"], a1), (clients["alice"], a2), (clients["bob"], b1)):
+                await wait_batch(c, b.id, {"in_progress"})
+            await wait_batch(clients["bob"], done.id, {"completed"})
+            base = gw.url + "/admin/batches"
+
+            # the admin key, and only it
+            for headers in (None, {"Authorization": f"Bearer {CLIENT_KEYS['alice']}"}):
+                for method, url in (("GET", base), ("GET", f"{base}/{a1.id}"), ("POST", f"{base}/{a1.id}/cancel")):
+                    status, body = await admin(http, method, url, headers)
+                    openai_error(status, body, 401, "invalid_api_key")
+
+            # everyone's batches, newest first, with the key name that created each
+            status, listing = await admin(http, "GET", base)
+            assert status == 200 and listing["object"] == "list" and listing["has_more"] is False
+            ids = [x["id"] for x in listing["data"]]
+            assert sorted(ids) == sorted([a1.id, a2.id, b1.id, done.id])
+            owners = {x["id"]: x["owner"] for x in listing["data"]}
+            assert owners == {a1.id: "alice", a2.id: "alice", b1.id: "bob", done.id: "bob"}
+            assert (listing["first_id"], listing["last_id"]) == (ids[0], ids[-1])
+            assert all(x["object"] == "batch" and "request_counts" in x for x in listing["data"])
+            assert not any(k in orjson.dumps(listing).decode() for k in CLIENT_KEYS.values())
+
+            # status filter (repeatable or comma-separated) and limit/after pages
+            status, only = await admin(http, "GET", base + "?status=completed")
+            assert status == 200 and [x["id"] for x in only["data"]] == [done.id]
+            status, two = await admin(http, "GET", base + "?status=in_progress,completed&status=cancelled")
+            assert status == 200 and len(two["data"]) == 4
+            pages, after = [], None
+            while True:
+                status, page = await admin(http, "GET", base + "?limit=1" + (f"&after={after}" if after else ""))
+                assert status == 200 and len(page["data"]) == 1
+                pages.append(page["data"][0]["id"])
+                after = page["last_id"]
+                if not page["has_more"]:
+                    break
+            assert pages == ids
+            status, rest = await admin(http, "GET", f"{base}?status=in_progress&limit=1&after={ids[0]}")
+            assert status == 200 and rest["data"][0]["status"] == "in_progress" and rest["data"][0]["id"] != ids[0]
+            for query, param in (("status=running", "status"), ("limit=0", "limit"), ("limit=x", "limit"),
+                                 ("after=batch_nope", "after")):
+                status, body = await admin(http, "GET", f"{base}?{query}")
+                openai_error(status, body, 400)
+                assert body["error"]["param"] == param
+
+            # one batch: request_counts, progress and the queue (no consumer has joined)
+            status, one = await admin(http, "GET", f"{base}/{b1.id}")
+            assert status == 200 and one["id"] == b1.id and one["owner"] == "bob" and one["status"] == "in_progress"
+            assert one["request_counts"] == {"total": 4, "completed": 0, "failed": 0}
+            assert one["progress"] == {"results_recorded": 0, "in_flight": 0, "enqueued": 4, "to_enqueue": 4,
+                                       "closing": None}
+            assert one["queue"]["length"] == 9 and one["queue"]["consumers"] == []
+            status, body = await admin(http, "GET", f"{base}/batch_nope")
+            openai_error(status, body, 404)
+
+            # cancel a batch of another caller's; again (idempotent); unknown; finished
+            status, c = await admin(http, "POST", f"{base}/{a1.id}/cancel")
+            assert status == 200 and c["id"] == a1.id and c["owner"] == "alice"
+            assert c["status"] in ("cancelling", "cancelled") and c["cancelling_at"]
+            assert (await wait_batch(clients["alice"], a1.id, {"cancelled"})).cancelled_at
+            status, again = await admin(http, "POST", f"{base}/{a1.id}/cancel")
+            assert status == 200 and again["status"] == "cancelled"
+            status, body = await admin(http, "POST", f"{base}/batch_nope/cancel")
+            openai_error(status, body, 404)
+            status, body = await admin(http, "POST", f"{base}/{done.id}/cancel")
+            openai_error(status, body, 409, "batch_not_cancellable")
+            with pytest.raises(openai.ConflictError):  # the same answer as the caller's own cancel
+                await clients["bob"].batches.cancel(done.id)
+            status, only = await admin(http, "GET", base + "?status=cancelled")
+            assert [x["id"] for x in only["data"]] == [a1.id]
+        finally:
+            for c in clients.values():
+                await c.close()
+
+
+async def test_admin_batch_endpoints_off_without_admin_key_or_batch_api(redis, tmp_path):
+    cfg = batch_config([{"name": "b", "url": "http://127.0.0.1:9", "models": ["demo-model"]}], redis, tmp_path)
+    async with running_gateway(cfg) as gw, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        for method, path in (("GET", ""), ("GET", "/batch_x"), ("POST", "/batch_x/cancel")):
+            status, body = await admin(http, method, gw.url + "/admin/batches" + path)  # no admin key configured
+            openai_error(status, body, 404)
+    cfg = gateway_config([{"name": "b", "url": "http://127.0.0.1:9", "models": ["demo-model"]}],
+                         admin={"key_sha256": _sha(ADMIN_KEY)})
+    async with running_gateway(cfg) as gw, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        for method, path in (("GET", ""), ("GET", "/batch_x"), ("POST", "/batch_x/cancel")):
+            status, body = await admin(http, method, gw.url + "/admin/batches" + path)
+            openai_error(status, body, 404, "batch_disabled")
+        async with http.get(gw.url + "/openapi.json") as r:
+            paths = orjson.loads(await r.read())["paths"]
+        assert set(paths["/admin/batches"]) == {"get"} and set(paths["/admin/batches/{batch_id}"]) == {"get"}
+        assert set(paths["/admin/batches/{batch_id}/cancel"]) == {"post"}
+
+
+SHUTDOWN_BOUND_S = 20.0  # a shutdown of these idle gateways takes well under a second
+
+
+async def test_shutdown_with_a_cancelling_batch_and_no_consumers_does_not_hang(redis, tmp_path):
+    """The hang that sent the first admin batch endpoints back (commit 6b15549): a batch
+    left ``cancelling`` with no consumer keeps the manager polling Redis, and the
+    shutdown's cancel could land while redis-py was sending a command through Python
+    3.11's ``asyncio.wait_for``, which then swallowed it: the manager looped on and the
+    batch lifecycle's ``gather`` waited forever. The manager polls back to back here
+    (``tick_s`` 0) so that the cancel lands mid-command often; several rounds make a
+    return of the bug all but certain to show. Each shutdown is bounded: a hang fails
+    the test (after stopping the stray loop so the suite can go on)."""
+    from gateway.batch.store import BatchStore
+    from gateway.fastpath import listen
+
+    backends, urls = await sim_fleet(1)
+    cfg = admin_batch_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()], redis,
+                             tmp_path, client_keys=False)  # workers: 0, no consumer anywhere
+    check = BatchStore.from_url(redis, cfg.state.namespace, tmp_path / "files")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            for round_ in range(12):
+                app = create_app(cfg)
+                server = await listen(app, "127.0.0.1", 0)
+                url = f"http://127.0.0.1:{server.addresses[0][1]}"
+                rt = app[BATCH]
+                async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+                    b = await submit(client, jsonl([line(i) for i in range(3)]))
+                    await wait_batch(client, b.id, {"in_progress"})
+                # a consumer took line 0 and died: its lease keeps the batch cancelling
+                await rt.store.mark_in_flight(b.id, 0, 3600.0)
+                rt.manager.tick_s = 0.0
+                status, c = await admin(http, "POST", f"{url}/admin/batches/{b.id}/cancel")
+                assert status == 200 and c["status"] == "cancelling", c
+                status, one = await admin(http, "GET", f"{url}/admin/batches/{b.id}")
+                assert status == 200 and one["status"] == "cancelling"
+                assert one["progress"]["in_flight"] == 1 and one["queue"]["consumers"] == []
+
+                stopping = asyncio.create_task(server.shutdown(1.0))
+                done, _ = await asyncio.wait({stopping}, timeout=SHUTDOWN_BOUND_S)
+                if not done:
+                    stuck = [t for t in rt.tasks if not t.done()]
+                    what = ", ".join(f"{t.get_name()} (cancelling: {t.cancelling()})" for t in stuck)
+                    rt.manager.tick_s = 60.0  # its next wait is long: a cancel lands there
+                    for _ in range(100):
+                        for t in stuck:
+                            t.cancel()
+                        if (await asyncio.wait({stopping}, timeout=0.1))[0]:
+                            break
+                    pytest.fail(f"round {round_}: the gateway did not shut down within {SHUTDOWN_BOUND_S} s "
+                                f"(a batch cancelling, no consumers); still running: {what or 'none'}")
+                await stopping
+                assert rt.tasks and all(t.done() for t in rt.tasks), rt.tasks
+                assert (await check.status_of(b.id))[0] == "cancelling"  # left for the next gateway to end
+    finally:
+        await check.close()
+        for be in backends:
+            await be.cleanup()

@@ -264,3 +264,38 @@ async def test_store_finds_the_master_through_sentinel(fleet, tmp_path):
         sentinel.terminate()
         sentinel.wait(10)
         master.cleanup()
+
+
+async def test_store_stop_ends_the_sync_loop_even_when_a_redis_call_swallows_the_cancel():
+    """redis-py sends every command through ``asyncio.wait_for``; on Python 3.11 a cancel
+    that lands just as a send completes is swallowed (the task stays "cancelling" and
+    runs on). The sync loop must end anyway (routing.state.raise_if_cancel_swallowed)
+    rather than outlive ``stop()`` (which waits for it only a bounded time). The loop
+    syncs back to back here, so the cancel often lands mid-command."""
+    import uuid
+
+    from routing import BackendSpec, Fleet
+    from routing.prefix_index import PrefixIndex
+    from routing.state import RedisStore
+
+    fleet = Fleet([BackendSpec("a", frozenset({"m"}), "mixed", 1.0, "mixed")])
+    leaked: list[asyncio.Task] = []
+    with redis_url() as url:
+        try:
+            for _ in range(30):
+                st = RedisStore(fleet, PrefixIndex(), url, namespace=uuid.uuid4().hex, staleness_s=1e-4,
+                                timeout_s=1.0)
+                await st.start()
+                await asyncio.sleep(0.02)
+                await st.stop()
+                if st._task is not None and not st._task.done():
+                    leaked.append(st._task)
+        finally:
+            for _ in range(200):  # stop any stray loop (its client is closed: it fails and sleeps)
+                pending = [t for t in leaked if not t.done()]
+                if not pending:
+                    break
+                for t in pending:
+                    t.cancel()
+                await asyncio.sleep(0.01)
+    assert not leaked, f"{len(leaked)} of 30 sync loops kept running after stop()"

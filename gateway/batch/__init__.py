@@ -33,6 +33,7 @@ class BatchRuntime:
         self.manager = manager
         self.gate = gate
         self.consumer = None
+        self.tasks: list[asyncio.Task] = []  # the manager and the in-process consumers, while the app runs
 
 
 def setup_batch(app: web.Application, cfg) -> None:
@@ -65,20 +66,24 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
     rt = app[BATCH]
     stop = asyncio.Event()
-    tasks = []
+    tasks = rt.tasks
     try:
         await rt.store.ensure_group()
     except Exception as e:  # Redis down at start: the manager and consumers retry
         log.warning("batch: cannot reach Redis at start (%s); retrying in the background", e)
-    tasks.append(asyncio.create_task(rt.manager.run()))
+    tasks.append(asyncio.create_task(rt.manager.run(), name="batch-manager"))
     if rt.cfg.workers > 0:
         sender = LocalSender(app[STATE], rt.gate, rt.cfg.request_timeout_s)
         rt.consumer = Consumer(rt.store, sender, rt.cfg, concurrency=rt.cfg.workers)
-        tasks.append(asyncio.create_task(_consume_forever(rt.consumer, stop)))
+        tasks.append(asyncio.create_task(_consume_forever(rt.consumer, stop), name="batch-consumer"))
     try:
         yield
     finally:
+        # Stop flags first, then cancel: a cancel alone can be swallowed by a Redis call
+        # (routing.state.raise_if_cancel_swallowed), and a loop that missed it would keep
+        # this gather, and so the gateway's shutdown, waiting forever.
         stop.set()
+        rt.manager.stop()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

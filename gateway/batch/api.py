@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.batch.store import ENDPOINTS, BatchStore, batch_object, new_id, parse_window
+from gateway.admin import CALLER
+from gateway.batch.store import ENDPOINTS, FINAL, RUNNING, BatchStore, batch_object, new_id, parse_window
 from gateway.errors import ClientError
 
 PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "vision", "user", "evals"})
@@ -166,10 +167,12 @@ async def create_batch(request: web.Request) -> web.Response:
                           param="input_file_id")
     now = int(time.time())
     bid = new_id("batch_")
+    caller = request.get(CALLER)
     await store.create_batch({"id": bid, "endpoint": endpoint, "input_file_id": f["id"],
                               "completion_window": data["completion_window"], "status": "validating",
                               "created_at": now, "expires_at": int(now + window),
                               "metadata": orjson.dumps(meta) if meta else None,
+                              "owner": getattr(caller, "name", None),  # the key's name (never the key): admin views
                               "total": 0, "completed": 0, "failed": 0})
     request.app[BATCH].manager.wake()
     return _json(batch_object(await store.batch_fields(bid)))
@@ -209,14 +212,80 @@ async def list_batches(request: web.Request) -> web.Response:
                   "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
-async def cancel_batch(request: web.Request) -> web.Response:
-    f = await _batch_or_404(request)
-    store = _store(request)
-    status = await store.cancel(f["id"])
+async def cancel(rt, batch_id: str) -> dict[str, str]:
+    """Cancel a batch (``validating`` / ``in_progress`` -> ``cancelling``; the manager
+    ends it ``cancelled`` once none of its lines is in flight); a batch already
+    ``cancelling`` or ``cancelled`` is left as it is. Returns its fields after. 404 for
+    an unknown id, 409 ``batch_not_cancellable`` when it is finalizing or finished.
+    Used by ``POST /v1/batches/{id}/cancel`` and ``POST /admin/batches/{id}/cancel``."""
+    status = await rt.store.cancel(batch_id)
+    if status is None:
+        raise ClientError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
     if status not in ("cancelling", "cancelled"):
         raise ClientError(409, f"Cannot cancel a batch with status {status!r}.", code="batch_not_cancellable")
-    request.app[BATCH].manager.wake()
-    return _json(batch_object(await store.batch_fields(f["id"])))
+    rt.manager.wake()
+    f = await rt.store.batch_fields(batch_id)
+    if f is None:
+        raise ClientError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
+    return f
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    return _json(batch_object(await cancel(request.app[BATCH], request.match_info["batch_id"])))
+
+
+# ---- the admin view (every caller's batches; gateway/admin.py serves it) -----------
+
+ADMIN_LIST_MAX = 1000
+
+
+def admin_batch_object(f: dict[str, str]) -> dict[str, Any]:
+    """The OpenAI batch object plus ``owner``: the name of the key that created it
+    (``anonymous`` without keys; ``None`` for batches created before it was recorded)."""
+    return {**batch_object(f), "owner": f.get("owner")}
+
+
+def admin_list_query(request: web.Request) -> tuple[frozenset[str] | None, int, str | None]:
+    """``status`` (repeatable or comma-separated), ``limit`` (1 to ``ADMIN_LIST_MAX``,
+    default 20) and ``after`` of ``GET /admin/batches``; 400 on a bad value."""
+    statuses: frozenset[str] | None = None
+    raw = [x.strip() for v in request.query.getall("status", []) for x in v.split(",") if x.strip()]
+    if raw:
+        known = RUNNING | FINAL
+        bad = sorted(set(raw) - known)
+        if bad:
+            raise ClientError(400, f"Invalid value for status: {', '.join(map(repr, bad))}; one of "
+                                   f"{', '.join(sorted(known))}.", param="status")
+        statuses = frozenset(raw)
+    try:
+        limit = int(request.query.get("limit", 20))
+    except ValueError:
+        raise ClientError(400, "`limit` must be an integer.", param="limit") from None
+    if not 1 <= limit <= ADMIN_LIST_MAX:
+        raise ClientError(400, f"`limit` must be between 1 and {ADMIN_LIST_MAX}.", param="limit")
+    return statuses, limit, request.query.get("after") or None
+
+
+async def admin_list(rt, request: web.Request) -> dict[str, Any]:
+    statuses, limit, after = admin_list_query(request)
+    try:
+        fields, has_more = await rt.store.batch_page(after=after, limit=limit, statuses=statuses)
+    except KeyError:
+        raise ClientError(400, f"No batch found with id '{after}' (the `after` cursor).", param="after") from None
+    page = [admin_batch_object(f) for f in fields]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
+
+
+async def admin_detail(rt, batch_id: str) -> dict[str, Any]:
+    """One batch for the admin: :func:`admin_batch_object`, its ``progress`` (results
+    recorded, lines in flight, lines enqueued) and the shared line ``queue`` with its
+    consumers. 404 for an unknown id."""
+    f = await rt.store.batch_fields(batch_id)
+    if f is None:
+        raise ClientError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
+    return {**admin_batch_object(f), "progress": await rt.store.progress(batch_id),
+            "queue": await rt.store.queue_info()}
 
 
 def add_routes(app: web.Application) -> None:

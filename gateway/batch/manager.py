@@ -118,15 +118,28 @@ class BatchManager:
         self.owner = uuid.uuid4().hex
         self._wake = asyncio.Event()
         self._busy: set[str] = set()
+        self._stopping = False
 
     def wake(self) -> None:
         self._wake.set()
 
+    def stop(self) -> None:
+        """Make :meth:`run` return at its next step. The owner also cancels the task;
+        this flag is what stops it when a Redis call swallowed that cancel (see
+        :func:`routing.state.raise_if_cancel_swallowed`)."""
+        self._stopping = True
+        self._wake.set()
+
     async def run(self) -> None:
+        """Tick until :meth:`stop` or a cancel: at once when woken (a new or cancelled
+        batch), else every ``tick_s`` (backing off while Redis fails)."""
         import redis.exceptions
 
+        from routing.state import raise_if_cancel_swallowed
+
         errors = 0
-        while True:
+        while not self._stopping:
+            raise_if_cancel_swallowed()
             try:
                 await self.tick()
                 if errors:
@@ -141,6 +154,9 @@ class BatchManager:
             except Exception:
                 log.exception("batch manager tick failed")
             self._wake.clear()
+            if self._stopping:
+                break
+            raise_if_cancel_swallowed()
             try:
                 async with asyncio.timeout(min(self.tick_s * 2 ** min(errors, 5), 5.0)):
                     await self._wake.wait()
@@ -148,7 +164,12 @@ class BatchManager:
                 pass
 
     async def tick(self) -> None:
+        from routing.state import raise_if_cancel_swallowed
+
         for bid in await self.store.active_ids():
+            if self._stopping:
+                return
+            raise_if_cancel_swallowed()
             if bid in self._busy:
                 continue
             self._busy.add(bid)

@@ -239,6 +239,76 @@ class BatchStore:
     async def list_batch_ids(self) -> list[str]:
         return [_s(x) for x in await self.r.zrevrange(self.p + "batches:z", 0, -1)]
 
+    async def batch_page(self, *, after: str | None, limit: int, statuses: frozenset[str] | None = None,
+                         chunk: int = 200) -> tuple[list[dict[str, str]], bool]:
+        """Every caller's batches, newest first: the fields of up to ``limit`` batches
+        after the one with id ``after`` (``None``: from the newest) whose status is in
+        ``statuses`` (``None``: any), and whether more follow. Reads ``chunk`` batch
+        hashes per round trip until the page is full. Raises ``KeyError`` when
+        ``after`` names no batch."""
+        z = self.p + "batches:z"
+        start = 0
+        if after:
+            rank = await self.r.zrevrank(z, after)
+            if rank is None:
+                raise KeyError(after)
+            start = rank + 1
+        out: list[dict[str, str]] = []
+        while True:
+            ids = await self.r.zrevrange(z, start, start + chunk - 1)
+            if not ids:
+                return out, False
+            async with self.r.pipeline(transaction=False) as p:
+                for bid in ids:
+                    p.hgetall(self.key("b", _s(bid)))
+                raws = await p.execute()
+            for raw in raws:
+                if not raw:
+                    continue
+                f = {_s(k): _s(v) for k, v in raw.items()}
+                if statuses is not None and f.get("status") not in statuses:
+                    continue
+                if len(out) == limit:
+                    return out, True
+                out.append(f)
+            start += len(ids)
+
+    async def progress(self, batch_id: str) -> dict[str, Any]:
+        """What the manager and the consumers hold of one batch: results recorded,
+        lines in flight (live leases), lines enqueued so far."""
+        now = time.time()
+        async with self.r.pipeline(transaction=False) as p:
+            p.hlen(self.key("res", batch_id))
+            p.zcount(self.key("fly", batch_id), now, "+inf")
+            p.hmget(self.key("b", batch_id), "enqueued", "to_enqueue", "closing")
+            results, in_flight, (enqueued, to_enqueue, closing) = await p.execute()
+        return {"results_recorded": int(results), "in_flight": int(in_flight), "enqueued": int(enqueued or 0),
+                "to_enqueue": _i(to_enqueue), "closing": _s(closing)}
+
+    async def queue_info(self) -> dict[str, Any]:
+        """The line queue shared by every batch: stream length, the consumer group's
+        pending (delivered, not acknowledged) and undelivered (``lag``) entries, and its
+        consumers with their pending lines and idle time. Zeros and no consumers before
+        the group exists."""
+        import redis.exceptions
+
+        out: dict[str, Any] = {"length": 0, "pending": 0, "lag": None, "consumers": []}
+        try:
+            out["length"] = int(await self.r.xlen(self.queue))
+            for g in await self.r.xinfo_groups(self.queue):
+                g = {_s(k): v for k, v in g.items()}
+                if _s(g.get("name")) == GROUP:
+                    out["pending"] = int(g.get("pending") or 0)
+                    out["lag"] = _i(g.get("lag"))
+            consumers = await self.r.xinfo_consumers(self.queue, GROUP)
+        except redis.exceptions.ResponseError:  # no stream or no group yet
+            return out
+        for c in consumers:
+            c = {_s(k): v for k, v in c.items()}
+            out["consumers"].append({"name": _s(c.get("name")), "pending": int(c.get("pending") or 0),
+                                     "idle_ms": int(c.get("idle") or 0)})
+        return out
+
     async def active_ids(self) -> list[str]:
         return sorted(_s(x) for x in await self.r.smembers(self.active))
 

@@ -38,6 +38,7 @@ from gateway.batch.admission import DEFERRED_CODE, PRIORITY_HEADER
 from gateway.batch.store import GROUP, BatchStore
 from gateway.config import Batch
 from gateway.proxy import full_jitter_backoff
+from routing.state import raise_if_cancel_swallowed
 
 log = logging.getLogger("gateway.batch")
 
@@ -163,6 +164,7 @@ class Consumer:
         errors = 0
         try:
             while not stop.is_set():
+                raise_if_cancel_swallowed()
                 free = self.concurrency - len(self.held)
                 if free <= 0:
                     self._slot.clear()
@@ -318,6 +320,7 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
     attempts = 0
     deferrals = 0
     while True:
+        raise_if_cancel_swallowed()  # a cancelled line stops even if a Redis call swallowed the cancel
         if before_send is not None and not await before_send():
             return None
         rid = f"{request_id}-{attempts}-{deferrals}"
