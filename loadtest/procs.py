@@ -44,6 +44,44 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (children of every thread, recursively)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in out:
+            continue
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every live descendant (an nginx master
+    and its workers; a wrapper and the server it runs). ``/proc/PID/stat`` covers all
+    threads of a process. Raises OSError when ``pid`` itself is gone."""
+    total = _stat_cpu(pid)
+    for p in tree_pids(pid)[1:]:
+        try:
+            total += _stat_cpu(p)
+        except OSError:
+            pass
+    return total
+
+
+def pin_to(cpus: set[int] | None):
+    """A ``preexec_fn`` for ``subprocess.Popen`` that restricts the child (and so every
+    thread and process it starts) to ``cpus``; ``None`` when ``cpus`` is empty/None."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = set(cpus)
+
+    def _pin() -> None:
+        os.sched_setaffinity(0, cpus)
+
+    return _pin
+
+
 def _stat_cpu(pid: int) -> float:
     raw = Path(f"/proc/{pid}/stat").read_text()
     fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ": state is fields[0] (field 3)
@@ -111,9 +149,12 @@ def start_sim(spec: list[dict[str, Any]], timeout_s: float = 30.0) -> tuple[subp
         raise
 
 
-def start_zero(output_tokens: int = 16, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """The zero-delay backend (:mod:`loadtest.zero`) in a child process; returns it and its URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest.zero", "--tokens", str(output_tokens),
+def start_zero(output_tokens: int = 16, timeout_s: float = 30.0, ttft_ms: float = 0.0,
+               itl_ms: float = 0.0) -> tuple[subprocess.Popen, str]:
+    """The zero-delay backend (:mod:`loadtest.zero`) in a child process; returns it and its URL.
+    ``ttft_ms``/``itl_ms`` make it a fixed-latency backend instead (default: no delay)."""
+    delay = ["--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)] if ttft_ms or itl_ms else []
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.zero", "--tokens", str(output_tokens), *delay,
                              "--exit-on-stdin-eof"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -167,7 +208,7 @@ def start_gateway(config: dict[str, Any] | str | Path, timeout_s: float = 30.0,
 
 
 NGINX_CONF = """worker_processes 1;
-error_log {dir}/error.log warn;
+{user}error_log {dir}/error.log warn;
 pid {dir}/nginx.pid;
 events {{ worker_connections 4096; }}
 http {{
@@ -177,7 +218,7 @@ http {{
   fastcgi_temp_path {dir}/fastcgi;
   uwsgi_temp_path {dir}/uwsgi;
   scgi_temp_path {dir}/scgi;
-  upstream backend {{ server {upstream}; keepalive 512; }}
+  upstream backend {{ {servers} keepalive 512; }}
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -193,21 +234,45 @@ http {{
 """
 
 
-def start_nginx(upstream_url: str, workdir: str, timeout_s: float = 15.0) -> tuple[subprocess.Popen, str] | None:
-    """A plain nginx reverse proxy (``proxy_buffering off``) in front of
-    ``upstream_url``, or ``None`` when ``nginx`` is not on PATH."""
+def nginx_exe() -> str | None:
+    """The ``nginx`` binary: on PATH, or Debian's ``/usr/sbin/nginx`` (not on a
+    non-root PATH)."""
     exe = shutil.which("nginx")
+    if exe is None and os.access("/usr/sbin/nginx", os.X_OK):
+        exe = "/usr/sbin/nginx"
+    return exe
+
+
+def start_nginx(upstream_url: str | list[str], workdir: str, timeout_s: float = 15.0,
+                cpus: set[int] | None = None,
+                ready_path: str = "/health") -> tuple[subprocess.Popen, str] | None:
+    """A plain nginx reverse proxy (one worker, ``proxy_buffering off``, HTTP/1.1
+    keep-alive to the upstreams, round robin over them) in front of ``upstream_url``
+    (one URL or several), or ``None`` when ``nginx`` is not installed. It runs in the
+    foreground (``daemon off``) as the current user, with its pid file, logs and temp
+    files in ``workdir``; ``cpus`` pins it (master and worker)."""
+    exe = nginx_exe()
     if not exe:
         return None
     port = free_port()
-    host = upstream_url.split("://", 1)[1].rstrip("/")
+    urls = [upstream_url] if isinstance(upstream_url, str) else list(upstream_url)
+    servers = " ".join(f"server {u.split('://', 1)[1].rstrip('/')};" for u in urls)
+    user = ""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import grp
+        import pwd
+
+        # a root master would otherwise run its worker as "nobody"
+        user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
     conf = Path(workdir) / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(dir=workdir, upstream=host, port=port))
-    proc = subprocess.Popen([exe, "-c", str(conf), "-p", workdir, "-g", "daemon off;"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    conf.write_text(NGINX_CONF.format(dir=workdir, servers=servers, port=port, user=user))
+    proc = subprocess.Popen([exe, "-e", str(Path(workdir) / "error.log"), "-c", str(conf), "-p", workdir,
+                             "-g", "daemon off;"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=pin_to(cpus))
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(url + "/health", timeout_s, proc)
+        wait_http(url + ready_path, timeout_s, proc)
     except BaseException:
         stop(proc)
         raise

@@ -1,13 +1,19 @@
 """A zero-delay OpenAI-compatible backend: the floor under a proxy benchmark.
 
-    python -m loadtest.zero [--port 0] [--tokens 16]
+    python -m loadtest.zero [--port 0] [--tokens 16] [--ttft-ms 0] [--itl-ms 0]
 
 Answers ``POST /v1/chat/completions`` and ``/v1/completions`` at once: streamed, a
 role chunk, ``max_tokens`` one-word text chunks (default ``--tokens``), a usage chunk
 (``stream_options.include_usage``) and ``[DONE]``, each written as soon as the
 previous one (no model, no sleeping); or one JSON body. Also ``GET /health``,
-``/v1/models`` and an empty ``/metrics``. Prints ``{"zero": "http://127.0.0.1:PORT"}``
+``/v1/models`` and ``/metrics``. Prints ``{"zero": "http://127.0.0.1:PORT"}``
 on stdout once listening; serves until SIGTERM/SIGINT (or, with ``--exit-on-stdin-eof``, until standard input closes).
+
+``--ttft-ms`` and ``--itl-ms`` (default 0: no sleeping at all) turn it into a fixed-latency
+backend: the response (headers, role chunk and first token together) waits ``ttft-ms``,
+then each further token ``itl-ms``; a non-streamed answer waits ``ttft + (n-1) * itl``.
+``/metrics`` counts the completions served (``zero_requests_total``), so a benchmark can
+check how a proxy spread its requests.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -26,32 +33,65 @@ from aiohttp import web
 MAX_TOKENS_CAP = 4096
 
 
-def make_app(default_tokens: int = 16) -> web.Application:
+def make_app(default_tokens: int = 16, ttft_s: float = 0.0, itl_s: float = 0.0) -> web.Application:
+    served = [0]
+    tick: dict[str, Any] = {"fut": None, "at": 0.0}
+
+    async def next_step() -> None:
+        """Wait for the next decode step: one shared timer every ``itl_s`` for all
+        running streams (like an engine's batch step, and far cheaper than a timer per
+        token on a loaded core); the first gap of a stream can be shorter than ``itl_s``."""
+        fut = tick["fut"]
+        if fut is None or fut.done():
+            loop = asyncio.get_running_loop()
+            fut = tick["fut"] = loop.create_future()
+            tick["at"] = at = max(loop.time(), tick["at"] + itl_s)
+            loop.call_at(at, lambda f: f.done() or f.set_result(None), fut)
+        await fut
+
     async def completions(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         chat = request.path.endswith("/chat/completions")
         n = max(1, min(int(body.get("max_tokens") or body.get("max_completion_tokens") or default_tokens),
                        MAX_TOKENS_CAP))
         model = body.get("model", "zero")
+        served[0] += 1
         head = {"id": "cmpl-zero", "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}
         usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1,
                  "prompt_tokens_details": {"cached_tokens": 0}}
         if not body.get("stream"):
+            if ttft_s or itl_s:
+                await asyncio.sleep(ttft_s + itl_s * (n - 1))
             choice = ({"index": 0, "message": {"role": "assistant", "content": " x" * n}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": " x" * n, "finish_reason": "length"})
             return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
                                       "choices": [choice], "usage": usage}, dumps=lambda o: orjson.dumps(o).decode())
+        if ttft_s:
+            await asyncio.sleep(ttft_s)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        role = b""
         if chat:
-            await resp.write(b"data: " + orjson.dumps({**head, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + b"\n\n")
+            role = b"data: " + orjson.dumps({**head, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + b"\n\n"
+            if not ttft_s:
+                await resp.write(role)
+                role = b""
+        token = last = b""
         for i in range(n):
-            fin = "length" if i == n - 1 else None
-            choice = ({"index": 0, "delta": {"content": " x"}, "finish_reason": fin} if chat
-                      else {"index": 0, "text": " x", "finish_reason": fin})
-            await resp.write(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+            if i < n - 1 and not token:
+                token = b"data: " + orjson.dumps({**head, "choices": [
+                    {"index": 0, "delta": {"content": " x"}, "finish_reason": None} if chat
+                    else {"index": 0, "text": " x", "finish_reason": None}]}) + b"\n\n"
+            if i == n - 1:
+                last = b"data: " + orjson.dumps({**head, "choices": [
+                    {"index": 0, "delta": {"content": " x"}, "finish_reason": "length"} if chat
+                    else {"index": 0, "text": " x", "finish_reason": "length"}]}) + b"\n\n"
+            if i and itl_s:
+                await next_step()
+            await resp.write(role + (last or token))
+            role = b""
         tail = b""
         if (body.get("stream_options") or {}).get("include_usage"):
             tail = b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
@@ -66,7 +106,7 @@ def make_app(default_tokens: int = 16) -> web.Application:
         return web.json_response({"object": "list", "data": [{"id": "zero", "object": "model"}]})
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text="", content_type="text/plain")
+        return web.Response(text=f"zero_requests_total {served[0]}\n", content_type="text/plain")
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
@@ -77,8 +117,8 @@ def make_app(default_tokens: int = 16) -> web.Application:
     return app
 
 
-async def _serve(port: int, tokens: int, exit_on_eof: bool) -> None:
-    runner = web.AppRunner(make_app(tokens), access_log=None)
+async def _serve(port: int, tokens: int, exit_on_eof: bool, ttft_s: float = 0.0, itl_s: float = 0.0) -> None:
+    runner = web.AppRunner(make_app(tokens, ttft_s, itl_s), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
     await site.start()
@@ -106,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.zero", description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=16, help="output tokens when the request sets no max_tokens")
+    ap.add_argument("--ttft-ms", type=float, default=0.0, help="wait this long before the first token")
+    ap.add_argument("--itl-ms", type=float, default=0.0, help="wait this long between tokens")
     ap.add_argument("--exit-on-stdin-eof", action="store_true", help="exit when standard input closes")
     args = ap.parse_args(argv)
     try:
@@ -113,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    run(_serve(args.port, args.tokens, args.exit_on_stdin_eof))
+    run(_serve(args.port, args.tokens, args.exit_on_stdin_eof, args.ttft_ms / 1000, args.itl_ms / 1000))
     return 0
 
 

@@ -1,0 +1,589 @@
+"""The gateway beside direct, nginx and the peer routers: proxy CPU and added TTFT, in one run.
+
+    python -m loadtest.peers [--requests 4000] [--ttft-concurrency 256 64] [--targets NAME ...] [--json OUT]
+
+The issue-10 overhead table. Every proxy fronts the same two OpenAI-style backends
+(:mod:`loadtest.zero`); the backends and the load generator (this process) run on core
+0, the proxy alone on core 1 (``sched_setaffinity``; without a second core nothing is
+pinned and the output says so). Targets, one at a time, never overlapping:
+
+* ``direct``: no proxy, the client alternates between the two backends itself (its
+  CPU column is n/a: there is no proxy process);
+* ``gateway-estimated_ttft`` and ``gateway-round_robin``: ``python -m gateway``;
+* ``nginx``: when the ``nginx`` binary is installed, one worker, ``proxy_buffering
+  off``, HTTP/1.1 keep-alive upstream, temp config, pid and logs, ``daemon off``;
+* ``sglang-router``, ``vllm-router`` (round_robin) and ``smg`` (round_robin and
+  cache_aware): each when its package is importable by this interpreter or installed
+  in its own venv under ``$TG_PEERS_HOME`` (default ``~/.cache/turbo-gateway/peers/NAME``;
+  see ``loadtest/README.md`` for the install). A missing proxy prints a "not installed"
+  row; one that fails to start prints why, and the run goes on.
+
+Scenarios (chat completions, 50-word prompt, model ``zero``):
+
+* (a) non-streamed, ``max_tokens`` 16, 64 concurrent, zero-delay backends;
+* (b) streamed, 64 tokens, 64 concurrent, zero-delay backends;
+* (c) streamed, 256 (and 64) concurrent, two other backends with 50 ms TTFT and 10 ms
+  between tokens (``--ttft-tokens`` tokens, default 64): client-measured TTFT (request
+  sent to the first content token) p50/p99 over ``--ttft-rounds`` x concurrency
+  streams, direct measured first and again last so that the noise is visible; "added"
+  is against the first direct run. "core 0 busy" is the CPU of the load generator and
+  the backends per wall second: near 100% the TTFT includes core 0's own queueing
+  (256 streams at 10 ms are 25,600 chunks/s to send and to read in Python).
+
+(a) and (b) report the proxy's CPU seconds (utime + stime from ``/proc``, summed over
+its process tree and all threads) per 1,000 requests, read around the measured batch,
+which follows a discarded warm-up batch. Each batch is bounded by its request count and
+by ``--batch-timeout`` seconds; all traffic is on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+import yaml
+
+from loadtest import procs
+
+MODEL = "zero"  # the id the zero backend lists in /v1/models (smg routes by it)
+PROMPT = "hello " * 50
+PEERS_HOME = Path(os.environ.get("TG_PEERS_HOME", "~/.cache/turbo-gateway/peers")).expanduser()
+CLIENT_CORE = 0
+PROXY_CORE = 1
+
+
+# --- load generator -----------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    requests: int = 0
+    core0_busy: float | None = None
+    core1_other: float | None = None  # core 1 busy outside the proxy (other work, softirq), fraction
+    errors: int = 0
+    first_error: str = ""
+    wall_s: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+
+
+async def _drive(urls: list[str], n: int, concurrency: int, stream: bool, tokens: int, timeout_s: float,
+                 measure_ttft: bool = False, stagger_s: float = 0.0, proxy_pid: int | None = None) -> Batch:
+    """``n`` chat completions, ``concurrency`` at a time (closed loop), spread round robin
+    over ``urls``; the whole batch is bounded by ``timeout_s``. With ``stagger_s`` the
+    closed-loop workers start spread over that many seconds (about one stream's length),
+    so that they do not run as one cohort that arrives, and finishes, all at once."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
+                       "stream": stream}).encode()
+    headers = {"Content-Type": "application/json"}
+    out = Batch()
+    it = iter(range(n))
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async def worker(k: int) -> None:
+            if stagger_s:
+                await asyncio.sleep(stagger_s * k / concurrency)
+            for i in it:
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(urls[i % len(urls)] + "/v1/chat/completions", data=body,
+                                      headers=headers) as r:
+                        if r.status != 200:
+                            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                        seen = not measure_ttft
+                        buf = b""
+                        async for chunk in r.content.iter_any():
+                            if not seen:
+                                buf += chunk
+                                if b' x"' in buf:  # the first content token (the role chunk has "")
+                                    out.ttft_ms.append((time.perf_counter() - t0) * 1000)
+                                    seen = True
+                        if not seen:
+                            raise RuntimeError("stream ended without a content token")
+                    out.requests += 1
+                except Exception as e:  # counted, not raised: one bad proxy must not end the run
+                    out.errors += 1
+                    out.first_error = out.first_error or f"{type(e).__name__}: {e}"[:300]
+
+        t0 = time.perf_counter()
+        c0 = _core0_cpu()
+        k0 = _core_busy(PROXY_CORE)
+        p0 = _proxy_cpu(proxy_pid)
+        tasks = [asyncio.ensure_future(worker(k)) for k in range(concurrency)]
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*tasks)
+        except TimeoutError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            out.first_error = out.first_error or f"batch timed out after {timeout_s} s"
+            out.errors += n - out.requests - out.errors
+        out.wall_s = time.perf_counter() - t0
+        if c0 is not None and out.wall_s > 0:
+            out.core0_busy = (_core0_cpu() - c0) / out.wall_s
+        k1 = _core_busy(PROXY_CORE)
+        if k0 is not None and k1 is not None and out.wall_s > 0:
+            out.core1_other = max(0.0, (k1 - k0) - (_proxy_cpu(proxy_pid) - p0)) / out.wall_s
+    return out
+
+
+def _proxy_cpu(pid: int | None) -> float:
+    try:
+        return procs.tree_cpu_seconds(pid) if pid else 0.0
+    except OSError:
+        return 0.0
+
+
+def _core_busy(core: int) -> float | None:
+    """Busy seconds of one core so far (``/proc/stat``: all but idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith(f"cpu{core} "):
+                    v = [int(x) for x in line.split()[1:]]
+                    return (sum(v[:8]) - v[3] - v[4]) / procs.CLK_TCK
+    except OSError:
+        pass
+    return None
+
+
+_BACKEND_PIDS: list[int] = []
+
+
+def _core0_cpu() -> float | None:
+    """CPU seconds of this process (the load generator) and of the backends."""
+    if not _BACKEND_PIDS:
+        return None
+    t = os.times()
+    total = t.user + t.system
+    for pid in _BACKEND_PIDS:
+        try:
+            total += procs.tree_cpu_seconds(pid)
+        except OSError:
+            pass
+    return total
+
+
+def _run(coro):
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _served(urls: list[str]) -> list[int]:
+    """Completions each zero backend has served so far (its ``/metrics``)."""
+    out = []
+    for u in urls:
+        with urllib.request.urlopen(u + "/metrics", timeout=5) as r:
+            out.append(int(float(r.read().decode().split()[-1])))
+    return out
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# --- proxies ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Proxy:
+    """One target: ``start(workers, workdir, cpus)`` returns (process, url) or raises."""
+    name: str
+    label: str
+    start: Callable[[list[str], str, set[int] | None], tuple[subprocess.Popen, str]] | None
+    missing: str = ""  # why it cannot run ("not installed: ...")
+
+
+def _wait_chat(url: str, proc: subprocess.Popen, timeout_s: float, log: Path | None) -> None:
+    """Until one small chat completion through ``url`` answers 200 (a router's /health can
+    answer before its workers are registered); bounded by ``timeout_s``."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}{_log_tail(log)}")
+        try:
+            req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception as e:
+            last = str(e)
+        time.sleep(0.2)
+    raise RuntimeError(f"no 200 within {timeout_s} s ({last}){_log_tail(log)}")
+
+
+def _log_tail(log: Path | None) -> str:
+    if not log or not log.exists():
+        return ""
+    import re
+
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return "; log: " + " | ".join(ln[:200] for ln in lines[-3:])
+
+
+def _spawn(argv: list[str], workdir: str, tag: str, cpus: set[int] | None, ready_s: float = 60.0
+           ) -> tuple[subprocess.Popen, str]:
+    port = procs.free_port()
+    argv = [a.replace("{port}", str(port)).replace("{mport}", str(procs.free_port())) for a in argv]
+    log = Path(workdir) / f"{tag}.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                preexec_fn=procs.pin_to(cpus))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_chat(url, proc, ready_s, log)
+    except BaseException:
+        procs.stop(proc)
+        raise
+    return proc, url
+
+
+def _gateway(policy: str) -> Proxy:
+    def start(workers: list[str], workdir: str, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
+        cfg = {"routing": {"policy": policy, "scrape_interval_s": 0}, "health": {"interval_s": 3600},
+               "backends": [{"name": f"b{i}", "url": u, "models": [MODEL]} for i, u in enumerate(workers)]}
+        path = Path(workdir) / f"gw-{policy}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return _spawn([sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1", "--port",
+                       "{port}", "--log-level", "warning"], workdir, f"gateway-{policy}", cpus)
+
+    return Proxy(f"gateway-{policy}", f"turbo-gateway {_own_version()} {policy}", start)
+
+
+def _own_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("turbo-gateway")
+    except Exception:
+        return ""
+
+
+def _source_state() -> str:
+    """The commit the gateway rows ran from, and whether gateway/ or routing/ had
+    uncommitted changes (read-only git calls; "unknown" outside a checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "gateway", "routing"],
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    dirty = [ln for ln in dirty if ln.strip()]
+    if not head:
+        return "unknown"
+    return f"{head}" + (f" + uncommitted changes in {len(dirty)} file(s) of gateway/ routing/" if dirty else "")
+
+
+def _nginx() -> Proxy:
+    exe = procs.nginx_exe()
+    if not exe:
+        return Proxy("nginx", "nginx", None, "not installed (`apt-get install nginx-light`)")
+    r = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=10)
+    ver = (r.stderr or r.stdout).strip().rsplit("/", 1)[-1]
+
+    def start(workers: list[str], workdir: str, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
+        d = Path(workdir) / "nginx"
+        d.mkdir(exist_ok=True)
+        res = procs.start_nginx(workers, str(d), cpus=cpus, ready_path="/health")
+        assert res is not None
+        _wait_chat(res[1], res[0], 15.0, d / "error.log")
+        return res
+
+    return Proxy("nginx", f"nginx {ver} (1 worker, proxy_buffering off)", start)
+
+
+# the versions the issue's reference figures are for; `--install` puts each in its own venv
+PEER_PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17", "smg": "1.13.0"}
+
+# peer routers: (name, distribution, module to run with -m, leading args, policies, log level)
+PEERS = [
+    ("sglang-router", "sglang-router", "sglang_router.launch_router", [], ["round_robin"], "warn"),
+    ("vllm-router", "vllm-router", "vllm_router.launch_router", [], ["round_robin"], "warning"),
+    ("smg", "smg", "smg", ["launch"], ["round_robin", "cache_aware"], "warn"),
+]
+
+
+def _find_python(dist: str, module: str) -> tuple[str, str] | None:
+    """(interpreter, version) of an install of ``dist`` whose ``module`` imports: this
+    interpreter first, then ``$TG_PEERS_HOME/DIST/bin/python``."""
+    cands = [sys.executable, str(PEERS_HOME / dist / "bin" / "python")]
+    code = ("import importlib.metadata as m, importlib.util as u, sys; "
+            f"sys.exit(3) if u.find_spec({module.split('.')[0]!r}) is None else print(m.version({dist!r}))")
+    for py in cands:
+        if not os.path.exists(py):
+            continue
+        try:
+            r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0 and r.stdout.strip():
+            return py, r.stdout.strip()
+    return None
+
+
+def install_peers() -> int:
+    """One venv per peer router under ``PEERS_HOME`` (they cannot share one: sglang-router
+    0.3.2 installs an ``smg`` command too, and their dependencies would change this
+    environment's aiohttp), each with its pinned version from PyPI."""
+    rc = 0
+    for dist, ver in PEER_PINS.items():
+        venv = PEERS_HOME / dist
+        print(f"{dist}=={ver} -> {venv}", flush=True)
+        if not (venv / "bin" / "python").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"{dist}=={ver}"],
+                           timeout=1200)
+        rc = rc or r.returncode
+    return rc
+
+
+def _peer(name: str, dist: str, module: str, lead: list[str], policy: str, log_level: str,
+          found: tuple[str, str] | None) -> Proxy:
+    if found is None:
+        return Proxy(f"{name}-{policy}", f"{name} {policy}", None,
+                     f"not installed (neither importable here nor in {PEERS_HOME / dist})")
+    py, ver = found
+
+    def start(workers: list[str], workdir: str, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
+        argv = [py, "-m", module, *lead, "--host", "127.0.0.1", "--port", "{port}", "--worker-urls", *workers,
+                "--policy", policy, "--log-level", log_level,
+                # metrics cannot be switched off in all three: a loopback port nobody scrapes
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", "{mport}",
+                "--health-check-interval-secs", "3600"]
+        return _spawn(argv, workdir, f"{name}-{policy}", cpus)
+
+    return Proxy(f"{name}-{policy}", f"{name} {ver} {policy}", start)
+
+
+def all_proxies() -> list[Proxy]:
+    out = [_gateway("estimated_ttft"), _gateway("round_robin"), _nginx()]
+    for name, dist, module, lead, policies, lvl in PEERS:
+        found = _find_python(dist, module)
+        out += [_peer(name, dist, module, lead, p, lvl, found) for p in policies]
+    return out
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, f: str = "{:.2f}") -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "n/a"
+    return f.format(v) if isinstance(v, (int, float)) else str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.peers", description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=4000, help="measured requests per CPU scenario and target")
+    ap.add_argument("--warmup", type=int, default=200, help="discarded requests before each measured batch")
+    ap.add_argument("--ttft-rounds", type=int, default=10,
+                    help="measured streams in the TTFT scenario, as a multiple of the concurrency")
+    ap.add_argument("--ttft-tokens", type=int, default=64, help="tokens per stream in the TTFT scenario")
+    ap.add_argument("--ttft-concurrency", type=int, nargs="+", default=[256, 64])
+    ap.add_argument("--ttft-ms", type=float, default=50.0)
+    ap.add_argument("--itl-ms", type=float, default=10.0)
+    ap.add_argument("--targets", nargs="*", help="only these targets (direct is always run), e.g. nginx smg-round_robin")
+    ap.add_argument("--skip-ttft", action="store_true", help="only the CPU scenarios (a) and (b)")
+    ap.add_argument("--batch-timeout", type=float, default=300.0, help="seconds; bounds each batch")
+    ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--install", action="store_true",
+                    help=f"create one venv per peer router under {PEERS_HOME} (pip, pinned versions) and exit")
+    args = ap.parse_args(argv)
+    if args.install:
+        return install_peers()
+
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    pinned = ncpu >= 2 and hasattr(os, "sched_setaffinity")
+    client_cpus = {CLIENT_CORE} if pinned else None
+    proxy_cpus = {PROXY_CORE} if pinned else None
+    if pinned:
+        os.sched_setaffinity(0, client_cpus)  # the load generator; the backends inherit it
+
+    proxies = all_proxies()
+    if args.targets:
+        unknown = set(args.targets) - {p.name for p in proxies}
+        if unknown:
+            print(f"unknown targets: {', '.join(sorted(unknown))}; known: {', '.join(p.name for p in proxies)}",
+                  file=sys.stderr)
+            return 2
+        proxies = [p for p in proxies if p.name in args.targets]
+
+    started = datetime.datetime.now().astimezone()
+    print(f"# python -m loadtest.peers {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    print(f"# {started:%Y-%m-%d %H:%M %Z}, {platform.node()}, {ncpu} cores, "
+          + (f"backends + load generator on core {CLIENT_CORE}, proxy on core {PROXY_CORE}" if pinned
+             else "NOT pinned (fewer than 2 cores)"), flush=True)
+    print(f"# gateway source: {_source_state()}", flush=True)
+    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+
+    workdir = tempfile.mkdtemp(prefix="tg-peers-")
+    children: list[subprocess.Popen] = []
+    results: dict[str, dict[str, Any]] = {}
+    ttft_rows: list[dict[str, Any]] = []
+    try:
+        zeros = [procs.start_zero(16), procs.start_zero(16)]
+        children += [p for p, _ in zeros]
+        _BACKEND_PIDS.extend(p.pid for p, _ in zeros)
+        zero_urls = [u for _, u in zeros]
+        slow = []
+        if not args.skip_ttft:
+            slow = [procs.start_zero(16, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms) for _ in range(2)]
+            children += [p for p, _ in slow]
+            _BACKEND_PIDS.extend(p.pid for p, _ in slow)
+        slow_urls = [u for _, u in slow]
+
+        scen = [("a", False, 16), ("b", True, 64)]
+
+        def cpu_pass(name: str, urls: list[str], proc: subprocess.Popen | None) -> dict[str, Any]:
+            row: dict[str, Any] = {}
+            for key, stream, tokens in scen:
+                _run(_drive(urls, args.warmup, 64, stream, tokens, args.batch_timeout))
+                s0 = _served(zero_urls)
+                c0 = procs.tree_cpu_seconds(proc.pid) if proc else None
+                b = _run(_drive(urls, args.requests, 64, stream, tokens, args.batch_timeout,
+                                proxy_pid=proc.pid if proc else None))
+                cpu = procs.tree_cpu_seconds(proc.pid) - c0 if proc else None
+                s1 = _served(zero_urls)
+                split = [y - x for x, y in zip(s0, s1)]
+                row[key] = {"cpu_s_per_1k": cpu / b.requests * 1000 if cpu is not None and b.requests else None,
+                            "cpu_s": cpu, "ok": b.requests, "errors": b.errors, "first_error": b.first_error,
+                            "req_per_s": b.requests / b.wall_s if b.wall_s else None, "split": split,
+                            "core1_other": b.core1_other,
+                            "nprocs": len(procs.tree_pids(proc.pid)) if proc else None}
+                print(f"  {name} ({key}): {_fmt(row[key]['cpu_s_per_1k'])} CPU s/1k, "
+                      f"{_fmt(row[key]['req_per_s'], '{:.0f}')} req/s, split {split}, "
+                      f"core 1 other {_fmt(b.core1_other, '{:.0%}')}, errors {b.errors}"
+                      + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
+            return row
+
+        def ttft_pass(name: str, label: str, urls: list[str], proc: subprocess.Popen | None = None) -> None:
+            stagger = (args.ttft_ms + args.itl_ms * (args.ttft_tokens - 1)) / 1000
+            for c in args.ttft_concurrency:
+                _run(_drive(urls, c, c, True, args.ttft_tokens, args.batch_timeout, measure_ttft=True,
+                            stagger_s=stagger))
+                b = _run(_drive(urls, args.ttft_rounds * c, c, True, args.ttft_tokens, args.batch_timeout,
+                                measure_ttft=True, stagger_s=stagger, proxy_pid=proc.pid if proc else None))
+                row = {"name": name, "label": label, "concurrency": c, "p50": _percentile(b.ttft_ms, 50),
+                       "p99": _percentile(b.ttft_ms, 99), "ok": b.requests, "errors": b.errors,
+                       "first_error": b.first_error, "core0_busy": b.core0_busy, "core1_other": b.core1_other,
+                       "req_per_s": b.requests / b.wall_s if b.wall_s else None}
+                ttft_rows.append(row)
+                print(f"  {name} (c, {c} streams): TTFT p50 {_fmt(row['p50'])} ms, p99 {_fmt(row['p99'])} ms, "
+                      f"{_fmt(row['req_per_s'], '{:.0f}')} req/s, core 0 {_fmt(b.core0_busy, '{:.0%}')}, "
+                      f"core 1 other {_fmt(b.core1_other, '{:.0%}')}, "
+                      f"errors {b.errors}" + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
+
+        print("\n(a) and (b): proxy CPU", file=sys.stderr)
+        results["direct"] = {"label": "direct (client to backends)", **cpu_pass("direct", zero_urls, None)}
+        for p in proxies:
+            if p.start is None:
+                results[p.name] = {"label": p.label, "missing": p.missing}
+                print(f"  {p.name}: {p.missing}", file=sys.stderr, flush=True)
+                continue
+            try:
+                proc, url = p.start(zero_urls, workdir, proxy_cpus)
+            except Exception as e:
+                results[p.name] = {"label": p.label, "missing": f"did not start: {e}"}
+                print(f"  {p.name}: did not start: {e}", file=sys.stderr, flush=True)
+                continue
+            try:
+                results[p.name] = {"label": p.label, **cpu_pass(p.name, [url], proc)}
+            finally:
+                procs.stop(proc)
+
+        if not args.skip_ttft:
+            print("\n(c): TTFT", file=sys.stderr)
+            ttft_pass("direct", "direct (1st run)", slow_urls)
+            for p in proxies:
+                if p.start is None or results.get(p.name, {}).get("missing"):
+                    continue
+                try:
+                    proc, url = p.start(slow_urls, workdir, proxy_cpus)
+                except Exception as e:
+                    for c in args.ttft_concurrency:
+                        ttft_rows.append({"name": p.name, "label": p.label, "concurrency": c,
+                                          "missing": f"did not start: {e}"})
+                    continue
+                try:
+                    ttft_pass(p.name, p.label, [url], proc)
+                finally:
+                    procs.stop(proc)
+            ttft_pass("direct", "direct (2nd run)", slow_urls)
+    finally:
+        for c in reversed(children):
+            procs.stop(c)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print()
+    if load0 is not None:
+        load1 = os.getloadavg()
+        print(f"# load average (1/5/15 min) at start {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, at end "
+              f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} (this run alone keeps about 1.5 to 2 busy)\n")
+    print(f"Proxy CPU seconds per 1,000 chat completions (utime+stime of the proxy's process tree, /proc); "
+          f"{args.requests} measured requests per cell, 64 concurrent; req/s is what the load generator saw; "
+          f"core 1 other = core {PROXY_CORE} busy outside the proxy's own CPU (other work, interrupts), "
+          f"(a) / (b).\n")
+    print("| target | (a) non-streaming, max_tokens 16: CPU s/1k | (a) req/s | (b) streaming, 64 tokens: CPU s/1k "
+          "| (b) req/s | errors | backend split (a) | core 1 other |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if r.get("missing"):
+            print(f"| {r['label']} | {r['missing']} | | | | | | |")
+            continue
+        a, b = r["a"], r["b"]
+        print(f"| {r['label']} | {_fmt(a['cpu_s_per_1k'], '{:.3f}')} | {_fmt(a['req_per_s'], '{:.0f}')} "
+              f"| {_fmt(b['cpu_s_per_1k'], '{:.3f}')} | {_fmt(b['req_per_s'], '{:.0f}')} | {a['errors'] + b['errors']} "
+              f"| {'/'.join(map(str, a['split']))} "
+              f"| {_fmt(a['core1_other'], '{:.0%}')} / {_fmt(b['core1_other'], '{:.0%}')} |")
+    for c in args.ttft_concurrency if ttft_rows else []:
+        rows = [r for r in ttft_rows if r["concurrency"] == c]
+        base = rows[0]
+        print(f"\n(c) TTFT in ms, client-measured (request sent to first content token), {c} concurrent streams "
+              f"of {args.ttft_tokens} tokens, backends with {args.ttft_ms:g} ms TTFT and {args.itl_ms:g} ms between "
+              f"tokens, {args.ttft_rounds * c} measured streams per row; added = row - direct (1st run), so "
+              f"direct (2nd run) shows the noise.\n")
+        print("| target | TTFT p50 | TTFT p99 | added p50 | added p99 | req/s | core 0 busy | core 1 other | errors |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r.get("missing"):
+                print(f"| {r['label']} | {r['missing']} | | | | | | | |")
+                continue
+            print(f"| {r['label']} | {_fmt(r['p50'], '{:.1f}')} | {_fmt(r['p99'], '{:.1f}')} "
+                  f"| {r['p50'] - base['p50']:+.1f} | {r['p99'] - base['p99']:+.1f} "
+                  f"| {_fmt(r['req_per_s'], '{:.0f}')} | {_fmt(r['core0_busy'], '{:.0%}')} "
+                  f"| {_fmt(r['core1_other'], '{:.0%}')} | {r['errors']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"started": started.isoformat(), "pinned": pinned,
+                                               "settings": vars(args), "cpu": results, "ttft": ttft_rows},
+                                              indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
