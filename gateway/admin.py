@@ -9,8 +9,9 @@ Admin endpoints answer 404 (like an unknown route) unless ``admin.key_sha256`` o
 - ``POST /admin/reload``: reload the config file (as SIGHUP does); 200, or 400 with
   the reason the new config was rejected (the running one stays);
 - ``GET /admin/batches``: every caller's batches, newest first, with the key name that
-  created each (``owner``); ``status`` filter (repeatable or comma-separated),
-  ``limit`` / ``after`` pages;
+  created each (``owner``; ``None`` for batches from before owners were kept, which
+  with client keys no ``/v1/batches`` caller sees); ``status`` filter (repeatable or
+  comma-separated), ``limit`` / ``after`` pages;
 - ``GET /admin/batches/{id}``: one batch with its ``request_counts``, ``progress``
   (results recorded, lines in flight, lines enqueued) and the shared line ``queue``
   (length, pending, consumers);

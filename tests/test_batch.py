@@ -251,7 +251,7 @@ async def test_api_errors_are_openai_shaped(redis, tmp_path):
     async with running_gateway(cfg) as gw, sdk(gw) as client:
         with pytest.raises(openai.NotFoundError):
             await client.batches.retrieve("batch_nope")
-        with pytest.raises(openai.BadRequestError) as e:
+        with pytest.raises(openai.NotFoundError) as e:  # 404, as for another caller's file (no existence leak)
             await client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
                                         completion_window="24h")
         assert e.value.body["param"] == "input_file_id"
@@ -507,6 +507,209 @@ async def test_admin_batch_endpoints_off_without_admin_key_or_batch_api(redis, t
             paths = orjson.loads(await r.read())["paths"]
         assert set(paths["/admin/batches"]) == {"get"} and set(paths["/admin/batches/{batch_id}"]) == {"get"}
         assert set(paths["/admin/batches/{batch_id}/cancel"]) == {"post"}
+
+
+# ---- per caller: each client key sees only its own files and batches ----------------
+
+
+async def raw(http: aiohttp.ClientSession, method: str, url: str, key: str | None, **kw) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with http.request(method, url, headers=headers, **kw) as r:
+        body = await r.read()
+        return r.status, (orjson.loads(body) if r.content_type == "application/json" else body)
+
+
+async def legacy_records(store, *, owner: str | None = None) -> dict[str, str]:
+    """Records as the gateway wrote them before owners were kept: a file and a finished
+    batch with no ``owner``; with ``owner``, also a finished batch of that owner whose
+    output file was written before files had owners. Returns their ids."""
+    now = 1_700_000_000
+    ids = {"file": f"file-{uuid.uuid4().hex[:24]}", "batch": f"batch_{uuid.uuid4().hex[:24]}"}
+    files = [ids["file"]]
+    batches = {ids["batch"]: None}
+    if owner:
+        hexid = uuid.uuid4().hex[:24]
+        ids["owned_batch"], ids["output"] = f"batch_{hexid}", f"file-{hexid}out"
+        files.append(ids["output"])
+        batches[ids["owned_batch"]] = owner
+    for fid in files:
+        obj = {"id": fid, "object": "file", "bytes": 3, "created_at": now, "expires_at": None, "filename": "old.jsonl",
+               "purpose": "batch_output" if fid.endswith("out") else "batch", "status": "processed",
+               "status_details": None}
+        store.files_dir.mkdir(parents=True, exist_ok=True)
+        store.path(fid).write_bytes(b"{}\n")
+        await store.r.hset(store.p + "files", fid, orjson.dumps(obj))
+        await store.r.zadd(store.p + "files:z", {fid: now})
+    for bid, bowner in batches.items():
+        fields = {"id": bid, "endpoint": "/v1/chat/completions", "input_file_id": ids["file"],
+                  "completion_window": "24h", "status": "completed", "created_at": now, "expires_at": now + 86400,
+                  "completed_at": now, "total": 0, "completed": 0, "failed": 0}
+        if bowner:
+            fields["owner"] = bowner
+            fields["output_file_id"] = ids["output"]
+        await store.r.hset(store.key("b", bid), mapping=fields)
+        await store.r.zadd(store.p + "batches:z", {bid: now})
+    return ids
+
+
+def same_error(a: tuple[int, Any], b: tuple[int, Any], a_id: str, b_id: str) -> None:
+    """Two answers are the same OpenAI error but for the id they name."""
+    (sa, ba), (sb, bb) = a, b
+    assert sa == sb == 404, (a, b)
+    openai_error(sa, ba, 404)
+    assert orjson.loads(orjson.dumps(ba).replace(a_id.encode(), b"ID")) == \
+        orjson.loads(orjson.dumps(bb).replace(b_id.encode(), b"ID")), (ba, bb)
+
+
+async def test_files_and_batches_are_per_caller(redis, tmp_path):
+    release = asyncio.Event()
+    held: list[str] = []
+
+    async def handler(backend, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if body["messages"][0]["content"] == "hold":
+            held.append("hold")
+            await release.wait()
+        return web.json_response(completion_body("ok", model="demo-model"))
+
+    async with ScriptedBackend(handler=handler).running() as be:
+        cfg = admin_batch_config([{"name": "b", "url": be.url, "models": ["demo-model"]}], redis, tmp_path, workers=4)
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            alice = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=CLIENT_KEYS["alice"], max_retries=0)
+            bob = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=CLIENT_KEYS["bob"], max_retries=0)
+            B = CLIENT_KEYS["bob"]
+            v1 = gw.url + "/v1"
+            try:
+                # alice: a finished batch with an output and an error file, and one left running
+                a_done = await submit(alice, jsonl([line(0), line(1), b"{bad"]))
+                a_done = await wait_batch(alice, a_done.id, {"completed"})
+                assert a_done.output_file_id and a_done.error_file_id
+                a_run = await submit(alice, jsonl([line(0, "hold")]))
+                await wait_until(lambda: held)  # its one line is in flight
+                a_run = await wait_batch(alice, a_run.id, {"in_progress"})
+                a_in = a_done.input_file_id
+                a_files = {a_in, a_run.input_file_id, a_done.output_file_id, a_done.error_file_id}
+                # bob: his own batch
+                b_done = await wait_batch(bob, (await submit(bob, jsonl([line(0)]))).id, {"completed"})
+                b_files = {b_done.input_file_id, b_done.output_file_id}
+                legacy = await legacy_records(gw.app[BATCH].store, owner="alice")
+
+                # lists: each caller's own only (the output files are the batch owner's)
+                assert {f.id for f in (await alice.files.list()).data} == a_files | {legacy["output"]}
+                assert {f.id for f in (await bob.files.list()).data} == b_files
+                alice_batches = [b.id for b in (await alice.batches.list()).data]  # newest first
+                assert len(alice_batches) == 3 and alice_batches[-1] == legacy["owned_batch"]  # the oldest
+                assert set(alice_batches) == {a_run.id, a_done.id, legacy["owned_batch"]}
+                assert [b.id for b in (await bob.batches.list()).data] == [b_done.id]
+                pages, after = [], None  # limit/after pages walk her batches only
+                while True:
+                    page = await alice.batches.list(limit=1, **({"after": after} if after else {}))
+                    assert len(page.data) == 1
+                    pages.append(page.data[0].id)
+                    after = page.data[0].id
+                    if not page.has_more:
+                        break
+                assert pages == alice_batches
+                # a cursor naming another caller's batch is an unknown one: from the newest
+                assert [b.id for b in (await bob.batches.list(after=a_run.id)).data] == [b_done.id]
+                status, listed = await raw(http, "GET", f"{v1}/files?after={a_in}", B)
+                assert status == 200 and listed["data"] == []  # as after an unknown id
+                for f in (await alice.files.list()).data:  # the OpenAI file object, no owner
+                    assert set(f.model_dump()) == {"id", "object", "bytes", "created_at", "expires_at", "filename",
+                                                   "purpose", "status", "status_details"}
+
+                # bob cannot see, cancel, download or delete any of alice's: 404 as for an unknown id
+                for bid in (a_done.id, a_run.id, legacy["owned_batch"]):
+                    with pytest.raises(openai.NotFoundError):
+                        await bob.batches.retrieve(bid)
+                    with pytest.raises(openai.NotFoundError):  # not the 409 a finished batch gives its owner
+                        await bob.batches.cancel(bid)
+                    same_error(await raw(http, "GET", f"{v1}/batches/{bid}", B),
+                               await raw(http, "GET", f"{v1}/batches/batch_nope", B), bid, "batch_nope")
+                    same_error(await raw(http, "POST", f"{v1}/batches/{bid}/cancel", B),
+                               await raw(http, "POST", f"{v1}/batches/batch_nope/cancel", B), bid, "batch_nope")
+                for fid in a_files | {legacy["output"]}:
+                    for exc_call in (bob.files.retrieve, bob.files.content, bob.files.delete):
+                        with pytest.raises(openai.NotFoundError):
+                            await exc_call(fid)
+                    for method, suffix in (("GET", ""), ("GET", "/content"), ("DELETE", "")):
+                        same_error(await raw(http, method, f"{v1}/files/{fid}{suffix}", B),
+                                   await raw(http, method, f"{v1}/files/file-nope{suffix}", B), fid, "file-nope")
+                # ... nor start a batch on alice's file: 404 on input_file_id, as an unknown file
+                with pytest.raises(openai.NotFoundError) as e:
+                    await bob.batches.create(input_file_id=a_in, endpoint="/v1/chat/completions",
+                                             completion_window="24h")
+                assert e.value.body["param"] == "input_file_id"
+                create = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
+                same_error(await raw(http, "POST", f"{v1}/batches", B, json={"input_file_id": a_in, **create}),
+                           await raw(http, "POST", f"{v1}/batches", B, json={"input_file_id": "file-nope", **create}),
+                           a_in, "file-nope")
+                assert [b.id for b in (await bob.batches.list()).data] == [b_done.id]
+
+                # alice's are untouched: the running batch runs, the files are there
+                assert (await alice.batches.retrieve(a_run.id)).status == "in_progress"
+                assert (await alice.files.content(a_in)).content == jsonl([line(0), line(1), b"{bad"])
+                out = await content_lines(alice, a_done.output_file_id)
+                assert sorted(o["custom_id"] for o in out) == ["req-0", "req-1"]
+                assert len(await content_lines(alice, a_done.error_file_id)) == 1
+                # and she can start another batch on her file, and cancel her own
+                again = await alice.batches.create(input_file_id=a_in, endpoint="/v1/chat/completions",
+                                                   completion_window="24h")
+                assert (await wait_batch(alice, again.id, {"completed"})).request_counts.completed == 2
+                assert (await alice.batches.cancel(a_run.id)).status == "cancelling"
+                release.set()
+                await wait_batch(alice, a_run.id, {"cancelled"})
+
+                # records from before owners: nobody's with keys (404 to both), the admin's to see
+                for c in (alice, bob):
+                    with pytest.raises(openai.NotFoundError):
+                        await c.batches.retrieve(legacy["batch"])
+                    with pytest.raises(openai.NotFoundError):
+                        await c.files.retrieve(legacy["file"])
+                    assert legacy["batch"] not in {b.id for b in (await c.batches.list()).data}
+                # a legacy output file of alice's batch is alice's; she may read and delete it
+                assert (await alice.files.content(legacy["output"])).content == b"{}\n"
+                assert (await alice.files.delete(legacy["output"])).deleted
+
+                # the admin sees every caller's batches, owners and the owner-less one
+                status, listing = await admin(http, "GET", gw.url + "/admin/batches")
+                assert status == 200
+                assert {x["id"]: x["owner"] for x in listing["data"]} == {
+                    a_done.id: "alice", a_run.id: "alice", again.id: "alice", b_done.id: "bob",
+                    legacy["owned_batch"]: "alice", legacy["batch"]: None}
+                for bid in (a_done.id, b_done.id, legacy["batch"]):
+                    status, one = await admin(http, "GET", f"{gw.url}/admin/batches/{bid}")
+                    assert status == 200 and one["id"] == bid
+            finally:
+                release.set()
+                await alice.close()
+                await bob.close()
+
+
+async def test_without_keys_every_file_and_batch_is_visible(redis, tmp_path):
+    """The local demo (no client keys): the anonymous caller sees everything, including
+    records a key created while keys were configured and records from before owners."""
+    backends, urls = await sim_fleet(1)
+    cfg = batch_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()], redis, tmp_path,
+                       workers=2)
+    try:
+        async with running_gateway(cfg) as gw, sdk(gw) as client:
+            store = gw.app[BATCH].store
+            mine = await wait_batch(client, (await submit(client, jsonl([line(0)]))).id, {"completed"})
+            assert (await store.batch_fields(mine.id))["owner"] == "anonymous"
+            assert (await store.get_file(mine.output_file_id))["owner"] == "anonymous"
+            legacy = await legacy_records(store)
+            await store.add_file({"id": "file-ofalice", "object": "file", "bytes": 0, "created_at": 1,
+                                  "expires_at": None, "filename": "a.jsonl", "purpose": "batch",
+                                  "status": "processed", "status_details": None}, "alice")  # made under keys
+            files = {f.id for f in (await client.files.list()).data}
+            assert {mine.input_file_id, mine.output_file_id, legacy["file"], "file-ofalice"} <= files
+            assert {mine.id, legacy["batch"]} <= {b.id for b in (await client.batches.list()).data}
+            assert (await client.batches.retrieve(legacy["batch"])).status == "completed"
+            assert (await client.files.content(legacy["file"])).content == b"{}\n"
+            assert (await client.files.delete("file-ofalice")).deleted
+    finally:
+        for be in backends:
+            await be.cleanup()
 
 
 SHUTDOWN_BOUND_S = 20.0  # a shutdown of these idle gateways takes well under a second

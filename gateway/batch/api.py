@@ -9,6 +9,16 @@
 Object shapes, statuses, list pages (``data``, ``first_id``, ``last_id``, ``has_more``,
 ``after`` / ``limit``) and errors follow OpenAI's, so ``openai`` SDK calls work
 unchanged. ``completion_window`` accepts ``<n>s|m|h|d`` (OpenAI: only ``24h``).
+
+Per caller, as OpenAI scopes them to a project: with client keys configured
+(``auth.keys``), a caller lists, retrieves, cancels, downloads and deletes only the files
+and batches its own key created (a batch's output and error files are its owner's), and
+starts batches only on its own files. Another caller's id answers exactly as an unknown
+one (404), so nothing tells whether it exists. Records made before owners were kept
+(owner ``None``) are then nobody's: only ``/admin/batches`` shows such batches. Without
+keys (the local demo, every caller ``anonymous``) every file and batch is visible, as
+before; what was created then is owned by ``anonymous``, so once keys are configured
+only a key named ``anonymous`` (if any) and the admin see it. See :func:`visible`.
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ import orjson
 from aiohttp import web
 
 from gateway.admin import CALLER
-from gateway.batch.store import ENDPOINTS, FINAL, RUNNING, BatchStore, batch_object, new_id, parse_window
+from gateway.batch.store import (ENDPOINTS, FINAL, RUNNING, BatchStore, batch_object, file_object, new_id,
+                                 parse_window)
 from gateway.errors import ClientError
 
 PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "vision", "user", "evals"})
@@ -53,11 +64,33 @@ def _store(request: web.Request) -> BatchStore:
     return request.app[BATCH].store
 
 
+def _caller(request: web.Request) -> tuple[str, str | None]:
+    """(the caller's name, recorded as the ``owner`` of what it creates; its scope:
+    ``None`` when it sees every record, i.e. no client keys are configured, else its key
+    name). The auth middleware has set the caller on every ``/v1/`` request; should it
+    be missing, the caller is authenticated here (never assumed anonymous)."""
+    caller = request.get(CALLER)
+    if caller is None:
+        from gateway.app import STATE
+
+        caller = request.app[STATE].keyring.authenticate(request)
+    return caller.name, (None if caller.key is None else caller.name)
+
+
+def visible(owner: str | None, scope: str | None) -> bool:
+    """Whether a caller with ``scope`` (see :func:`_caller`) may see a record created by
+    ``owner``. Without keys (``scope`` ``None``) everything is visible; with keys, only
+    the caller's own records: an owner-less record (made before owners were kept) is
+    then visible to no caller, only to the admin endpoints."""
+    return scope is None or (owner is not None and owner == scope)
+
+
 # ---- files ---------------------------------------------------------------------
 
 
 async def create_file(request: web.Request) -> web.Response:
     store = _store(request)
+    owner = _caller(request)[0]
     limit = request.app[BATCH].cfg.max_file_bytes
     if not request.content_type.startswith("multipart/"):
         raise ClientError(400, "Upload the file as multipart/form-data with fields `file` and `purpose`.")
@@ -93,20 +126,23 @@ async def create_file(request: web.Request) -> web.Response:
             tmp.unlink()
     obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "expires_at": None,
            "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
-    await store.add_file(obj)
+    await store.add_file(obj, owner)
     return _json(obj)
 
 
 async def _file_or_404(request: web.Request) -> dict[str, Any]:
+    """The file object, if the caller may see it; 404 otherwise (unknown or another
+    caller's: the same answer)."""
     fid = request.match_info["file_id"]
-    obj = await _store(request).get_file(fid)
-    if obj is None:
+    rec = await _store(request).get_file(fid)
+    if rec is None or not visible(rec.get("owner"), _caller(request)[1]):
         raise ClientError(404, f"No such File object: {fid}", param="id")
-    return obj
+    return file_object(rec)
 
 
 async def list_files(request: web.Request) -> web.Response:
-    items = await _store(request).list_files()
+    scope = _caller(request)[1]
+    items = [file_object(x) for x in await _store(request).list_files() if visible(x.get("owner"), scope)]
     purpose = request.query.get("purpose")
     if purpose:
         items = [x for x in items if x.get("purpose") == purpose]
@@ -159,29 +195,31 @@ async def create_batch(request: web.Request) -> web.Response:
     if meta is not None and (not isinstance(meta, dict) or len(meta) > 16
                              or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise ClientError(400, "`metadata` must be an object of at most 16 string pairs.", param="metadata")
+    owner, scope = _caller(request)
     f = await store.get_file(data["input_file_id"])
-    if f is None:
-        raise ClientError(400, f"No such File object: {data['input_file_id']}", param="input_file_id")
+    if f is None or not visible(f.get("owner"), scope):  # another caller's file: as an unknown one
+        raise ClientError(404, f"No such File object: {data['input_file_id']}", param="input_file_id")
     if f.get("purpose") != "batch":
         raise ClientError(400, f"File {f['id']} has purpose {f.get('purpose')!r}; a batch needs purpose 'batch'.",
                           param="input_file_id")
     now = int(time.time())
     bid = new_id("batch_")
-    caller = request.get(CALLER)
     await store.create_batch({"id": bid, "endpoint": endpoint, "input_file_id": f["id"],
                               "completion_window": data["completion_window"], "status": "validating",
                               "created_at": now, "expires_at": int(now + window),
                               "metadata": orjson.dumps(meta) if meta else None,
-                              "owner": getattr(caller, "name", None),  # the key's name (never the key): admin views
+                              "owner": owner,  # the key's name (never the key): scopes /v1, shown by /admin
                               "total": 0, "completed": 0, "failed": 0})
     request.app[BATCH].manager.wake()
     return _json(batch_object(await store.batch_fields(bid)))
 
 
 async def _batch_or_404(request: web.Request) -> dict[str, str]:
+    """The batch's fields, if the caller may see it; 404 otherwise (unknown or another
+    caller's: the same answer)."""
     bid = request.match_info["batch_id"]
     f = await _store(request).batch_fields(bid)
-    if f is None:
+    if f is None or not visible(f.get("owner"), _caller(request)[1]):
         raise ClientError(404, f"No batch found with id '{bid}'.", param="batch_id")
     return f
 
@@ -191,25 +229,28 @@ async def get_batch(request: web.Request) -> web.Response:
 
 
 async def list_batches(request: web.Request) -> web.Response:
+    """The caller's batches, newest first (every batch without keys). An ``after`` the
+    caller cannot see (unknown, or another caller's) starts the page at the newest."""
     store = _store(request)
-    ids = await store.list_batch_ids()
-    items = []
-    after = request.query.get("after")
-    if after in ids:
-        ids = ids[ids.index(after) + 1:]
+    scope = _caller(request)[1]
     try:
         limit = int(request.query.get("limit", 20))
     except ValueError:
         raise ClientError(400, "`limit` must be an integer.", param="limit") from None
     if not 1 <= limit <= 100:
         raise ClientError(400, "`limit` must be between 1 and 100.", param="limit")
-    for bid in ids[:limit + 1]:
-        f = await store.batch_fields(bid)
-        if f is not None:
-            items.append(batch_object(f))
-    page = items[:limit]
+    after = request.query.get("after") or None
+    if after is not None:
+        f = await store.batch_fields(after)
+        if f is None or not visible(f.get("owner"), scope):
+            after = None
+    try:
+        fields, has_more = await store.batch_page(after=after, limit=limit, owner=scope)
+    except KeyError:  # the cursor's batch left the index meanwhile
+        fields, has_more = await store.batch_page(after=None, limit=limit, owner=scope)
+    page = [batch_object(f) for f in fields]
     return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+                  "last_id": page[-1]["id"] if page else None, "has_more": has_more})
 
 
 async def cancel(rt, batch_id: str) -> dict[str, str]:
@@ -231,7 +272,8 @@ async def cancel(rt, batch_id: str) -> dict[str, str]:
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    return _json(batch_object(await cancel(request.app[BATCH], request.match_info["batch_id"])))
+    f = await _batch_or_404(request)  # the caller's own batches only
+    return _json(batch_object(await cancel(request.app[BATCH], f["id"])))
 
 
 # ---- the admin view (every caller's batches; gateway/admin.py serves it) -----------
@@ -241,7 +283,8 @@ ADMIN_LIST_MAX = 1000
 
 def admin_batch_object(f: dict[str, str]) -> dict[str, Any]:
     """The OpenAI batch object plus ``owner``: the name of the key that created it
-    (``anonymous`` without keys; ``None`` for batches created before it was recorded)."""
+    (``anonymous`` without keys; ``None`` for batches created before it was recorded,
+    which, with keys configured, only the admin endpoints show)."""
     return {**batch_object(f), "owner": f.get("owner")}
 
 

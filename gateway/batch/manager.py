@@ -266,17 +266,18 @@ class BatchManager:
                     "batch_expired", "This request could not be executed before the completion window expired."))
                     + b"\n")
         hexid = bid.removeprefix("batch_")
-        out_id = await self._write(f"file-{hexid}out", f"{bid}_output.jsonl", out) if out else None
-        err_id = await self._write(f"file-{hexid}err", f"{bid}_error.jsonl", err) if err else None
+        owner = f.get("owner")  # the batch's files are its owner's
+        out_id = await self._write(f"file-{hexid}out", f"{bid}_output.jsonl", out, owner) if out else None
+        err_id = await self._write(f"file-{hexid}err", f"{bid}_error.jsonl", err, owner) if err else None
         await self.store.finish(bid, final, out_id, err_id)
         await self.store.r.delete(self.store.key("res", bid))
         log.info("batch %s %s: %d output lines, %d error lines", bid, final, len(out), len(err))
 
-    async def _write(self, file_id: str, filename: str, lines: list[bytes]) -> str:
+    async def _write(self, file_id: str, filename: str, lines: list[bytes], owner: str | None) -> str:
         size = await asyncio.to_thread(self.store.write_file_bytes, file_id, lines)
         await self.store.add_file({"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                                    "expires_at": None, "filename": filename, "purpose": "batch_output",
-                                   "status": "processed", "status_details": None})
+                                   "status": "processed", "status_details": None}, owner)
         return file_id
 
 

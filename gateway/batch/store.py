@@ -25,7 +25,7 @@ output and error files are assembled from that hash at the end, ordered by line.
 Keys (all under the ``{namespace}`` hash tag, so the scripts stay on one Cluster slot)::
 
     tg:{ns}:batch:queue            stream of lines, group ``consumers``
-    tg:{ns}:batch:files            hash file id -> file object (JSON)
+    tg:{ns}:batch:files            hash file id -> file record (JSON: the file object + ``owner``)
     tg:{ns}:batch:files:z          zset file id by creation
     tg:{ns}:batch:b:<batch id>     hash: the batch object's fields and counters
     tg:{ns}:batch:batches:z        zset batch id by creation
@@ -36,11 +36,18 @@ Keys (all under the ``{namespace}`` hash tag, so the scripts stay on one Cluster
 
 Files (uploads, output and error files) live in ``files_dir`` as ``<file id>``, written
 to a temporary name then renamed, so a reader never sees half a file.
+
+Owners: a batch hash and a file record hold ``owner``, the name of the client key that
+created it (``anonymous`` without keys); a batch's output and error files get the
+batch's. Records written before owners were kept have none (``None``); an output or
+error file of that time takes its batch's (:meth:`BatchStore.get_file`). Who may see
+what is decided in :mod:`gateway.batch.api` (:func:`~gateway.batch.api.visible`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -52,6 +59,8 @@ GROUP = "consumers"
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 RUNNING = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# the id the manager gives a batch's output / error file: ``file-<batch hex>out|err``
+_RESULT_FILE = re.compile(r"^file-([0-9a-f]{24})(?:out|err)$")
 _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
                "cancelled_at")
 
@@ -179,22 +188,40 @@ class BatchStore:
     def path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    async def add_file(self, obj: dict[str, Any]) -> None:
+    async def add_file(self, obj: dict[str, Any], owner: str | None) -> None:
+        """Record a file: the OpenAI file object ``obj`` and its ``owner`` (a key name)."""
         async with self.r.pipeline(transaction=True) as p:
-            p.hset(self.p + "files", obj["id"], orjson.dumps(obj))
+            p.hset(self.p + "files", obj["id"], orjson.dumps({**obj, "owner": owner}))
             p.zadd(self.p + "files:z", {obj["id"]: obj["created_at"]})
             await p.execute()
 
     async def get_file(self, file_id: str) -> dict[str, Any] | None:
+        """The file's record: the file object plus ``owner`` (see :func:`file_object`)."""
         raw = await self.r.hget(self.p + "files", file_id)
-        return orjson.loads(raw) if raw else None
+        return (await self._with_owners([orjson.loads(raw)]))[0] if raw else None
 
     async def list_files(self) -> list[dict[str, Any]]:
+        """Every file's record, newest first."""
         ids = await self.r.zrevrange(self.p + "files:z", 0, -1)
         if not ids:
             return []
         raws = await self.r.hmget(self.p + "files", ids)
-        return [orjson.loads(x) for x in raws if x]
+        return await self._with_owners([orjson.loads(x) for x in raws if x])
+
+    async def _with_owners(self, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Give records written before files kept an owner one: an output or error file
+        takes its batch's owner; any other stays ``None``."""
+        legacy = [(r, m[1]) for r in recs if "owner" not in r and (m := _RESULT_FILE.match(r.get("id", "")))]
+        for r in recs:
+            r.setdefault("owner", None)
+        if legacy:
+            async with self.r.pipeline(transaction=False) as p:
+                for _, hexid in legacy:
+                    p.hget(self.key("b", "batch_" + hexid), "owner")
+                owners = await p.execute()
+            for (r, _), o in zip(legacy, owners):
+                r["owner"] = _s(o)
+        return recs
 
     async def delete_file(self, file_id: str) -> bool:
         async with self.r.pipeline(transaction=True) as p:
@@ -240,12 +267,12 @@ class BatchStore:
         return [_s(x) for x in await self.r.zrevrange(self.p + "batches:z", 0, -1)]
 
     async def batch_page(self, *, after: str | None, limit: int, statuses: frozenset[str] | None = None,
-                         chunk: int = 200) -> tuple[list[dict[str, str]], bool]:
-        """Every caller's batches, newest first: the fields of up to ``limit`` batches
-        after the one with id ``after`` (``None``: from the newest) whose status is in
-        ``statuses`` (``None``: any), and whether more follow. Reads ``chunk`` batch
-        hashes per round trip until the page is full. Raises ``KeyError`` when
-        ``after`` names no batch."""
+                         owner: str | None = None, chunk: int = 200) -> tuple[list[dict[str, str]], bool]:
+        """Batches, newest first: the fields of up to ``limit`` batches after the one
+        with id ``after`` (``None``: from the newest) whose status is in ``statuses``
+        (``None``: any) and, with ``owner``, created by that key name (``None``: every
+        caller's), and whether more follow. Reads ``chunk`` batch hashes per round trip
+        until the page is full. Raises ``KeyError`` when ``after`` names no batch."""
         z = self.p + "batches:z"
         start = 0
         if after:
@@ -267,6 +294,8 @@ class BatchStore:
                     continue
                 f = {_s(k): _s(v) for k, v in raw.items()}
                 if statuses is not None and f.get("status") not in statuses:
+                    continue
+                if owner is not None and f.get("owner") != owner:
                     continue
                 if len(out) == limit:
                     return out, True
@@ -377,6 +406,11 @@ class BatchStore:
         key = self.key("lock", batch_id)
         if _s(await self.r.get(key)) == owner:
             await self.r.delete(key)
+
+
+def file_object(rec: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI ``file`` object of a stored file record (without ``owner``)."""
+    return {k: v for k, v in rec.items() if k != "owner"}
 
 
 def batch_object(f: dict[str, str]) -> dict[str, Any]:
