@@ -246,7 +246,7 @@ class _Connection(asyncio.Protocol):
     """One keep-alive TCP connection to a backend, one request at a time."""
 
     __slots__ = ("pool", "loop", "transport", "parser", "exchange", "_status", "_headers", "idle_since",
-                 "served", "got_bytes", "closed")
+                 "served", "got_bytes", "closed", "informational")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -259,6 +259,7 @@ class _Connection(asyncio.Protocol):
         self.served = 0
         self.got_bytes = False
         self.closed = False
+        self.informational = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -293,9 +294,13 @@ class _Connection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # informational (100 Continue, 103 Early Hints): the answer follows
+            self.informational = True
+            return
         ex = self.exchange
         if ex is not None:
-            ex._on_head(self.parser.get_status_code(), self._headers)
+            ex._on_head(status, self._headers)
 
     def on_body(self, body: bytes) -> None:
         ex = self.exchange
@@ -303,6 +308,9 @@ class _Connection(asyncio.Protocol):
             ex._on_body(body)
 
     def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
         ex = self.exchange
         if ex is not None:
             ex._on_complete(self.parser.should_keep_alive())

@@ -15,8 +15,9 @@ import zlib
 import aiohttp
 import httptools
 import orjson
+from aiohttp import web
 
-from tests.servers import ScriptedBackend, gateway_config, running_gateway
+from tests.servers import ScriptedBackend, gateway_config, running_gateway, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -201,3 +202,27 @@ async def test_integers_beyond_64_bits_are_valid_json_and_forwarded_byte_for_byt
                 done, _ = await _exchange(gw.url, [_post("/v1/chat/completions", raw)], 1)
                 assert done[0][0] == 200, (fast, done[0][2])
                 assert be.bodies[-1] == raw
+
+
+async def test_a_backends_informational_response_is_skipped():
+    release = asyncio.Event()
+
+    async def answer(b, request, body):
+        # 103 Early Hints on its own, then (once the test saw the gateway read it) the answer
+        request.transport.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n")
+        await release.wait()
+        return web.json_response({"id": "c", "object": "chat.completion", "model": "m",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                               "finish_reason": "stop"}]})
+
+    async with ScriptedBackend(handler=answer).running() as be:
+        async with running_gateway(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])) as gw:
+            pool = gw.state.clients["b"].pool
+            call = asyncio.create_task(_exchange(gw.url, [_post("/v1/chat/completions", BODY)], 1))
+            await wait_until(lambda: any(c.got_bytes for c in pool._all))  # the 103 reached the gateway
+            busy = [c.exchange for c in pool._all if c.exchange is not None]
+            assert len(busy) == 1 and busy[0].status == 0  # still waiting for the real answer
+            release.set()
+            done, _ = await call
+            assert done[0][0] == 200 and orjson.loads(done[0][2])["choices"][0]["message"]["content"] == "ok"
+            assert gw.idle("b")
