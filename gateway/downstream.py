@@ -7,8 +7,9 @@ protocol) and :class:`CollectDownstream` (an in-process batch consumer, no socke
 - :meth:`respond` answers at once with a whole body (bytes) and headers;
 - :meth:`start_stream` sends status 200, the headers and the first chunk of a chunked
   stream (``end=True``: also its end); :meth:`write` and :meth:`end_stream` go on;
-- ``transport`` is the socket the SSE relay writes HTTP/1.1 chunks to directly, or
-  ``None``; ``started`` tells whether any byte was committed to the client.
+- ``transport`` is the socket the SSE relay writes to directly (HTTP/1.1 chunks when
+  ``chunked``), or ``None``; ``started`` tells whether any byte was committed to the
+  client; ``may_wait`` whether :meth:`start_stream` can wait for a slow client.
 
 All writers raise :class:`ClientGone` when the client's connection is gone.
 """
@@ -30,14 +31,17 @@ _WRITE_ERRORS = (ConnectionError, aiohttp.ClientConnectionResetError)
 
 
 class AiohttpDownstream:
-    """Writes through aiohttp's response objects; ``response`` is what the handler returns."""
+    """Writes through aiohttp's response objects; ``response`` is what the handler returns.
+    An HTTP/1.0 client gets its stream unframed, ended by closing the connection."""
 
-    __slots__ = ("request", "response", "started")
+    __slots__ = ("request", "response", "started", "chunked")
+    may_wait = True  # start_stream may wait for a slow client (aiohttp's drain)
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
         self.started = False
+        self.chunked = request.version >= (1, 1)
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -48,7 +52,10 @@ class AiohttpDownstream:
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
         out = web.StreamResponse(status=200, headers=headers)
-        out.enable_chunked_encoding()
+        if self.chunked:
+            out.enable_chunked_encoding()
+        else:
+            out.force_close()
         try:
             await out.prepare(self.request)
             self.response, self.started = out, True
@@ -79,6 +86,8 @@ class CollectDownstream:
 
     __slots__ = ("status", "headers", "body", "started")
     transport = None
+    chunked = False
+    may_wait = False
 
     def __init__(self) -> None:
         self.status = 0

@@ -121,16 +121,21 @@ class Disconnected(UpstreamError):
 
 
 class BackendStatus(UpstreamError):
-    """The backend answered with an error status. 429, 502, 503 and 504 are retryable;
-    other statuses are relayed to the client as the backend sent them."""
+    """The backend answered with a status other than 200. 429, 502, 503 and 504 are
+    retryable; other 4xx and 5xx are relayed to the client as the backend sent them; a
+    non-error status (204, 3xx: no completion) becomes a 502 (``backend_status`` keeps
+    the backend's)."""
 
     RETRYABLE = frozenset({429, 502, 503, 504})
 
     def __init__(self, backend: str, status: int, body: bytes, content_type: str,
                  retry_after_s: float | None = None) -> None:
         super().__init__(backend, f"backend {backend} answered HTTP {status}", retry_after_s=retry_after_s)
+        self.backend_status = status
         self.status = status
         self.body = body
+        if status < 400:  # 204, 3xx, ... where a completion was due: the backend's fault, and no body to relay
+            self.status, self.body = 502, b""
         self.content_type = content_type
         self.retryable = status in self.RETRYABLE
         self.reason = f"status_{status}"

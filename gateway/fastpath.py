@@ -47,6 +47,14 @@ _HOT = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110, 5.6.2)
 _MAX_HEAD_BYTES = 16 * 1024  # a longer head goes to aiohttp, which applies its own limits
+# what aiohttp's parser refuses with a 400 is handed to it: its limits (max_field_size,
+# max_headers), its singleton headers, field values with control characters
+# (RFC 9110 5.5), a missing Host (RFC 9112 3.2)
+_MAX_LINE_BYTES = 8190
+_MAX_HEADERS = 128
+_SINGLETONS = {b"authorization", b"content-length", b"content-location", b"content-range", b"content-type",
+               b"etag", b"host", b"max-forwards", b"server", b"transfer-encoding", b"user-agent"}
+_BAD_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
 # headers whose requests aiohttp serves: codings and protocol switches it implements, and
 # ``x-turbo-priority`` (batch lines pass the batch gate, an aiohttp middleware)
@@ -88,6 +96,8 @@ class FastDownstream:
     :mod:`gateway.downstream` for the interface)."""
 
     __slots__ = ("proto", "request_id", "started", "finished")
+    chunked = True
+    may_wait = False
 
     def __init__(self, proto: DataPlaneProtocol, request_id: str) -> None:
         self.proto = proto
@@ -152,6 +162,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         self.paused = False
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
+        self.write_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -189,6 +200,14 @@ class DataPlaneProtocol(asyncio.Protocol):
         if self.task is not None:
             self.task.cancel()  # the client left: stop the request (and the backend's generation)
 
+    def pause_writing(self) -> None:
+        self.write_paused = True  # the client reads slower than we answer: start no new request
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.task is None and self.transport is not None:
+            self._next()
+
     def data_received(self, data: bytes) -> None:
         self.buf += data
         if self.task is None:
@@ -203,7 +222,10 @@ class DataPlaneProtocol(asyncio.Protocol):
     def _next(self) -> None:
         """Start the next buffered request, wait for more bytes, or hand over."""
         buf = self.buf
-        if not buf or self.transport is None or self.server.closing:
+        if not buf or self.transport is None or self.server.closing or self.write_paused:
+            if buf and self.write_paused and len(buf) > _MAX_BUFFERED_BYTES and not self.paused and self.transport:
+                self.paused = True
+                self.transport.pause_reading()
             return
         n = len(buf)
         if not (buf.startswith(_PREFIXES[0]) or buf.startswith(_PREFIXES[1])):
@@ -218,20 +240,26 @@ class DataPlaneProtocol(asyncio.Protocol):
         if end > _MAX_HEAD_BYTES:
             return self._hand_over()
         head = bytes(buf[:end])
-        bare = head.replace(b"\r\n", b"")
-        if b"\n" in bare or b"\r" in bare or b"\x00" in bare:
+        if _BAD_HEAD.search(head) is not None:  # control characters, bare CR or LF: aiohttp's 400
             return self._hand_over()
         lines = head.split(b"\r\n")
+        if len(lines) > _MAX_HEADERS + 1:
+            return self._hand_over()
         path = lines[0].split(b" ", 2)[1]
         pairs: list[tuple[str, str]] = []
         length = -1
         keep_alive = True
         coding = b"identity"
+        seen: set[bytes] = set()
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
-            if not sep or _TOKEN.fullmatch(name) is None:  # also rejects obs-fold and "Name :"
+            if not sep or _TOKEN.fullmatch(name) is None or len(line) > _MAX_LINE_BYTES:  # also obs-fold, "Name :"
                 return self._hand_over()
             lname = name.lower()
+            if lname in _SINGLETONS:
+                if lname in seen:
+                    return self._hand_over()
+                seen.add(lname)
             value = value.strip(b" \t")
             if lname == b"content-length":
                 if length >= 0 or not value.isdigit():
@@ -250,7 +278,7 @@ class DataPlaneProtocol(asyncio.Protocol):
                 if b"close" in v:
                     keep_alive = False
             pairs.append((name.decode("latin-1"), value.decode("latin-1")))
-        if length < 0 or length > self.server.max_body_bytes():
+        if length < 0 or length > self.server.max_body_bytes() or b"host" not in seen:
             return self._hand_over()
         need = end + 4 + length
         if n < need:

@@ -154,7 +154,7 @@ class _Relay:
     pauses reading from the backend (backpressure), and a client that left aborts the
     upstream connection."""
 
-    __slots__ = ("loop", "up", "transport", "collect", "scan", "itl", "last_at", "name", "idle_s", "total_s",
+    __slots__ = ("loop", "up", "transport", "chunked", "collect", "scan", "itl", "last_at", "name", "idle_s", "total_s",
                  "total_deadline", "timer", "paused")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, up: UpstreamExchange, down: Downstream,
@@ -162,6 +162,7 @@ class _Relay:
                  total_deadline: float | None) -> None:
         self.loop, self.up, self.scan, self.itl = loop, up, scan, itl
         self.transport = down.transport
+        self.chunked = down.chunked  # False for an HTTP/1.0 client: raw bytes, the end is the close
         self.collect = down if isinstance(down, CollectDownstream) else None
         self.last_at = first_at
         self.name = name
@@ -191,7 +192,7 @@ class _Relay:
         if t is None or t.is_closing():
             self.up.abort(ClientGone())
             return
-        t.write(b"%x\r\n%b\r\n" % (len(data), data))  # type: ignore[attr-defined]
+        t.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)  # type: ignore[attr-defined]
         if t.get_write_buffer_size() > _HIGH_WATER_BYTES and not self.paused:  # type: ignore[attr-defined]
             self.paused = True
             self.up.pause_reading()
@@ -415,7 +416,7 @@ class Proxy:
                     ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
                     raise BackendStatus(name, up.status, body, ctype,
                                         parse_retry_after(up.headers.get("retry-after")))
-                if not parsed.stream or not up.headers.get("content-type", "").startswith("text/event-stream"):
+                if not parsed.stream or not up.headers.get("content-type", "").lower().startswith("text/event-stream"):
                     try:
                         data = await up.read()
                     except UpstreamClosed as e:
@@ -465,12 +466,17 @@ class Proxy:
             self._finish(ex, 200)
             return
         if not up.complete:
+            if down.may_wait:  # the relay is not installed yet: nothing else would stop reading the backend
+                up.pause_reading()
             await down.start_stream(headers, chunk)
             chunk = b""
             relay = _Relay(loop, up, down, scan, self.metrics.child(self.metrics.itl, ex.parsed.model),
                            first_at, name, client.timeouts, total_deadline)
             try:
-                await relay.run()
+                fut = relay.run()
+                if down.may_wait:
+                    up.resume_reading()
+                await fut
             except UpstreamClosed as e:
                 raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
             finally:
@@ -647,8 +653,8 @@ class Proxy:
             except orjson.JSONDecodeError:
                 ok = False
             if not ok:
-                body = error_body(f"Backend {err.backend} answered HTTP {err.status}.", err.status,
-                                  code=f"backend_status_{err.status}")
+                body = error_body(f"Backend {err.backend} answered HTTP {err.backend_status}.", err.status,
+                                  code=f"backend_status_{err.backend_status}")
             self._finish(ex, err.status)
             ex.down.respond(err.status, body, headers)
             return

@@ -195,7 +195,9 @@ class Exchange:
         the caller's side (a timeout, the client gone)."""
         self._sink = sink
         fut = self._waiter = self.conn.loop.create_future()
-        if self._complete:
+        if self._error is not None:  # the connection broke while the caller was busy
+            _fail(fut, self._error)
+        elif self._complete:
             fut.set_result(None)
         elif self._chunks:  # arrived while the caller was busy answering the client
             data = b"".join(self._chunks)
@@ -246,7 +248,7 @@ class _Connection(asyncio.Protocol):
     """One keep-alive TCP connection to a backend, one request at a time."""
 
     __slots__ = ("pool", "loop", "transport", "parser", "exchange", "_status", "_headers", "idle_since",
-                 "served", "got_bytes", "closed", "informational")
+                 "served", "got_bytes", "closed", "informational", "in_trailers")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -260,6 +262,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         self.closed = False
         self.informational = False
+        self.in_trailers = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -283,17 +286,27 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.transport = None
         self.pool._forget(self)
-        if self.exchange is not None and not self.exchange.complete:
-            self.exchange._on_error(UpstreamClosed("the backend closed the connection", self.got_bytes))
+        ex = self.exchange
+        if ex is not None and not ex.complete:
+            h = ex.headers
+            if exc is None and ex.status and "content-length" not in h and \
+                    "chunked" not in h.get("transfer-encoding", "").lower():
+                ex._on_complete(False)  # a body delimited by the close (RFC 9112 6.3): this is its end
+                ex._flush()
+            else:
+                ex._on_error(UpstreamClosed("the backend closed the connection", self.got_bytes))
 
     # httptools callbacks
     def on_message_begin(self) -> None:
         self._headers = {}
+        self.in_trailers = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        if not self.in_trailers:  # trailer fields never override the header section (RFC 9110 6.5.1)
+            self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self.in_trailers = True
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # informational (100 Continue, 103 Early Hints): the answer follows
             self.informational = True
