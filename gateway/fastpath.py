@@ -54,7 +54,7 @@ _MAX_LINE_BYTES = 8190
 _MAX_HEADERS = 128
 _SINGLETONS = {b"authorization", b"content-length", b"content-location", b"content-range", b"content-type",
                b"etag", b"host", b"max-forwards", b"server", b"transfer-encoding", b"user-agent"}
-_BAD_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+_CONTROL = bytes([*range(0, 9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
 # headers whose requests aiohttp serves: codings and protocol switches it implements, and
 # ``x-turbo-priority`` (batch lines pass the batch gate, an aiohttp middleware)
@@ -240,7 +240,8 @@ class DataPlaneProtocol(asyncio.Protocol):
         if end > _MAX_HEAD_BYTES:
             return self._hand_over()
         head = bytes(buf[:end])
-        if _BAD_HEAD.search(head) is not None:  # control characters, bare CR or LF: aiohttp's 400
+        crlf = head.count(b"\r\n")  # control characters, a bare CR or LF: aiohttp's 400
+        if len(head.translate(None, _CONTROL)) != len(head) or head.count(b"\r") != crlf or head.count(b"\n") != crlf:
             return self._hand_over()
         lines = head.split(b"\r\n")
         if len(lines) > _MAX_HEADERS + 1:
