@@ -86,10 +86,6 @@ class BackendClient:
         self.pool = UpstreamPool(self.base_url, self.timeouts.connect_s)
         self.auth_line = b"Authorization: %s\r\n" % _header_value(self.auth_header) if self.auth_header else b""
 
-    async def close(self) -> None:
-        self.pool.close()
-        await self.session.close()
-
 
 @dataclass(slots=True)
 class StreamScan:
