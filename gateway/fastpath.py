@@ -27,9 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import random
 import time
 import zlib
-import random
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any

@@ -20,7 +20,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from gateway.config import GatewayConfig, Timeouts
 from gateway.errors import (
