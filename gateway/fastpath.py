@@ -43,24 +43,26 @@ from gateway.openai_api import check_json_content_type, parse_json_object
 
 log = logging.getLogger("gateway.fastpath")
 
-_HOT = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
+_HOT = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110, 5.6.2)
+# the header fields after the request line: each a token (RFC 9110, 5.6.2), a colon and
+# a value, CRLF between them (control characters, bare CR and LF are refused before)
+_FIELDS = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*(?:\r\n|\Z))*")
 _MAX_HEAD_BYTES = 16 * 1024  # a longer head goes to aiohttp, which applies its own limits
 # what aiohttp's parser refuses with a 400 is handed to it: its limits (max_field_size,
 # max_headers), its singleton headers, field values with control characters
 # (RFC 9110 5.5), a missing Host (RFC 9112 3.2)
 _MAX_LINE_BYTES = 8190
 _MAX_HEADERS = 128
-_SINGLETONS = {b"authorization", b"content-length", b"content-location", b"content-range", b"content-type",
-               b"etag", b"host", b"max-forwards", b"server", b"transfer-encoding", b"user-agent"}
+_SINGLETONS = {"authorization", "content-length", "content-location", "content-range", "content-type",
+               "etag", "host", "max-forwards", "server", "transfer-encoding", "user-agent"}
 _CONTROL = bytes([*range(0, 9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
 # headers whose requests aiohttp serves: codings and protocol switches it implements, and
 # ``x-turbo-priority`` (batch lines pass the batch gate, an aiohttp middleware)
-_HANDED_OVER = {b"transfer-encoding", b"expect", b"upgrade", b"x-turbo-priority"}
+_HANDED_OVER = {"transfer-encoding", "expect", "upgrade", "x-turbo-priority"}
 # request body codings decoded here (zlib); others (br, several codings) go to aiohttp
-_CODINGS = {b"identity", b"gzip", b"x-gzip", b"deflate"}
+_CODINGS = {"identity", "gzip", "x-gzip", "deflate"}
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 # what the data plane does itself for the app's middleware (request id and errors,
 # authentication) or hands over (the batch gate: x-turbo-priority)
@@ -84,11 +86,14 @@ class _Date:
 
 
 def _head(status: int, headers: dict[str, str], tail: bytes) -> bytes:
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
-    for k, v in headers.items():
-        lines.append(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1", "replace").translate(None, b"\r\n\x00")))
-    lines.append(b"Date: %s\r\nServer: turbo-gateway\r\n%s\r\n" % (_Date.get(), tail))
-    return b"".join(lines)
+    """The response head; CR, LF and NUL are dropped from header values (no injected lines)."""
+    block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
+    n = len(headers)
+    if block.count(b"\r") != n or block.count(b"\n") != n or b"\x00" in block:
+        block = b"".join([b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1", "replace").translate(None, b"\r\n\x00"))
+                          for k, v in headers.items()])
+    return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\nServer: turbo-gateway\r\n%s\r\n" % (
+        status, _REASONS.get(status, b"Unknown"), block, _Date.get(), tail)
 
 
 class FastDownstream:
@@ -243,43 +248,43 @@ class DataPlaneProtocol(asyncio.Protocol):
         crlf = head.count(b"\r\n")  # control characters, a bare CR or LF: aiohttp's 400
         if len(head.translate(None, _CONTROL)) != len(head) or head.count(b"\r") != crlf or head.count(b"\n") != crlf:
             return self._hand_over()
-        lines = head.split(b"\r\n")
-        if len(lines) > _MAX_HEADERS + 1:
+        text = head.decode("latin-1")  # one decode; header names and values are latin-1 strings from here
+        lines = text.split("\r\n")
+        if len(lines) > _MAX_HEADERS + 1 or _FIELDS.fullmatch(text, len(lines[0]) + 2) is None or \
+                max(map(len, lines)) > _MAX_LINE_BYTES:  # also obs-fold, "Name :"
             return self._hand_over()
-        path = lines[0].split(b" ", 2)[1]
+        path = lines[0].split(" ", 2)[1]
         pairs: list[tuple[str, str]] = []
         length = -1
         keep_alive = True
-        coding = b"identity"
-        seen: set[bytes] = set()
+        coding = "identity"
+        seen: set[str] = set()
         for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or _TOKEN.fullmatch(name) is None or len(line) > _MAX_LINE_BYTES:  # also obs-fold, "Name :"
-                return self._hand_over()
+            name, _, value = line.partition(":")
             lname = name.lower()
+            value = value.strip(" \t")
             if lname in _SINGLETONS:
                 if lname in seen:
                     return self._hand_over()
                 seen.add(lname)
-            value = value.strip(b" \t")
-            if lname == b"content-length":
-                if length >= 0 or not value.isdigit():
+            if lname == "content-length":
+                if not value.isdigit() or not value.isascii():
                     return self._hand_over()
                 length = int(value)
             elif lname in _HANDED_OVER:
                 return self._hand_over()
-            elif lname == b"content-encoding":
+            elif lname == "content-encoding":
                 coding = value.lower()
                 if coding not in _CODINGS:
                     return self._hand_over()
-            elif lname == b"connection":
+            elif lname == "connection":
                 v = value.lower()
-                if b"upgrade" in v:
+                if "upgrade" in v:
                     return self._hand_over()
-                if b"close" in v:
+                if "close" in v:
                     keep_alive = False
-            pairs.append((name.decode("latin-1"), value.decode("latin-1")))
-        if length < 0 or length > self.server.max_body_bytes() or b"host" not in seen:
+            pairs.append((name, value))
+        if length < 0 or length > self.server.max_body_bytes() or "host" not in seen:
             return self._hand_over()
         need = end + 4 + length
         if n < need:
@@ -308,7 +313,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         if data:
             handler.data_received(data)
 
-    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: bytes = b"identity") -> None:
+    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: str = "identity") -> None:
         server = self.server
         state = server.state()
         arrival = asyncio.get_running_loop().time()
@@ -317,7 +322,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         try:
             caller = state.keyring.authenticate(_Req(headers))  # first, as aiohttp's auth middleware does
             check_json_content_type(headers.get("Content-Type"))
-            if coding != b"identity":
+            if coding != "identity":
                 body = _decode(body, coding, server.max_body_bytes())
             data = parse_json_object(body)
             await server.complete(state, endpoint, body, data, caller, rid, down, arrival)
@@ -351,10 +356,10 @@ class DataPlaneProtocol(asyncio.Protocol):
         self._next()
 
 
-def _decode(body: bytes, coding: bytes, limit: int) -> bytes:
+def _decode(body: bytes, coding: str, limit: int) -> bytes:
     """A ``gzip`` or ``deflate`` request body, decompressed (zlib), at most ``limit``
     bytes. Raises :class:`ClientError` 400 (not a valid stream of that coding) or 413."""
-    modes = (16 + zlib.MAX_WBITS,) if coding in (b"gzip", b"x-gzip") else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    modes = (16 + zlib.MAX_WBITS,) if coding in ("gzip", "x-gzip") else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
     why = ""
     for wbits in modes:  # "deflate" is the zlib format (RFC 9110); some clients send raw deflate
         d = zlib.decompressobj(wbits)
@@ -369,7 +374,7 @@ def _decode(body: bytes, coding: bytes, limit: int) -> bytes:
         if d.eof and not d.unused_data:
             return out
         why = "the compressed stream is truncated or followed by other bytes"
-    raise ClientError(400, f"The request body could not be read (Content-Encoding: {coding.decode('latin-1')}): "
+    raise ClientError(400, f"The request body could not be read (Content-Encoding: {coding}): "
                            f"{why}", code="invalid_body")
 
 

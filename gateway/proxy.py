@@ -313,12 +313,16 @@ class Proxy:
                 roles = SERVING
                 self.metrics.child(self.metrics.disaggregated, "fallback").inc()
         pools, stable_pools = self.router.canary_pools(parsed.model)
+        # the first route reuses the planned request at the plan's instant (its prefix
+        # match stands); a later one (after a prefill leg or a retry) matches afresh
+        now = t0 if plan.kind != "disaggregated" else loop.time()
+        req = base
         while True:
-            now = loop.time()
+            req.roles, req.pools, req.remote_prefill = roles, pools, remote
+            if excluded:
+                req.exclude = frozenset(excluded)
             try:
-                decision, reservation = self.router.route(
-                    RouteRequest(parsed.model, frozenset(excluded), est.text, est.size_bytes, est.hashes,
-                                 est.prompt_tokens, est.output_tokens, tokens_per_block, roles, pools, remote), now)
+                decision, reservation = self.router.route(req, now)
             except NoBackendAvailable as e:
                 if stable_pools is not None:  # no canary backend can take it: the stable pool does
                     pools, stable_pools = stable_pools, None
@@ -328,6 +332,7 @@ class Proxy:
                 if wait is not None and len(ex.attempts) < retries.max_attempts and \
                         now + wait - t0 <= retries.budget_s and wait <= retries.max_retry_after_s:
                     await asyncio.sleep(wait)
+                    now = loop.time()
                     continue
                 return self._final_failure(ex, last, no_backend=e)
             self.metrics.child(self.metrics.decisions, decision.policy, decision.reason).inc()
@@ -368,6 +373,7 @@ class Proxy:
                 log.info("retrying request %s after %s from %s (attempt %d)", ex.request_id, err.reason,
                          backend.name, len(ex.attempts))
                 await asyncio.sleep(delay)
+                now = loop.time()
             finally:
                 reservation.release(loop.time())
 
