@@ -81,6 +81,7 @@ class BackendState:
     load: BackendLoad = field(default=None)  # type: ignore[assignment]
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    name: str = field(init=False, default="")  # spec.name, read on every routing decision
 
     def ready_at(self, now: float) -> float:
         """Monotonic time from which the backend may take a new request (``<= now``:
@@ -89,14 +90,11 @@ class BackendState:
         return b if b > self.cooldown_until else self.cooldown_until
 
     def __post_init__(self) -> None:
+        self.name = self.spec.name
         if self.load is None:
             self.load = BackendLoad(prefill_tokens_per_s=self.spec.prefill_tokens_per_s,
                                     decode_tokens_per_s=self.spec.decode_tokens_per_s,
                                     kv_capacity_tokens=self.spec.kv_capacity_tokens)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
     @property
     def requests(self) -> int:

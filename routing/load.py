@@ -155,6 +155,14 @@ class BackendLoad:
     def ttft_overhead_s(self) -> float:
         return self._blend(self.ttft_fit.intercept, 1, self.ttft_fit.samples)
 
+    def ttft_params(self) -> tuple[float, float]:
+        """(:attr:`ttft_overhead_s` in seconds, :attr:`prefill_tokens_per_s`) in one call:
+        the routing policy reads both for every candidate of every request."""
+        f = self.ttft_fit
+        if not self.remote.speeds:
+            return f.intercept, 1.0 / f.slope
+        return self._blend(f.intercept, 1, f.samples), self._blend(1.0 / f.slope, 0, f.samples)
+
     @property
     def itl_per_stream_s(self) -> float:
         return self._blend(self.itl_fit.slope, 3, self.itl_fit.samples)

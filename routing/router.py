@@ -79,7 +79,9 @@ class Router:
         all_candidates = [b for b in all_candidates if not b.draining]  # draining: no new requests
         if not all_candidates:
             raise NoBackendAvailable(request.model)
-        warm = [b for b in all_candidates if b.healthy and b.ready_at(now) <= now]
+        # b.ready_at(now) <= now, inlined: no cooldown and a closed breaker is the usual case
+        warm = [b for b in all_candidates if b.healthy and b.cooldown_until <= now and
+                (b.breaker.state == "closed" or b.ready_at(now) <= now)]
         if not warm:
             # When every health check failed, the checks may be wrong: try them all.
             if not any(b.healthy for b in all_candidates):

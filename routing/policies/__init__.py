@@ -60,7 +60,10 @@ class RouteRequest:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
         if self.remote_prefill:
             return float(self.prompt_tokens)
-        return min(self.matched_blocks.get(backend, 0) * self.tokens_per_block, float(self.prompt_tokens))
+        blocks = self.matched_blocks.get(backend)
+        if not blocks:
+            return 0.0
+        return min(blocks * self.tokens_per_block, float(self.prompt_tokens))
 
 
 @dataclass(slots=True)

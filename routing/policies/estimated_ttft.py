@@ -49,15 +49,18 @@ SAMPLE_RANDOM = 16
 def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]:
     """(estimated TTFT in seconds, uncached prompt tokens) of ``request`` on ``b``."""
     load = b.load
-    now = request.now
+    remote = load.remote
     uncached = request.prompt_tokens - request.cached_tokens(b.name)
-    work = load.total_queued_prefill_tokens + uncached
-    running = load.total_running
+    work = load.queued_prefill_tokens + remote.queued_prefill_tokens + uncached  # total_queued_prefill_tokens
+    running = load.running + remote.running  # total_running
     if load.engine is not None:
+        now = request.now
         work += load.external_queued_tokens(now)
         running += load.external_running(now)
-    est = load.ttft_overhead_s + work / load.prefill_tokens_per_s
+    overhead, rate = load.ttft_params()
+    est = overhead + work / rate
     if running:
+        now = request.now
         est += math.ceil(work / CHUNK_TOKENS) * load.itl_per_stream_s * running
         need = request.prompt_tokens + request.output_tokens
         overflow = load.kv_used_tokens(now) + need - load.kv_capacity_tokens
@@ -79,19 +82,22 @@ class EstimatedTTFT(BasePolicy):
         if len(candidates) > FULL_SCAN_MAX:
             candidates = self._sample(request, candidates)
         scored = [(estimate_ttft(b, request), b) for b in candidates]
-        best = min(s[0][0] for s in scored)
-        limit = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
-        ties = [s for s in scored if s[0][0] <= limit]
-        (est, uncached), chosen = ties[0] if len(ties) == 1 else self._rng.choice(ties)
-        cached = request.prompt_tokens - uncached
         if len(scored) == 1:
+            (est, uncached), chosen = scored[0]
             reason = "only_candidate"
-        elif len(ties) > 1:
-            reason = "tie"
-        elif cached > 0 and uncached < min((s[0][1] for s in scored if s[1] is not chosen), default=uncached):
-            reason = "prefix_hit"
         else:
-            reason = "least_load"
+            best = min([s[0][0] for s in scored])
+            limit = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
+            ties = [s for s in scored if s[0][0] <= limit]
+            (est, uncached), chosen = ties[0] if len(ties) == 1 else self._rng.choice(ties)
+            if len(ties) > 1:
+                reason = "tie"
+            elif request.prompt_tokens - uncached > 0 and \
+                    uncached < min([s[0][1] for s in scored if s[1] is not chosen], default=uncached):
+                reason = "prefix_hit"
+            else:
+                reason = "least_load"
+        cached = request.prompt_tokens - uncached
         return Decision(chosen, self.name, reason, {"ttft_est_s": est, "matched_tokens": cached,
                                                     "uncached_tokens": uncached})
 
