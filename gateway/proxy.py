@@ -239,6 +239,24 @@ class Exchange:
     scan: StreamScan | None = None  # the stream being relayed, if any
     attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
     tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
+    served: _ServedMetrics | None = None  # the answering backend's metric children, once it answered
+
+
+class _ServedMetrics:
+    """The metric children one answered request updates, for one (model, backend,
+    pool): looked up once per request instead of once per update."""
+
+    __slots__ = ("pool", "ttft", "pool_ttft", "e2e", "ok", "pool_ok", "prompt_tokens", "completion_tokens")
+
+    def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str) -> None:
+        self.pool = pool
+        self.ttft = m.child(m.ttft, model)
+        self.pool_ttft = m.child(m.pool_ttft, pool)
+        self.e2e = m.child(m.e2e, model)
+        self.ok = m.child(m.requests, model, backend, "200")
+        self.pool_ok = m.child(m.pool_requests, pool, "200")
+        self.prompt_tokens = m.child(m.prompt_tokens, model)
+        self.completion_tokens = m.child(m.completion_tokens, model)
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -274,6 +292,7 @@ class Proxy:
         self.metrics = metrics
         self.estimator = estimator
         self.rng = rng or random.Random()
+        self._served_cache: dict[tuple[str, str], _ServedMetrics] = {}
 
     def route_header(self, decision: Decision) -> str:
         """The explanation header: policy, backend, reason, matched prefix tokens and
@@ -585,13 +604,14 @@ class Proxy:
         model, and release the reservation."""
         m = self.metrics
         model = ex.parsed.model
+        served = ex.served or self._served(ex)
         completion: int | None = events or None
         prompt: int | None = None
         if isinstance(usage, dict):
             pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(pt, int):
                 prompt = pt
-                m.child(m.prompt_tokens, model).inc(pt)
+                served.prompt_tokens.inc(pt)
             if isinstance(ct, int):
                 completion = ct
             details = usage.get("prompt_tokens_details")
@@ -602,7 +622,7 @@ class Proxy:
                     m.child(m.predicted_cached_tokens, model).inc(predicted)
                     m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
         if completion:
-            m.child(m.completion_tokens, model).inc(completion)
+            served.completion_tokens.inc(completion)
         if ex.estimate is not None:
             self.estimator.observe_usage(model, ex.estimate.size_bytes, prompt, completion)
         now = asyncio.get_running_loop().time()
@@ -617,18 +637,32 @@ class Proxy:
         b = self.router.fleet.backends.get(ex.backend) if ex.backend else None
         return b.spec.pool if b is not None else "none"
 
+    def _served(self, ex: Exchange) -> _ServedMetrics:
+        """The metric children of the backend that answered ``ex`` (cached per model,
+        backend and pool: a reload may move a backend to another pool)."""
+        key = (ex.parsed.model, ex.backend)
+        pool = self._pool(ex)
+        served = self._served_cache.get(key)
+        if served is None or served.pool != pool:
+            served = self._served_cache[key] = _ServedMetrics(self.metrics, ex.parsed.model, ex.backend or "none", pool)
+        ex.served = served
+        return served
+
     def _observe_ttft(self, ex: Exchange, seconds: float) -> None:
-        m = self.metrics
-        m.child(m.ttft, ex.parsed.model).observe(seconds)
-        m.child(m.pool_ttft, self._pool(ex)).observe(seconds)
+        served = self._served(ex)  # the answering backend is known from here on
+        served.ttft.observe(seconds)
+        served.pool_ttft.observe(seconds)
 
     def _finish(self, ex: Exchange, status: int) -> None:
-        now = asyncio.get_running_loop().time()
+        if status == 200:
+            served = ex.served or self._served(ex)
+            served.ok.inc()
+            served.pool_ok.inc()
+            served.e2e.observe(asyncio.get_running_loop().time() - ex.arrival)
+            return
         m = self.metrics
         m.child(m.requests, ex.parsed.model, ex.backend or "none", str(status)).inc()
         m.child(m.pool_requests, self._pool(ex), str(status)).inc()
-        if status == 200:
-            m.child(m.e2e, ex.parsed.model).observe(now - ex.arrival)
 
     async def _end_stream_with_error(self, ex: Exchange, err: UpstreamError) -> None:
         self.metrics.child(self.metrics.stream_errors, err.backend, err.reason).inc()
