@@ -67,6 +67,8 @@ async def read_json_body(request: web.Request, max_bytes: int) -> tuple[bytes, d
 def check_json_content_type(content_type: str | None) -> None:
     """Raises :class:`ClientError` 415 unless ``content_type`` (the header value, or
     ``None`` when absent) is JSON (``application/json`` or ``application/*+json``)."""
+    if content_type == "application/json":
+        return
     if content_type:
         mime = content_type.split(";", 1)[0].strip().lower()
         if not _is_json_type(mime):

@@ -15,6 +15,8 @@ request field), so equal text for two models, or two tenants, never collides.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,8 +97,10 @@ def block_hashes(text: bytes, block_bytes: int, seed: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
 def chain_seed(model: str, cache_salt: str | None = None) -> int:
-    """The first link of a model's hash chain (64-bit)."""
+    """The first link of a model's hash chain (64-bit); cached, as a fleet serves few
+    models and salts."""
     return xxhash.xxh3_64_intdigest(f"{model}\x00{cache_salt or ''}".encode())
 
 
