@@ -276,7 +276,16 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamClosed(f"invalid HTTP from the backend: {e}", True))
             return
         ex = self.exchange
-        if ex is not None:
+        if ex is None:
+            return
+        chunks = ex._chunks
+        sink = ex._sink
+        if chunks and sink is not None and not ex._complete:  # a relayed stream: Exchange._flush, inlined
+            ex.last_data_at = self.loop.time()
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            sink(data)
+        else:
             ex._flush()
 
     def eof_received(self) -> bool:
@@ -317,8 +326,10 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         ex = self.exchange
-        if ex is not None:
-            ex._on_body(body)
+        if ex is not None:  # Exchange._on_body, inlined (called for every chunk of a stream)
+            if ex._size < ex._limit:
+                ex._chunks.append(body)
+            ex._size += len(body)
 
     def on_message_complete(self) -> None:
         if self.informational:
