@@ -332,13 +332,14 @@ class RedisStore:
         self._fold_load(snaps)
         self.stats.replicas = 1 + sum(1 for s in snaps if s)
         now = loop.time()
+        me = self.replica.encode()
         for entry_id, fields in entries:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             self.cursor = eid
-            f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
-            rep = f.get("r")
-            if (rep.decode() if isinstance(rep, bytes) else rep) == self.replica:
+            rep = fields.get(b"r", fields.get("r"))
+            if rep == me or rep == self.replica:  # this replica's own entry: nothing to learn
                 continue
+            f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
             age_s = max(redis_now_ms - int(eid.split("-")[0]), 0) / 1000.0
             i = 0
             while f"b{i}" in f:
