@@ -13,14 +13,16 @@ its local view; a background task of the :class:`RedisStore`, every ``sync_inter
 2. appends the prefix blocks it dispatched since the last sync to a capped stream
    (``XADD ... MAXLEN ~ prefix_stream_maxlen``), one entry per sync carrying every
    dispatch since the previous one (so Redis commands per request fall as load rises);
-3. reads every live replica's snapshot (a registry sorted set scored by lease expiry,
-   then ``MGET``) and the stream entries it has not seen (``XRANGE`` from its cursor),
+3. reads every live replica's snapshot (a registry sorted set scored by lease expiry;
+   the snapshots of the replicas the previous round listed come back in the same
+   pipeline, and a second ``MGET`` follows only when a replica came or went) and the
+   stream entries it has not seen (``XRANGE`` from its cursor),
    and folds them into the local view: other replicas' load becomes
    :class:`~routing.load.RemoteLoad` and ``BackendState.remote_in_flight``, their
    blocks enter the local :class:`~routing.prefix_index.PrefixIndex`.
 
-A replica that starts late reads the whole capped stream and the live snapshots before
-it reports ready. Every key lives under ``{namespace}`` in braces, a Redis Cluster hash
+A replica that starts late reads the capped stream back to the prefix index's TTL (older
+blocks would be dropped on arrival) and the live snapshots before it reports ready. Every key lives under ``{namespace}`` in braces, a Redis Cluster hash
 tag, so the multi-key commands above stay on one slot.
 
 When Redis fails (down, refusing, frozen, slow: every call has ``timeout_s``), the
@@ -248,6 +250,7 @@ class RedisStore:
         self.stats = StoreStats(up=False)
         self.outbox: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=100_000)
         self.cursor = "0-0"
+        self._others: list[str] = []  # the other live replicas, as the last sync listed them
         self.client: Any = None
         self._task: asyncio.Task | None = None
         self._degraded_logged = False
@@ -314,8 +317,15 @@ class RedisStore:
                     fields[f"h{i}"] = _pack_hashes(hashes)
                 pipe.xadd(self.k_stream, fields, maxlen=self.maxlen, approximate=True)
             pipe.zrangebyscore(self.k_registry, now_ms, "+inf")
-            pipe.xrange(self.k_stream, min=f"({self.cursor}" if self.cursor != "0-0" else "-", count=5000)
+            # a new replica starts at the oldest entry the prefix index would still keep
+            # (stream ids are Redis's ms clock): older blocks would be dropped on arrival
+            start = f"({self.cursor}" if self.cursor != "0-0" else f"{max(now_ms - int(self.index.ttl_s * 1000), 0)}"
+            pipe.xrange(self.k_stream, min=start, count=5000)
             pipe.time()
+            # the other replicas' loads, as last round listed them: one round trip per sync
+            others = self._others
+            if others:
+                pipe.mget([self.k_load_prefix + r for r in others])
             self._count("pipeline")
             res = await pipe.execute()
         except BaseException:
@@ -323,12 +333,15 @@ class RedisStore:
             self.outbox.extendleft(reversed(pending))
             raise
         self.stats.published_dispatches += len(pending)
+        snaps = res.pop() if others else []
         replicas = [r.decode() if isinstance(r, bytes) else r for r in res[-3]]
         entries = res[-2]
         redis_now_ms = res[-1][0] * 1000 + res[-1][1] // 1000
-        others = [r for r in replicas if r != self.replica]
-        snaps = await client.mget([self.k_load_prefix + r for r in others]) if others else []
-        self._count("mget")
+        listed = sorted(r for r in replicas if r != self.replica)
+        if listed != others:  # a replica came or went: read the loads of those listed now
+            snaps = await client.mget([self.k_load_prefix + r for r in listed]) if listed else []
+            self._count("mget")
+            self._others = listed
         self._fold_load(snaps)
         self.stats.replicas = 1 + sum(1 for s in snaps if s)
         now = loop.time()

@@ -299,3 +299,50 @@ async def test_store_stop_ends_the_sync_loop_even_when_a_redis_call_swallows_the
                     t.cancel()
                 await asyncio.sleep(0.01)
     assert not leaked, f"{len(leaked)} of 30 sync loops kept running after stop()"
+
+
+async def test_late_replica_learns_only_blocks_the_index_would_keep():
+    """A replica that starts late reads the prefix stream back to the index's TTL: a
+    dispatch published longer ago than ``ttl_s`` is not applied, a recent one is; and
+    once the replica list is steady, a sync is one round trip (no extra MGET)."""
+    import time
+    import uuid
+
+    import redis.asyncio as aioredis
+
+    from routing import BackendSpec, Fleet
+    from routing.prefix_index import PrefixIndex
+    from routing.state import RedisStore, _pack_hashes
+
+    ns = uuid.uuid4().hex
+    with redis_url() as url:
+        r = aioredis.from_url(url)
+        try:
+            key = "tg:{" + ns + "}:prefix"
+            now_ms = int(time.time() * 1000)
+            old, new = (11, 12), (21, 22)
+            await r.xadd(key, {"r": "gone", "b0": "a", "h0": _pack_hashes(old)}, id=f"{now_ms - 120_000}-0")
+            await r.xadd(key, {"r": "gone", "b0": "a", "h0": _pack_hashes(new)}, id=f"{now_ms - 1_000}-0")
+            fleet = Fleet([BackendSpec("a", frozenset({"m"}), "mixed", 1.0, "mixed")])
+            index = PrefixIndex(ttl_s=60.0)
+            peer = RedisStore(Fleet([BackendSpec("a", frozenset({"m"}), "mixed", 1.0, "mixed")]), PrefixIndex(),
+                              url, namespace=ns, staleness_s=0.05)
+            st = RedisStore(fleet, index, url, namespace=ns, staleness_s=0.05)
+            await peer.start()
+            await st.start()
+            try:
+                loop = asyncio.get_running_loop()
+                assert index.match(new, loop.time()) == {"a": 2}
+                assert index.match(old, loop.time()) == {}
+                assert st.stats.remote_blocks_applied == 2
+                await wait_until(lambda: st.stats.replicas == 2)
+                mgets = st.stats.calls.get("mget", 0)
+                rounds = st.stats.calls["pipeline"]
+                await wait_until(lambda: st.stats.calls["pipeline"] >= rounds + 5)
+                assert st.stats.calls.get("mget", 0) == mgets  # the peer's snapshot came in the pipeline
+                assert st.stats.replicas == 2
+            finally:
+                await st.stop()
+                await peer.stop()
+        finally:
+            await r.aclose()
