@@ -1,14 +1,25 @@
 """The gateway beside direct, nginx and the peer routers: proxy CPU and added TTFT, in one run.
 
-    python -m loadtest.peers [--requests 4000] [--ttft-concurrency 256 64] [--targets NAME ...] [--json OUT]
+    python -m loadtest.peers [--rig native|python] [--ttft-concurrency 256 64] [--targets NAME ...] [--json OUT]
 
-The issue-10 overhead table. Every proxy fronts the same two OpenAI-style backends
-(:mod:`loadtest.zero`); the backends and the load generator (this process) run on core
-0, the proxy alone on core 1 (``sched_setaffinity``; without a second core nothing is
-pinned and the output says so). Targets, one at a time, never overlapping:
+The issue-10 overhead table. Every proxy fronts the same two OpenAI-style backends; the
+backends and the load generator run on core 0, the proxy alone on core 1
+(``sched_setaffinity``; without a second core nothing is pinned and the output says
+so). Two rigs (the output's header says which ran, and why):
 
-* ``direct``: no proxy, the client alternates between the two backends itself (its
-  CPU column is n/a: there is no proxy process);
+* ``native`` (default when ``wrk``, ``nginx`` and nginx's echo module are installed;
+  :mod:`loadtest.native_rig`): the backends are one nginx + echo worker, the load of
+  (a) and (b) is ``wrk`` for ``--wrk-seconds``, the TTFT client of (c) a lean uvloop +
+  httptools client; adds (d), ``python -m gateway --workers 1`` against ``--workers 2``;
+* ``python``: the backends are :mod:`loadtest.zero` (aiohttp) and the load generator is
+  this process (aiohttp), ``--requests`` per cell; they saturate core 0 (see
+  ``loadtest/README.md``).
+
+Targets, one at a time, never overlapping:
+
+* ``direct``: no proxy, the client alternates between the two backends itself (wrk
+  has one address: it goes to one of the two ports of the same nginx worker); its CPU
+  column is n/a: there is no proxy process;
 * ``gateway-estimated_ttft`` and ``gateway-round_robin``: ``python -m gateway``;
 * ``nginx``: when the ``nginx`` binary is installed, one worker, ``proxy_buffering
   off``, HTTP/1.1 keep-alive upstream, temp config, pid and logs, ``daemon off``;
@@ -32,8 +43,8 @@ Scenarios (chat completions, 50-word prompt, model ``zero``):
 
 (a) and (b) report the proxy's CPU seconds (utime + stime from ``/proc``, summed over
 its process tree and all threads) per 1,000 requests, read around the measured batch,
-which follows a discarded warm-up batch. Each batch is bounded by its request count and
-by ``--batch-timeout`` seconds; all traffic is on 127.0.0.1.
+which follows a discarded warm-up batch. Each batch is bounded by its request count (or
+wrk's duration) and by ``--batch-timeout`` seconds; all traffic is on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -398,27 +409,61 @@ def _fmt(v: Any, f: str = "{:.2f}") -> str:
     return f.format(v) if isinstance(v, (int, float)) else str(v)
 
 
+def _print_load(load0: tuple[float, float, float] | None) -> None:
+    print()
+    if load0 is not None:
+        load1 = os.getloadavg()
+        print(f"# load average (1/5/15 min) at start {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, at end "
+              f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} (this run alone keeps about 1.5 to 2 busy)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.peers", description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=4000, help="measured requests per CPU scenario and target")
-    ap.add_argument("--warmup", type=int, default=200, help="discarded requests before each measured batch")
+    ap.add_argument("--requests", type=int, default=4000,
+                    help="python rig: measured requests per CPU scenario and target")
+    ap.add_argument("--warmup", type=int, default=200,
+                    help="python rig: discarded requests before each measured batch")
     ap.add_argument("--ttft-rounds", type=int, default=10,
                     help="measured streams in the TTFT scenario, as a multiple of the concurrency")
     ap.add_argument("--ttft-tokens", type=int, default=64, help="tokens per stream in the TTFT scenario")
     ap.add_argument("--ttft-concurrency", type=int, nargs="+", default=[256, 64])
     ap.add_argument("--ttft-ms", type=float, default=50.0)
     ap.add_argument("--itl-ms", type=float, default=10.0)
-    ap.add_argument("--targets", nargs="*", help="only these targets (direct is always run), e.g. nginx smg-round_robin")
+    ap.add_argument("--targets", nargs="*",
+                    help="only these targets (direct is always run), e.g. nginx smg-round_robin")
     ap.add_argument("--skip-ttft", action="store_true", help="only the CPU scenarios (a) and (b)")
     ap.add_argument("--batch-timeout", type=float, default=300.0, help="seconds; bounds each batch")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--install", action="store_true",
                     help=f"create one venv per peer router under {PEERS_HOME} (pip, pinned versions) and exit")
+    ap.add_argument("--rig", choices=["native", "python"],
+                    help="native: nginx + echo backends, wrk and a lean TTFT client (loadtest/native_rig.py); "
+                         "python: aiohttp backends and load generator; default native when wrk, nginx and "
+                         "nginx's echo module are all installed, else python")
+    ap.add_argument("--wrk-seconds", type=float, default=8.0,
+                    help="native rig: measured wrk run per cell, seconds (whole seconds: wrk's -d)")
+    ap.add_argument("--wrk-warmup-seconds", type=float, default=2.0, help="native rig: wrk warm-up run, seconds")
+    ap.add_argument("--skip-workers", action="store_true", help="native rig: skip (d), gateway --workers 1 vs 2")
+    ap.add_argument("--workers-connections", type=int, default=128, help="native rig (d): wrk connections")
+    ap.add_argument("--workers-threads", type=int, default=2, help="native rig (d): wrk threads")
     args = ap.parse_args(argv)
     if args.install:
         return install_peers()
 
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from loadtest import native_rig
+
+    native_ok, native_why = native_rig.availability()
+    rig = args.rig or ("native" if native_ok else "python")
+    if rig == "native" and not native_ok:
+        print(f"--rig native: {native_why}", file=sys.stderr)
+        return 2
+    if rig == "native":
+        rig_line = f"native ({'--rig native' if args.rig else 'default, all found'}: {native_why})"
+    else:
+        rig_line = "python (" + ("--rig python" if args.rig else f"the native rig is unavailable: {native_why}") + ")"
+
+    all_cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    ncpu = len(all_cpus)
     pinned = ncpu >= 2 and hasattr(os, "sched_setaffinity")
     client_cpus = {CLIENT_CORE} if pinned else None
     proxy_cpus = {PROXY_CORE} if pinned else None
@@ -440,7 +485,20 @@ def main(argv: list[str] | None = None) -> int:
           + (f"backends + load generator on core {CLIENT_CORE}, proxy on core {PROXY_CORE}" if pinned
              else "NOT pinned (fewer than 2 cores)"), flush=True)
     print(f"# gateway source: {_source_state()}", flush=True)
+    print(f"# rig: {rig_line}", flush=True)
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if rig == "native":
+        try:
+            raw = native_rig.run(args, proxies, client_cpus, proxy_cpus, all_cpus)
+        except RuntimeError as e:  # the backends did not start
+            print(f"native rig: {e}", file=sys.stderr)
+            return 1
+        _print_load(load0)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"started": started.isoformat(), "pinned": pinned,
+                                                   "rig": rig_line, "settings": vars(args), **raw},
+                                                  indent=2, default=str))
+        return 0
 
     workdir = tempfile.mkdtemp(prefix="tg-peers-")
     children: list[subprocess.Popen] = []
@@ -540,11 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             procs.stop(c)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print()
-    if load0 is not None:
-        load1 = os.getloadavg()
-        print(f"# load average (1/5/15 min) at start {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, at end "
-              f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} (this run alone keeps about 1.5 to 2 busy)\n")
+    _print_load(load0)
     print(f"Proxy CPU seconds per 1,000 chat completions (utime+stime of the proxy's process tree, /proc); "
           f"{args.requests} measured requests per cell, 64 concurrent; req/s is what the load generator saw; "
           f"core 1 other = core {PROXY_CORE} busy outside the proxy's own CPU (other work, interrupts), "
@@ -579,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"| {_fmt(r['req_per_s'], '{:.0f}')} | {_fmt(r['core0_busy'], '{:.0%}')} "
                   f"| {_fmt(r['core1_other'], '{:.0%}')} | {r['errors']} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"started": started.isoformat(), "pinned": pinned,
+        Path(args.json).write_text(json.dumps({"started": started.isoformat(), "pinned": pinned, "rig": rig_line,
                                                "settings": vars(args), "cpu": results, "ttft": ttft_rows},
                                               indent=2, default=str))
     return 0
