@@ -9,16 +9,32 @@ the two scenarios of the data-plane issue: chat completions streamed with 64 tok
 gateway process's CPU seconds (utime + stime from ``/proc``) per 1,000 requests. The
 profile, when asked for, can be read with ``python -m pstats OUT.prof``. Traffic stays
 on 127.0.0.1; each scenario is bounded by ``--requests``.
+
+``--callgrind`` runs the gateway under ``valgrind --tool=callgrind`` instead and prints
+user-space **instructions per request** of each scenario (32 concurrent; a third
+scenario streams 64 tokens from backends with 50 ms TTFT and 10 ms between tokens at
+8 concurrent, one event per read). Counters are zeroed after a warm-up batch
+(``callgrind_control -z``) and dumped after the measured one, so start-up is not
+counted. Instruction counts do not move with the machine's load or clock (repeat runs
+agree within about 1%), which CPU seconds on a shared VM do not: use it to compare two
+versions of the code; use the CPU seconds, or ``python -m loadtest.peers``, for the
+absolute cost (kernel time, which callgrind does not see, is about a fifth of it).
+Needs the ``valgrind`` binary (Debian: ``valgrind``); about 5 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
+import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import aiohttp
@@ -27,8 +43,8 @@ import yaml
 from loadtest.procs import cpu_seconds, free_port, start_zero, stop, wait_http
 
 
-async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": tokens,
+async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int, model: str = "m") -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": tokens,
             "stream": stream}
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -43,12 +59,76 @@ async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int) -
         await asyncio.gather(*(one() for _ in range(n)))
 
 
+def _callgrind_total(out_prefix: str) -> int:
+    """The instruction total of the newest callgrind dump ``OUT_PREFIX*``."""
+    files = sorted(glob.glob(out_prefix + "*"), key=os.path.getmtime)
+    if not files:
+        raise RuntimeError("callgrind wrote no dump")
+    m = re.search(r"^(?:summary|totals): (\d+)", Path(files[-1]).read_text(errors="replace"), re.M)
+    if m is None:
+        raise RuntimeError(f"no instruction total in {files[-1]}")
+    return int(m.group(1))
+
+
+def callgrind(args: argparse.Namespace) -> int:
+    """The ``--callgrind`` mode (see the module doc)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind is not installed (`apt-get install valgrind`)", file=sys.stderr)
+        return 2
+    zeros = [start_zero(), start_zero()]
+    slow = [start_zero(ttft_ms=50, itl_ms=10), start_zero(ttft_ms=50, itl_ms=10)]
+    tmp = Path(tempfile.mkdtemp(prefix="tg-cg-"))
+    out = str(tmp / "callgrind.out")
+    cfg = {"routing": {"policy": args.policy, "scrape_interval_s": 0}, "health": {"interval_s": 3600},
+           "backends": [{"name": f"z{i}", "url": u, "models": ["m"]} for i, (_, u) in enumerate(zeros)]
+           + [{"name": f"s{i}", "url": u, "models": ["slow"]} for i, (_, u) in enumerate(slow)]}
+    (tmp / "gw.yaml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    gw = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
+                           sys.executable, "-m", "gateway", "--config", str(tmp / "gw.yaml"), "--port", str(port),
+                           "--log-level", "warning"], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    n = args.requests
+    try:
+        wait_http(url + "/ready", 300.0, gw)
+        print(f"| scenario (policy {args.policy}, under callgrind) | requests | instructions per request |")
+        print("|---|---|---|")
+        for label, model, stream, tokens, conc, count in (
+                ("non-streaming, max_tokens 16, 32 concurrent", "m", False, 16, 32, n),
+                ("streaming, 64 tokens, 32 concurrent", "m", True, 64, 32, n),
+                ("streaming, 64 tokens at 10 ms ITL, 8 concurrent", "slow", True, 64, 8, max(n // 16, 16))):
+            asyncio.run(_load(url, min(200, count), conc, stream, tokens, model))  # warm-up
+            subprocess.run(["callgrind_control", "-z", str(gw.pid)], capture_output=True, timeout=60)
+            asyncio.run(_load(url, count, conc, stream, tokens, model))
+            before = len(glob.glob(out + "*"))
+            subprocess.run(["callgrind_control", "-d", str(gw.pid)], capture_output=True, timeout=60)
+            deadline = time.monotonic() + 60
+            while len(glob.glob(out + "*")) <= before and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(0.5)  # let the dump finish writing
+            print(f"| {label} | {count} | {_callgrind_total(out) / count / 1000:.1f}k |", flush=True)
+    finally:
+        gw.send_signal(signal.SIGINT)
+        try:
+            gw.wait(120)
+        except subprocess.TimeoutExpired:
+            gw.kill()
+            gw.wait(10)
+        for p, _ in zeros + slow:
+            stop(p)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.cpu_profile", description=__doc__.split("\n")[0])
     ap.add_argument("--policy", default="estimated_ttft")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--profile", help="write the gateway's cProfile output here")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count the gateway's instructions per request under valgrind instead (see above)")
     args = ap.parse_args(argv)
+    if args.callgrind:
+        return callgrind(args)
     zeros = [start_zero(), start_zero()]
     tmp = Path(tempfile.mkdtemp(prefix="tg-cpu-"))
     cfg = {"routing": {"policy": args.policy, "scrape_interval_s": 0}, "health": {"interval_s": 60},
