@@ -117,11 +117,14 @@ def _le(bound: float) -> str:
 
 
 def Counter(name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> RequestMetric:
+    """A labelled request-path counter registered in ``registry`` (see :class:`RequestMetric`)."""
     return RequestMetric("counter", name, documentation, labelnames, registry)
 
 
 def Histogram(name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
               registry: CollectorRegistry) -> RequestMetric:
+    """A labelled request-path histogram with upper bounds ``buckets`` (seconds; +Inf is
+    added) registered in ``registry`` (see :class:`RequestMetric`)."""
     return RequestMetric("histogram", name, documentation, labelnames, registry, buckets)
 
 

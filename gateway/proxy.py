@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-from bisect import bisect_left
 import logging
 import random
 import re
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
