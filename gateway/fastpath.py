@@ -268,7 +268,8 @@ class DataPlaneProtocol(asyncio.Protocol):
                     return self._hand_over()
                 seen.add(lname)
             if lname == "content-length":
-                if not value.isdigit() or not value.isascii():
+                # more than 18 digits: aiohttp answers it (int() refuses over 4,300 digits)
+                if not value.isdigit() or not value.isascii() or len(value) > 18:
                     return self._hand_over()
                 length = int(value)
             elif lname in _HANDED_OVER:

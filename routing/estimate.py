@@ -97,11 +97,22 @@ def block_hashes(text: bytes, block_bytes: int, seed: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=4096)
+_CACHED_SALT_CHARS = 128  # longer cache_salt values (a client's field) are hashed, never cached
+
+
 def chain_seed(model: str, cache_salt: str | None = None) -> int:
-    """The first link of a model's hash chain (64-bit); cached, as a fleet serves few
-    models and salts."""
+    """The first link of a model's hash chain (64-bit). Cached for the models served
+    and short salts (a client may send any salt: a long one is never kept)."""
+    if cache_salt is None or len(cache_salt) <= _CACHED_SALT_CHARS:
+        return _chain_seed_cached(model, cache_salt)
+    return _chain_seed(model, cache_salt)
+
+
+def _chain_seed(model: str, cache_salt: str | None) -> int:
     return xxhash.xxh3_64_intdigest(f"{model}\x00{cache_salt or ''}".encode())
+
+
+_chain_seed_cached = functools.lru_cache(maxsize=4096)(_chain_seed)
 
 
 @dataclass(slots=True)

@@ -319,7 +319,11 @@ class RedisStore:
             pipe.zrangebyscore(self.k_registry, now_ms, "+inf")
             # a new replica starts at the oldest entry the prefix index would still keep
             # (stream ids are Redis's ms clock): older blocks would be dropped on arrival
-            start = f"({self.cursor}" if self.cursor != "0-0" else f"{max(now_ms - int(self.index.ttl_s * 1000), 0)}"
+            if self.cursor != "0-0":
+                start = f"({self.cursor}"
+            else:
+                ttl_ms = self.index.ttl_s * 1000  # may be infinite (prefix_ttl_s: .inf): read it all
+                start = f"{now_ms - int(ttl_ms)}" if ttl_ms < now_ms else "-"
             pipe.xrange(self.k_stream, min=start, count=5000)
             pipe.time()
             # the other replicas' loads, as last round listed them: one round trip per sync
@@ -339,8 +343,10 @@ class RedisStore:
         redis_now_ms = res[-1][0] * 1000 + res[-1][1] // 1000
         listed = sorted(r for r in replicas if r != self.replica)
         if listed != others:  # a replica came or went: read the loads of those listed now
-            snaps = await client.mget([self.k_load_prefix + r for r in listed]) if listed else []
-            self._count("mget")
+            snaps = []
+            if listed:
+                snaps = await client.mget([self.k_load_prefix + r for r in listed])
+                self._count("mget")
             self._others = listed
         self._fold_load(snaps)
         self.stats.replicas = 1 + sum(1 for s in snaps if s)
