@@ -127,7 +127,7 @@ class StreamScan:
             line = complete[complete.rfind(b"\n", 0, i) + 1:complete.find(b"\n", i)].rstrip(b"\r ")
             if line == b"data: [DONE]" or line == b"data:[DONE]":
                 self.done = True
-        if b'"usage"' in complete:
+        if complete.find(b'"usage"') >= 0:  # find: cheaper than ``in`` for short needles
             for line in reversed(complete.split(b"\n")):
                 if line.startswith(b"data:") and b'"usage"' in line:
                     try:

@@ -54,7 +54,7 @@ import httptools
 import yaml
 
 from loadtest import procs
-from loadtest.peers import PROXY_CORE, _core_busy, _fmt, _spawn
+from loadtest.peers import PROXY_CORE, _core_busy, _fmt, _spawn, gather_bounded
 from loadtest.peers import _percentile as _pct
 
 MODEL = "zero"
@@ -577,14 +577,7 @@ async def stream_load(urls: list[str], concurrency: int, rounds: int, tokens: in
 
     cpu0 = sum(os.times()[:2])
     t0 = time.perf_counter()
-    tasks = [asyncio.ensure_future(worker(k)) for k in range(concurrency)]
-    try:
-        async with asyncio.timeout(timeout_s):
-            await asyncio.gather(*tasks)
-    except TimeoutError:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    if await gather_bounded([worker(k) for k in range(concurrency)], timeout_s):
         missing = concurrency * rounds - out.streams - out.errors
         out.errors += missing
         out.first_error = out.first_error or f"batch timed out after {timeout_s} s ({missing} streams unfinished)"

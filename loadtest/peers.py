@@ -80,6 +80,21 @@ PROXY_CORE = 1
 # --- load generator -----------------------------------------------------------------------------
 
 
+async def gather_bounded(coros: list, timeout_s: float) -> bool:
+    """Run ``coros`` as tasks for at most ``timeout_s`` seconds; past it, cancel those
+    still running and wait for them to end. Returns ``True`` when the bound was hit."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*tasks)
+        return False
+    except TimeoutError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return True
+
+
 @dataclass
 class Batch:
     requests: int = 0
@@ -133,14 +148,7 @@ async def _drive(urls: list[str], n: int, concurrency: int, stream: bool, tokens
         c0 = _core0_cpu()
         k0 = _core_busy(PROXY_CORE)
         p0 = _proxy_cpu(proxy_pid)
-        tasks = [asyncio.ensure_future(worker(k)) for k in range(concurrency)]
-        try:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.gather(*tasks)
-        except TimeoutError:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if await gather_bounded([worker(k) for k in range(concurrency)], timeout_s):
             out.first_error = out.first_error or f"batch timed out after {timeout_s} s"
             out.errors += n - out.requests - out.errors
         out.wall_s = time.perf_counter() - t0
