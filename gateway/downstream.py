@@ -9,7 +9,9 @@ protocol) and :class:`CollectDownstream` (an in-process batch consumer, no socke
   stream (``end=True``: also its end); :meth:`write` and :meth:`end_stream` go on;
 - ``transport`` is the socket the SSE relay writes to directly (HTTP/1.1 chunks when
   ``chunked``), or ``None``; ``started`` tells whether any byte was committed to the
-  client; ``may_wait`` whether :meth:`start_stream` can wait for a slow client.
+  client; ``may_wait`` whether :meth:`start_stream` can wait for a slow client (one that
+  cannot also offers ``start_stream_now``, the same call without ``await``, which the
+  proxy makes from inside the backend connection's read callback).
 
 All writers raise :class:`ClientGone` when the client's connection is gone.
 """
@@ -98,8 +100,11 @@ class CollectDownstream:
     def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.status, self.body, self.headers = status, body, dict(headers)
 
-    async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+    def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
         self.status, self.headers, self.body, self.started = 200, dict(headers), first, True
+
+    async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        self.start_stream_now(headers, first, end)
 
     async def write(self, data: bytes) -> None:
         self.body += data

@@ -37,6 +37,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway import eager
 from gateway.downstream import ClientGone
 from gateway.errors import ClientError, error_body
 from gateway.openai_api import check_json_content_type, parse_json_object
@@ -134,6 +135,9 @@ class FastDownstream:
             pass
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        self.start_stream_now(headers, first, end)
+
+    def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
         tail = b"Transfer-Encoding: chunked\r\n"
         if not self.proto.keep_alive:
             tail += b"Connection: close\r\n"
@@ -293,7 +297,11 @@ class DataPlaneProtocol(asyncio.Protocol):
         body = bytes(buf[end + 4:need])
         del buf[:need]
         self.keep_alive = keep_alive
-        self.task = asyncio.get_running_loop().create_task(self._serve(_HOT[path], CIMultiDict(pairs), body, coding))
+        # the request's first step (parse, route, send upstream) runs now, in this read's
+        # callback, not after every other callback of this loop turn (gateway/eager.py)
+        self.task, run_first_step = eager.create(asyncio.get_running_loop(),
+                                                 self._serve(_HOT[path], CIMultiDict(pairs), body, coding))
+        run_first_step()
 
     def _hand_over(self) -> None:
         """Give the connection, with the bytes read so far, to aiohttp."""

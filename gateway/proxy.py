@@ -440,16 +440,36 @@ class Proxy:
         headers = (_STREAM_HEADERS if parsed.stream else _JSON_HEADERS) + b"x-request-id: %s\r\n%s" % (
             _header_value(ex.request_id), client.auth_line)
         up: UpstreamExchange | None = None
+        opened: list[Any] = []  # what on_ready did: a running relay, or the error it met
+
+        def on_ready(answer: UpstreamExchange) -> None:
+            # head and first bytes of a stream came in one read: answer the client now,
+            # inside this read's callback, not a loop turn later (at 256 streams a turn
+            # is a few hundred other reads); the relay then runs as usual
+            if not ex.down.may_wait and not ex.down.started and answer.status == 200 and not answer.complete and \
+                    answer.headers.get("content-type", "").lower().startswith("text/event-stream"):
+                chunk = answer.take()
+                if chunk:
+                    try:
+                        opened.append(self._open_stream(ex, client, answer, chunk, reservation, total_deadline))
+                    except Exception as e:  # ClientGone, or a bug: raised in the owner, not in the read callback
+                        opened.append(e)
+
         try:
             try:  # every wait up to the first body byte is bounded by ttft_deadline (the exchange's timer)
                 try:
-                    up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body, ttft_deadline)
+                    up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body, ttft_deadline,
+                                                   on_ready if parsed.stream else None)
                 except ConnectTimedOut as e:
                     raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
                 except ConnectError as e:
                     raise ConnectFailed(name, f"could not connect to backend {name}: {e}") from e
                 except UpstreamClosed as e:
                     raise Disconnected(name, f"backend {name} closed the connection before answering") from e
+                if opened:
+                    if isinstance(opened[0], BaseException):
+                        raise opened[0]
+                    return await self._relay_stream(ex, client, up, b"", reservation, total_deadline, opened[0])
                 if up.status != 200:
                     try:
                         body = await up.read(_MAX_ERROR_BODY_BYTES)
@@ -483,22 +503,61 @@ class Proxy:
             self._finish(ex, 499)
             raise
         finally:
+            if opened and not isinstance(opened[0], BaseException):
+                opened[0][0].stop()  # the relay's timer (the owner may not have reached the relay)
             if up is not None:
                 up.finish()  # back to the pool when complete, else closed (the engine aborts)
 
-    async def _relay_stream(self, ex: Exchange, client: BackendClient, up: UpstreamExchange, chunk: bytes,
-                            reservation: Reservation, total_deadline: float | None) -> None:
-        """Answer the client with the stream's first ``chunk``, then relay the rest
-        from inside the upstream connection's ``data_received`` (no task switch per
-        read) until the backend ends the response; the last read goes out with the
-        end of the chunked response, in one write."""
+    def _open_stream(self, ex: Exchange, client: BackendClient, up: UpstreamExchange, chunk: bytes,
+                     reservation: Reservation, total_deadline: float | None) -> tuple[_Relay, asyncio.Future[None]]:
+        """The start of :meth:`_relay_stream` without a wait, for a downstream that never
+        waits (``start_stream_now``) and a response still arriving: the first token is
+        recorded, the client gets the headers and ``chunk``, and the relay is installed.
+        Returns the relay and its future. Raises :class:`ClientGone`."""
+        up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
         loop = asyncio.get_running_loop()
-        name = client.state.name
         first_at = loop.time()
         reservation.first_token(first_at)
         self._observe_ttft(ex, first_at - ex.arrival)
-        headers = {"Content-Type": up.headers.get("content-type", "text/event-stream"), "Cache-Control": "no-cache",
-                   BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id, ROUTE_HEADER: self.route_header(ex.decision)}
+        name = client.state.name
+        scan = ex.scan = StreamScan()
+        scan.feed(chunk)
+        ex.down.start_stream_now(self._stream_headers(ex, up, name), chunk)
+        relay = _Relay(loop, up, ex.down, scan, self.metrics.child(self.metrics.itl, ex.parsed.model),
+                       first_at, name, client.timeouts, total_deadline)
+        return relay, relay.run()
+
+    def _stream_headers(self, ex: Exchange, up: UpstreamExchange, name: str) -> dict[str, str]:
+        return {"Content-Type": up.headers.get("content-type", "text/event-stream"), "Cache-Control": "no-cache",
+                BACKEND_HEADER: name, REQUEST_ID_HEADER: ex.request_id, ROUTE_HEADER: self.route_header(ex.decision)}
+
+    async def _relay_stream(self, ex: Exchange, client: BackendClient, up: UpstreamExchange, chunk: bytes,
+                            reservation: Reservation, total_deadline: float | None,
+                            opened: tuple[_Relay, asyncio.Future[None]] | None = None) -> None:
+        """Answer the client with the stream's first ``chunk``, then relay the rest
+        from inside the upstream connection's ``data_received`` (no task switch per
+        read) until the backend ends the response; the last read goes out with the
+        end of the chunked response, in one write. ``opened``: :meth:`_open_stream`
+        already answered the client and installed the relay."""
+        name = client.state.name
+        if opened is not None:
+            relay, fut = opened
+            scan = ex.scan
+            assert scan is not None
+            try:
+                await fut
+            except UpstreamClosed as e:
+                raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
+            finally:
+                relay.stop()
+            chunk = up.take()
+            scan.feed(chunk)
+            return await self._end_relayed_stream(ex, name, scan, chunk, reservation)
+        loop = asyncio.get_running_loop()
+        first_at = loop.time()
+        reservation.first_token(first_at)
+        self._observe_ttft(ex, first_at - ex.arrival)
+        headers = self._stream_headers(ex, up, name)
         down = ex.down
         scan = ex.scan = StreamScan()
         scan.feed(chunk)
@@ -528,6 +587,14 @@ class Proxy:
         elif not down.started:
             await down.start_stream(headers, chunk)
             chunk = b""
+        return await self._end_relayed_stream(ex, name, scan, chunk, reservation)
+
+    async def _end_relayed_stream(self, ex: Exchange, name: str, scan: StreamScan, chunk: bytes,
+                                  reservation: Reservation) -> None:
+        """The backend ended a relayed stream (``chunk``: its last bytes, not yet
+        sent): settle the tokens and end the client's stream, or raise
+        :class:`Disconnected` when it ended without ``data: [DONE]``."""
+        down = ex.down
         if not scan.done:
             if chunk:
                 await down.write(chunk)

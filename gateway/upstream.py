@@ -67,7 +67,7 @@ class Exchange:
     """
 
     __slots__ = ("conn", "status", "headers", "_head", "_waiter", "_chunks", "_size", "_limit", "_sink",
-                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at", "_error", "_timer")
+                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at", "_error", "_timer", "_on_ready")
 
     def __init__(self, conn: _Connection) -> None:
         self.conn = conn
@@ -85,6 +85,7 @@ class Exchange:
         self.last_data_at = 0.0  # loop time of the last body bytes
         self._error: BaseException | None = None  # the first failure, raised by every later wait
         self._timer: asyncio.TimerHandle | None = None
+        self._on_ready: Callable[[Exchange], None] | None = None  # see UpstreamPool.request
 
     # ---- called by the connection (inside data_received) ------------------------
 
@@ -278,6 +279,9 @@ class _Connection(asyncio.Protocol):
         ex = self.exchange
         if ex is None:
             return
+        if ex._on_ready is not None and ex.status and (ex._chunks or ex._complete):
+            on_ready, ex._on_ready = ex._on_ready, None
+            on_ready(ex)  # the status, headers and first body bytes arrived before the owner resumed
         chunks = ex._chunks
         sink = ex._sink
         if chunks and sink is not None and not ex._complete:  # a relayed stream: Exchange._flush, inlined
@@ -414,7 +418,8 @@ class UpstreamPool:
             conn.close()
         return None
 
-    async def request(self, path: str, headers: bytes, body: bytes, deadline: float | None = None) -> Exchange:
+    async def request(self, path: str, headers: bytes, body: bytes, deadline: float | None = None,
+                      on_ready: Callable[[Exchange], None] | None = None) -> Exchange:
         """Send ``POST prefix+path`` with the extra header lines ``headers`` (CRLF
         terminated, no Host/Content-Length) and ``body``; return the exchange once the
         status line and headers arrived.
@@ -424,6 +429,11 @@ class UpstreamPool:
         ``deadline`` (loop time, or ``None``) bounds the connect and every wait of the
         returned exchange until :meth:`Exchange.clear_deadline` or :meth:`Exchange.finish`:
         past it they raise ``TimeoutError`` and the connection is dropped.
+        ``on_ready(exchange)``, when given, is called at most once, inside the
+        connection's read callback, if the status line, the headers and body bytes
+        (or the whole response) arrive in one read before this coroutine resumed:
+        the caller can answer its client there, a loop turn earlier (it must not
+        raise and must not block). It is never called once this method returned.
         Raises :class:`ConnectError`, :class:`UpstreamClosed`, ``TimeoutError``.
         """
         head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
@@ -438,6 +448,7 @@ class UpstreamPool:
                     async with asyncio.timeout_at(deadline):
                         conn = await self._connect()
             ex = Exchange(conn)
+            ex._on_ready = on_ready
             ex.set_deadline(deadline)
             conn.exchange = ex
             conn.got_bytes = False
@@ -446,6 +457,7 @@ class UpstreamPool:
             conn.transport.write(head + body)
             try:
                 await ex._head
+                ex._on_ready = None
             except UpstreamClosed as e:
                 ex.clear_deadline()
                 conn.exchange = None
