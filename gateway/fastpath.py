@@ -28,6 +28,7 @@ import asyncio
 import logging
 import re
 import random
+import socket
 import time
 import zlib
 from email.utils import formatdate
@@ -58,6 +59,8 @@ _MAX_HEADERS = 128
 _SINGLETONS = {"authorization", "content-length", "content-location", "content-range", "content-type",
                "etag", "host", "max-forwards", "server", "transfer-encoding", "user-agent"}
 _CONTROL = bytes([*range(0, 9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
+_ACCEPT_BATCH = 512  # connections accepted per readiness of a listening socket
+_ACCEPT_RETRY_S = 0.5  # after accept() failed for want of file descriptors or memory
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
 # headers whose requests aiohttp serves: codings and protocol switches it implements, and
 # ``x-turbo-priority`` (batch lines pass the batch gate, an aiohttp middleware)
@@ -415,7 +418,9 @@ class DataPlaneServer:
         self.closing = False
         self.complete = complete
         self._state_key = STATE
-        self._server: asyncio.base_events.Server | None = None
+        self._socks: list[socket.socket] = []  # the listening sockets (one per resolved address)
+        self._accepting: set[asyncio.Task] = set()
+        self._accept_errors_logged_at = -1e9
 
     def state(self) -> Any:
         return self.app[self._state_key]
@@ -424,14 +429,77 @@ class DataPlaneServer:
         return self.state().cfg.limits.max_body_bytes
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 1024) -> None:
+        """Bind and listen on every address ``host`` resolves to (raises ``OSError``),
+        then accept on the event loop (see :meth:`_accept`)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: DataPlaneProtocol(self), host, port, backlog=backlog,
-                                                reuse_port=reuse_port or None)
+        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, _, _, _, addr in dict.fromkeys((i[0], i[1], i[2], i[3], i[4][:2]) for i in infos):
+                sock = socket.create_server(addr, family=family, backlog=backlog, reuse_port=reuse_port)
+                self._socks.append(sock)
+                sock.setblocking(False)
+                loop.add_reader(sock.fileno(), self._accept, sock)
+        except BaseException:
+            self._close_listeners()
+            raise
+
+    def _accept(self, sock: socket.socket) -> None:
+        """Accept every connection waiting on ``sock`` (up to :data:`_ACCEPT_BATCH`).
+
+        Not uvloop's server: libuv accepts one connection per loop iteration since
+        1.45 (libuv PR #3696, "unix: don't accept() connections in a loop"). At 256
+        relayed streams an iteration carries a few hundred reads and lasts 5-15 ms,
+        so a burst of new connections waited in the kernel's accept queue, up to
+        300 ms at p99 of the added TTFT (``python -m loadtest.peers --rig native``,
+        scenario (c)). Each accepted socket becomes a uvloop transport through
+        ``loop.connect_accepted_socket``, its first step run eagerly."""
+        loop = asyncio.get_running_loop()
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as e:  # EMFILE, ENFILE, ENOBUFS...: stop polling a moment, not spin on it
+                now = loop.time()
+                if now - self._accept_errors_logged_at > 10:
+                    self._accept_errors_logged_at = now
+                    log.warning("cannot accept connections: %s (retrying every %.1f s)", e, _ACCEPT_RETRY_S)
+                self._pause_accepting(sock)
+                return
+            if self.closing:
+                conn.close()
+                continue
+            task, run_first_step = eager.create(loop, loop.connect_accepted_socket(lambda: DataPlaneProtocol(self),
+                                                                                    conn))
+            self._accepting.add(task)
+            task.add_done_callback(self._accepted)
+            run_first_step()
+
+    def _accepted(self, task: asyncio.Task) -> None:
+        self._accepting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("could not set an accepted connection up: %s", task.exception())
+
+    def _pause_accepting(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(sock.fileno())
+
+        def resume() -> None:
+            if not self.closing and sock.fileno() >= 0:
+                loop.add_reader(sock.fileno(), self._accept, sock)
+
+        loop.call_later(_ACCEPT_RETRY_S, resume)
+
+    def _close_listeners(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock in self._socks:
+            if sock.fileno() >= 0:
+                loop.remove_reader(sock.fileno())
+                sock.close()
 
     @property
     def addresses(self) -> list[Any]:
-        assert self._server is not None
-        return [s.getsockname() for s in self._server.sockets]
+        return [s.getsockname() for s in self._socks]
 
     def in_flight(self) -> int:
         """Requests this protocol is serving now."""
@@ -441,8 +509,7 @@ class DataPlaneServer:
         """Stop accepting, finish in-flight requests (up to ``timeout_s`` seconds),
         close idle connections, then clean the aiohttp runner up."""
         self.closing = True
-        if self._server is not None:
-            self._server.close()
+        self._close_listeners()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         for c in list(self.conns):
