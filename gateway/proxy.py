@@ -158,40 +158,6 @@ class StreamScan:
         return max(self.events - (1 if self.done else 0) - (1 if self.usage else 0) - self.role_only, 0)
 
 
-class _DeferredWrites:
-    """The relayed bytes of one loop turn's reads, written to their clients together
-    once those reads are done (at the start of the next turn, before it polls).
-
-    Why: on this VM a ``send`` that wakes a client sleeping in ``epoll_wait`` costs the
-    sender about 34 µs of CPU, one that finds it awake about 9 µs (``send`` of 160
-    bytes on loopback, other core). Written from each read callback, a burst of
-    stream events (an engine's decode step emits one per running sequence at once)
-    reaches the client one event every 50-70 µs, time enough for it to fall asleep
-    between two; written back to back, it stays awake. The first bytes of a stream
-    are not deferred (they carry the TTFT), nor is anything written from a task.
-    Per stream the order is kept: a stream's writes are queued in read order, and
-    everything that ends a stream runs in a task scheduled after this flush."""
-
-    __slots__ = ("loop", "items")
-    _by_loop: dict[int, _DeferredWrites] = {}
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: list[tuple[_Relay, bytes]] = []
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> _DeferredWrites:
-        w = cls._by_loop.get(id(loop))
-        if w is None or w.loop is not loop:
-            w = cls._by_loop[id(loop)] = cls(loop)
-        return w
-
-    def flush(self) -> None:
-        items, self.items = self.items, []
-        for relay, data in items:
-            relay.write_now(data)
-
-
 class _Relay:
     """Relays one stream's body from the backend to the client inside the upstream
     connection's ``data_received``: scan the chunk, observe ITL, write it with HTTP/1.1
@@ -201,7 +167,7 @@ class _Relay:
     upstream connection."""
 
     __slots__ = ("loop", "up", "transport", "chunked", "collect", "scan", "itl", "last_at", "name", "idle_s", "total_s",
-                 "total_deadline", "timer", "paused", "writes")
+                 "total_deadline", "timer", "paused")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, up: UpstreamExchange, down: Downstream,
                  scan: StreamScan, itl: Any, first_at: float, name: str, timeouts: Timeouts,
@@ -215,7 +181,6 @@ class _Relay:
         self.idle_s, self.total_s, self.total_deadline = timeouts.idle_s, timeouts.total_s, total_deadline
         self.timer: asyncio.TimerHandle | None = None
         self.paused = False
-        self.writes = _DeferredWrites.of(loop)
 
     def run(self) -> asyncio.Future[None]:
         fut = self.up.relay(self)
@@ -240,18 +205,11 @@ class _Relay:
         if self.collect is not None:
             self.collect.body += data
             return
-        w = self.writes  # _DeferredWrites.add, inlined
-        if not w.items:
-            self.loop.call_soon(w.flush)
-        w.items.append((self, b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data))
-
-    def write_now(self, data: bytes) -> None:
-        """Write relayed bytes to the client (from :class:`_DeferredWrites`)."""
         t = self.transport
         if t is None or t.is_closing():
             self.up.abort(ClientGone())
             return
-        t.write(data)  # type: ignore[attr-defined]
+        t.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)  # type: ignore[attr-defined]
         if t.get_write_buffer_size() > _HIGH_WATER_BYTES and not self.paused:  # type: ignore[attr-defined]
             self.paused = True
             self.up.pause_reading()

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
+from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
 
+TURN_S = 0.001  # longest run of relayed reads between two polls of the loop (see RelayTurns)
 # vLLM and SGLang serve with uvicorn, whose keep-alive timeout is 5 s by default: drop
 # idle connections before the server does, so that a request rarely meets a closing one
 IDLE_TTL_S = 4.0
@@ -249,7 +252,7 @@ class _Connection(asyncio.Protocol):
     """One keep-alive TCP connection to a backend, one request at a time."""
 
     __slots__ = ("pool", "loop", "transport", "parser", "exchange", "_status", "_headers", "idle_since",
-                 "served", "got_bytes", "closed", "informational", "in_trailers")
+                 "served", "got_bytes", "closed", "informational", "in_trailers", "pending", "turns")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -264,12 +267,37 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.informational = False
         self.in_trailers = False
+        self.pending: list[bytes] | None = None  # a relayed stream's reads waiting for their turn
+        self.turns = RelayTurns.of(self.loop)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        ex = self.exchange
+        if ex is not None and ex._sink is not None and not ex._complete:  # a relayed stream: wait for a turn
+            ex.last_data_at = self.loop.time()
+            pending = self.pending
+            if pending is None:
+                self.pending = [data]
+                self.turns.add(self)
+            else:
+                pending.append(data)
+            return
+        self._feed(data, self.loop.time())
+
+    def run_pending(self) -> None:
+        """Parse and relay the reads that waited for this connection's turn."""
+        pending, self.pending = self.pending, None
+        if pending is None or self.closed:
+            return
+        ex = self.exchange
+        self._feed(pending[0] if len(pending) == 1 else b"".join(pending),
+                   ex.last_data_at if ex is not None else self.loop.time())
+
+    def _feed(self, data: bytes, at: float) -> None:
+        """Parse ``data``, read at loop time ``at``, and pass its body bytes on."""
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -285,7 +313,7 @@ class _Connection(asyncio.Protocol):
         chunks = ex._chunks
         sink = ex._sink
         if chunks and sink is not None and not ex._complete:  # a relayed stream: Exchange._flush, inlined
-            ex.last_data_at = self.loop.time()
+            ex.last_data_at = at
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()
             sink(data)
@@ -296,6 +324,8 @@ class _Connection(asyncio.Protocol):
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.pending is not None:  # the reads before the close come first
+            self.run_pending()
         self.closed = True
         self.transport = None
         self.pool._forget(self)
@@ -351,11 +381,69 @@ class _Connection(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
+        self.pending = None
         if not self.closed:
             self.closed = True
             self.pool._forget(self)
             if self.transport is not None:
                 self.transport.abort()
+
+
+class RelayTurns:
+    """The reads of relayed streams, parsed and relayed in turns of at most
+    :data:`TURN_S` seconds, between which the loop polls again.
+
+    Why: an engine's decode step emits one event per running sequence at once, so
+    at 256 streams the gateway reads a few hundred events in one loop iteration.
+    Relayed inside their read callbacks (parse, scan, write: ~40 µs each on this
+    VM), they made that iteration last 5-15 ms, and a new request, or the first
+    token of one, arriving meanwhile waited for all of it: most of the gateway's
+    added TTFT at 256 streams (``python -m loadtest.peers --rig native``, (c)).
+    Now a read callback of a relayed stream only queues the bytes (a few µs);
+    requests, heads and first tokens are still handled in their read callbacks;
+    and the queued reads are relayed in FIFO turns. A preemptive router (the Rust
+    ones: tokio's scheduler) gets the same effect from its threads.
+
+    Per connection the order of bytes is kept (a connection's reads are relayed in
+    one turn, before any later read of it, and before its close is handled). The
+    relay's writes to clients happen inside the turn, back to back, and count
+    against its time."""
+
+    __slots__ = ("loop", "conns", "scheduled")
+    _by_loop: dict[int, RelayTurns] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.conns: deque[_Connection] = deque()
+        self.scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> RelayTurns:
+        """The turns of ``loop`` (one per loop)."""
+        t = cls._by_loop.get(id(loop))
+        if t is None or t.loop is not loop:
+            t = cls._by_loop[id(loop)] = cls(loop)
+        return t
+
+    def add(self, conn: _Connection) -> None:
+        self.conns.append(conn)
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self.run)
+
+    def run(self) -> None:
+        self.scheduled = False
+        conns = self.conns
+        end = time.perf_counter() + TURN_S
+        try:
+            while conns:
+                conns.popleft().run_pending()
+                if time.perf_counter() >= end:
+                    break
+        finally:
+            if conns and not self.scheduled:
+                self.scheduled = True
+                self.loop.call_soon(self.run)  # after the loop polled again
 
 
 class UpstreamPool:
