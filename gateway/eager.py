@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import types
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -33,44 +34,76 @@ try:  # C-accelerated in CPython 3.11-3.13: the bookkeeping behind asyncio.curre
 except ImportError:  # pragma: no cover - another interpreter: run the first step as a normal task does
     _enter_task = _leave_task = None  # type: ignore[assignment]
 
+
+class _Outcome:
+    """How the eager first step ended: returned ``value`` or raised ``error``."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+
 _NOT_RUN = object()
 
 
-class _Resumed(Coroutine):
-    """The coroutine the task drives: its first ``send`` hands the task what the inner
-    coroutine's eager first step produced (the future it waits on, its return value
-    or its exception); every later ``send``/``throw`` goes straight to the inner
-    coroutine, so the task waits on exactly the futures the coroutine awaits."""
+@types.coroutine
+def _rest(coro: Coroutine, box: list[Any]):
+    """What the task runs: the rest of ``coro`` after its eager first step.
 
-    __slots__ = ("coro", "first", "error")
+    A generator (stepped by the task's C fast path) primed past its first ``yield``
+    before the task sees it, so that a cancel arriving before the task's first turn
+    lands in ``try`` here and is handed to ``coro``; from then on it delegates to
+    ``coro`` with ``yield from``, so the task waits on exactly the futures ``coro``
+    awaits, without a Python call per step."""
+    cancel: BaseException | None = None
+    try:
+        yield  # primed: the task's first step resumes (or throws) here
+    except BaseException as e:  # cancelled before its first turn
+        cancel = e
+    first = box[0]
+    if first is _NOT_RUN:  # the first step did not run eagerly: an ordinary task
+        if cancel is not None:
+            coro.close()
+            raise cancel
+        return (yield from coro)
+    if type(first) is _Outcome:  # the first step finished the coroutine
+        if first.error is not None:
+            raise first.error
+        return first.value
+    if cancel is None:  # wait for what the first step waits on; the coroutine reads its outcome
+        try:
+            yield first  # as the coroutine yielded it (a future still marked blocking, or None)
+        except BaseException as e:
+            # the future's own outcome reaches the coroutine through its await; anything
+            # else thrown here (a cancel while the future was already done) is handed on
+            if first is None or not first.done() or (not first.cancelled() and first.exception() is not e):
+                cancel = e
+    if cancel is not None:
+        return (yield from _throw(coro, cancel))
+    return (yield from coro)
 
-    def __init__(self, coro: Coroutine) -> None:
-        self.coro = coro
-        self.first: Any = _NOT_RUN  # what the first step yielded
-        self.error: BaseException | None = None  # how the first step ended, if it did
 
-    def send(self, value: Any) -> Any:
-        first = self.first
-        if first is _NOT_RUN:  # run_first_step() was not called (or could not run): run it now
-            return self.coro.send(value)
-        self.first = _NOT_RUN
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
-        return first
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:  # type: ignore[override]
-        self.first = _NOT_RUN
-        if self.error is not None:  # the coroutine had already ended: its own outcome stands
-            err, self.error = self.error, None
-            raise err
-        return self.coro.throw(typ, val, tb) if val is not None or tb is not None else self.coro.throw(typ)
-
-    def close(self) -> None:
-        self.coro.close()
-
-    def __await__(self):  # pragma: no cover - the task drives it through send/throw
-        return self.coro.__await__()
+@types.coroutine
+def _throw(coro: Coroutine, exc: BaseException):
+    """Throw ``exc`` into the suspended ``coro``, then drive it to its end."""
+    try:
+        y = coro.throw(exc)
+    except StopIteration as e:
+        return e.value
+    while True:
+        try:
+            v = yield y
+        except BaseException as e:
+            try:
+                y = coro.throw(e)
+            except StopIteration as s:
+                return s.value
+        else:
+            try:
+                y = coro.send(v)
+            except StopIteration as s:
+                return s.value
 
 
 def create(loop: asyncio.AbstractEventLoop, coro: Coroutine) -> tuple[asyncio.Task, Callable[[], None]]:
@@ -80,18 +113,22 @@ def create(loop: asyncio.AbstractEventLoop, coro: Coroutine) -> tuple[asyncio.Ta
     inside another task it does nothing and the task starts on the next loop turn as
     usual. Never raises: the first step's exception is the task's.
     """
-    wrapper = _Resumed(coro)
+    box: list[Any] = [_NOT_RUN]
+    rest = _rest(coro, box)
+    next(rest)  # prime it (see _rest)
     ctx = contextvars.copy_context()
-    task = loop.create_task(wrapper, context=ctx)  # its first step is scheduled: it collects the outcome
+    task = loop.create_task(rest, context=ctx)  # its first step is scheduled: it collects the outcome
 
     def run_first_step() -> None:
         if _enter_task is None or task.done() or asyncio.current_task(loop) is not None:
             return
         _enter_task(loop, task)
         try:
-            wrapper.first = ctx.run(coro.send, None)
-        except BaseException as e:  # StopIteration included: the task raises it again in its first step
-            wrapper.first, wrapper.error = None, e
+            box[0] = ctx.run(coro.send, None)
+        except StopIteration as e:
+            box[0] = _Outcome(e.value)
+        except BaseException as e:  # the task raises it in its first step
+            box[0] = _Outcome(error=e)
         finally:
             _leave_task(loop, task)
 

@@ -1,0 +1,289 @@
+"""What the TTFT work on the data plane must not break, over real sockets on 127.0.0.1:
+
+- a stream whose status, headers and first event arrive in one read is answered from
+  inside that read (``UpstreamPool.request(on_ready=...)``, ``Proxy._open_stream``);
+- relayed reads wait for their turn (``gateway.upstream.RelayTurns``) and still reach
+  the client byte-exact and in order, also when the backend closes right after;
+- the listening socket accepts every queued connection, not one per loop turn.
+
+The backends here are raw asyncio servers, so that the test decides which bytes go out
+in one write (one segment on loopback, one read at the gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import orjson
+import uvloop
+
+from gateway.app import STATE, create_app
+from gateway.fastpath import listen
+from gateway.upstream import UpstreamPool
+from tests.servers import gateway_config, running_gateway, sse_chunk, wait_until
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+        b"Cache-Control: no-cache\r\n\r\n")
+ROLE = (b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
+USAGE = (b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m","choices":[],'
+         b'"usage":{"prompt_tokens":9,"completion_tokens":%d,"total_tokens":%d}}\n\n')
+DONE = b"data: [DONE]\n\n"
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP/1.1 request with a Content-Length body; b"" at EOF."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return b""
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def raw_backend(script: Script) -> AsyncIterator[str]:
+    """A loopback server running ``script(reader, writer)`` per connection."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await script(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the gateway went away, or the test ended with the connection still open
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def token_events(n: int) -> list[bytes]:
+    return [sse_chunk(i, f" t{i}") for i in range(n)]
+
+
+async def stream(url: str) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions", data=orjson.dumps(CHAT),
+                          headers={"Content-Type": "application/json"}) as r:
+            return r.status, await r.read()
+
+
+async def test_on_ready_is_called_when_head_and_body_share_a_read() -> None:
+    async def script(reader, writer):
+        while await read_request(reader):
+            writer.write(HEAD + chunk(ROLE))  # one write: head and first event
+            await writer.drain()
+            await reader.read(1)  # the client's next request or EOF: nothing more for this test
+
+    async with raw_backend(script) as url:
+        pool = UpstreamPool(url, 5.0)
+        calls: list[tuple[int, bytes]] = []
+        try:
+            ex = await pool.request("/v1/chat/completions", b"", b"{}", None,
+                                    lambda up: calls.append((up.status, up.take())))
+            assert calls == [(200, chunk(ROLE)[len(b"%x\r\n" % len(ROLE)):-2])]  # once, with the event's bytes
+            assert ex.status == 200
+            ex.abort(ConnectionError("done"))
+        finally:
+            pool.close()
+
+
+async def test_on_ready_is_not_called_once_the_owner_resumed_on_the_head() -> None:
+    head_seen = asyncio.Event()
+
+    async def script(reader, writer):
+        await read_request(reader)
+        writer.write(HEAD)  # the head alone
+        await writer.drain()
+        await head_seen.wait()  # the owner resumed: now the first event
+        writer.write(chunk(ROLE) + chunk(DONE) + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_backend(script) as url:
+        pool = UpstreamPool(url, 5.0)
+        calls: list[int] = []
+        try:
+            ex = await pool.request("/v1/chat/completions", b"", b"{}", None, lambda up: calls.append(up.status))
+            head_seen.set()
+            body = await ex.read()
+            assert body == ROLE + DONE
+            assert calls == []  # the owner took the body itself
+            ex.finish()
+        finally:
+            pool.close()
+
+
+async def test_early_answered_stream_is_byte_exact_and_fully_accounted() -> None:
+    events = token_events(24)
+
+    async def script(reader, writer):
+        while await read_request(reader):
+            writer.write(HEAD + chunk(ROLE))
+            await writer.drain()
+            for e in events:
+                writer.write(chunk(e))
+                await writer.drain()
+            writer.write(chunk(USAGE % (len(events), 9 + len(events))) + chunk(DONE) + b"0\r\n\r\n")
+            await writer.drain()
+
+    async with raw_backend(script) as url:
+        cfg = gateway_config([{"name": "raw", "url": url, "models": ["m"]}])
+        async with running_gateway(cfg) as gw:
+            for _ in range(2):  # the second one on the pooled connection
+                status, body = await stream(gw.url)
+                assert status == 200
+                assert body == ROLE + b"".join(events) + USAGE % (len(events), 9 + len(events)) + DONE
+            assert gw.metric("turbo_gateway_completion_tokens_total", model="m") == 2 * len(events)
+            assert gw.metric("turbo_gateway_prompt_tokens_total", model="m") == 18
+            assert gw.metric("turbo_gateway_requests_total", model="m", backend="raw", status="200") == 2
+            assert gw.idle("raw")
+            assert gw.state.clients["raw"].pool.idle == 1  # kept alive and reused
+
+
+async def test_client_leaving_after_the_early_first_event_closes_the_backend_connection() -> None:
+    backend_saw_close = asyncio.Event()
+
+    async def script(reader, writer):
+        await read_request(reader)
+        writer.write(HEAD + chunk(ROLE) + chunk(sse_chunk(0, " t0")))
+        await writer.drain()
+        if await reader.read(1) == b"":  # the gateway dropped the connection: the engine would abort
+            backend_saw_close.set()
+
+    async with raw_backend(script) as url:
+        cfg = gateway_config([{"name": "raw", "url": url, "models": ["m"]}])
+        async with running_gateway(cfg) as gw:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(gw.url + "/v1/chat/completions", data=orjson.dumps(CHAT),
+                                  headers={"Content-Type": "application/json"}) as r:
+                    assert r.status == 200
+                    assert (await r.content.readuntil(b"\n\n")) == ROLE
+            await asyncio.wait_for(backend_saw_close.wait(), 10)
+            await wait_until(lambda: gw.idle("raw"))
+            assert gw.metric("turbo_gateway_client_disconnects_total", backend="raw") == 1
+
+
+async def test_error_status_in_one_read_is_not_answered_early_but_retried() -> None:
+    async def failing(reader, writer):
+        await read_request(reader)
+        body = b'{"error":{"message":"overloaded","type":"server_error"}}'
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        await writer.drain()
+
+    async def good(reader, writer):
+        while await read_request(reader):
+            writer.write(HEAD + chunk(ROLE) + chunk(DONE) + b"0\r\n\r\n")
+            await writer.drain()
+
+    async with raw_backend(failing) as bad_url, raw_backend(good) as good_url:
+        cfg = gateway_config([{"name": "bad", "url": bad_url, "models": ["m"]},
+                              {"name": "good", "url": good_url, "models": ["m"]}])
+        async with running_gateway(cfg) as gw:
+            status, body = await stream(gw.url)  # round robin: `bad` first, then the retry
+            assert status == 200
+            assert body == ROLE + DONE
+            assert gw.metric("turbo_gateway_retries_total", reason="status_503") == 1
+            assert gw.idle("bad") and gw.idle("good")
+
+
+async def test_backend_closing_right_after_a_burst_loses_no_byte() -> None:
+    """A close-delimited stream (no length, no chunking) whose last events and close
+    arrive together: the queued reads are relayed before the close ends the response."""
+    events = token_events(40)
+
+    async def script(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + ROLE)
+        await writer.drain()
+        for e in events[:10]:
+            writer.write(e)
+            await writer.drain()
+        writer.write(b"".join(events[10:]) + DONE)  # the rest in one burst, then the close
+        await writer.drain()
+
+    async with raw_backend(script) as url:
+        cfg = gateway_config([{"name": "raw", "url": url, "models": ["m"]}])
+        async with running_gateway(cfg) as gw:
+            for _ in range(5):
+                status, body = await stream(gw.url)
+                assert status == 200
+                assert body == ROLE + b"".join(events) + DONE
+            assert gw.idle("raw")
+
+
+async def test_many_streams_relayed_in_turns_stay_byte_exact() -> None:
+    """64 streams whose events arrive in the same loop turns: each client gets exactly
+    its own bytes, in order."""
+    async def script(reader, writer):
+        while True:
+            req = await read_request(reader)
+            if not req:
+                return
+            tag = req.rsplit(b'"tag":"', 1)[1].split(b'"', 1)[0]
+            writer.write(HEAD + chunk(ROLE))
+            await writer.drain()
+            for i in range(30):
+                writer.write(chunk(sse_chunk(i, f" {tag.decode()}-{i}")))
+                await writer.drain()
+                if i % 10 == 9:
+                    await asyncio.sleep(0)  # let the other streams' writes interleave
+            writer.write(chunk(DONE) + b"0\r\n\r\n")
+            await writer.drain()
+
+    async def one(url: str, tag: str) -> bytes:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "tag": tag}),
+                              headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 200
+                return await r.read()
+
+    async with raw_backend(script) as url:
+        cfg = gateway_config([{"name": "raw", "url": url, "models": ["m"]}])
+        async with running_gateway(cfg) as gw:
+            tags = [f"s{k}" for k in range(64)]
+            bodies = await asyncio.gather(*(one(gw.url, t) for t in tags))
+            for tag, body in zip(tags, bodies):
+                assert body == ROLE + b"".join(sse_chunk(i, f" {tag}-{i}") for i in range(30)) + DONE
+            assert gw.idle("raw")
+
+
+def test_every_queued_connection_is_accepted_in_one_loop_turn() -> None:
+    """On uvloop, whose own servers accept one connection per loop iteration (libuv
+    PR #3696): 64 connections made while the loop is busy are all taken at its next
+    poll, not one per turn."""
+    async def main() -> None:
+        cfg = gateway_config([{"name": "b", "url": "http://127.0.0.1:9", "models": ["m"]}],
+                             health={"interval_s": 3600})
+        app = create_app(cfg)
+        server = await listen(app, "127.0.0.1", 0)
+        port = server.addresses[0][1]
+        socks = []
+        try:
+            for _ in range(64):  # blocking connects: the kernel completes them while the loop waits for us
+                socks.append(socket.create_connection(("127.0.0.1", port)))
+            for _ in range(3):  # poll (accept all), connection_made, and one turn to spare
+                await asyncio.sleep(0)
+            assert len(server.conns) == 64
+        finally:
+            for s in socks:
+                s.close()
+            await server.shutdown(app[STATE].cfg.lifecycle.drain_timeout_s)
+
+    uvloop.run(main())
