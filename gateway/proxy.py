@@ -303,6 +303,35 @@ def full_jitter_backoff(retry: int, base_s: float, cap_s: float, rng: random.Ran
     return rng.uniform(0.0, min(cap_s, base_s * (2 ** (retry - 1))))
 
 
+class _EarlyAnswer:
+    """``on_ready`` of a streamed attempt (:meth:`gateway.upstream.UpstreamPool.request`):
+    the head and first bytes of a stream came in one read, so the client is answered
+    now, inside that read's callback, not a loop turn later (at 256 streams a turn is a
+    few hundred other reads); the relay then runs as usual. ``opened`` receives the
+    running relay and its future, or the exception met (raised in the owner, not in the
+    read callback)."""
+
+    __slots__ = ("proxy", "ex", "client", "reservation", "total_deadline", "opened")
+
+    def __init__(self, proxy: Proxy, ex: Exchange, client: BackendClient, reservation: Reservation,
+                 total_deadline: float | None) -> None:
+        self.proxy, self.ex, self.client, self.reservation = proxy, ex, client, reservation
+        self.total_deadline = total_deadline
+        self.opened: list[Any] = []
+
+    def __call__(self, answer: UpstreamExchange) -> None:
+        if self.ex.down.started or answer.status != 200 or answer.complete or \
+                not answer.headers.get("content-type", "").lower().startswith("text/event-stream"):
+            return
+        chunk = answer.take()
+        if chunk:
+            try:
+                self.opened.append(self.proxy._open_stream(self.ex, self.client, answer, chunk, self.reservation,
+                                                           self.total_deadline))
+            except Exception as e:  # ClientGone, or a bug
+                self.opened.append(e)
+
+
 class Proxy:
     """Forwards parsed completion requests to the fleet."""
 
@@ -440,26 +469,13 @@ class Proxy:
         headers = (_STREAM_HEADERS if parsed.stream else _JSON_HEADERS) + b"x-request-id: %s\r\n%s" % (
             _header_value(ex.request_id), client.auth_line)
         up: UpstreamExchange | None = None
-        opened: list[Any] = []  # what on_ready did: a running relay, or the error it met
-
-        def on_ready(answer: UpstreamExchange) -> None:
-            # head and first bytes of a stream came in one read: answer the client now,
-            # inside this read's callback, not a loop turn later (at 256 streams a turn
-            # is a few hundred other reads); the relay then runs as usual
-            if not ex.down.may_wait and not ex.down.started and answer.status == 200 and not answer.complete and \
-                    answer.headers.get("content-type", "").lower().startswith("text/event-stream"):
-                chunk = answer.take()
-                if chunk:
-                    try:
-                        opened.append(self._open_stream(ex, client, answer, chunk, reservation, total_deadline))
-                    except Exception as e:  # ClientGone, or a bug: raised in the owner, not in the read callback
-                        opened.append(e)
-
+        early = _EarlyAnswer(self, ex, client, reservation, total_deadline) \
+            if parsed.stream and not ex.down.may_wait else None
+        opened = early.opened if early is not None else ()
         try:
             try:  # every wait up to the first body byte is bounded by ttft_deadline (the exchange's timer)
                 try:
-                    up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body, ttft_deadline,
-                                                   on_ready if parsed.stream else None)
+                    up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body, ttft_deadline, early)
                 except ConnectTimedOut as e:
                     raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
                 except ConnectError as e:
