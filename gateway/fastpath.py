@@ -306,7 +306,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         if _STREAM_TRUE.search(body) is not None:
             # a stream's first step (parse, route, send upstream) runs now, in this read's
             # callback, not after every other callback of this loop turn (gateway/eager.py):
-            # its TTFT is what the client waits on. It costs one more task step (about 10 µs);
+            # its TTFT is what the client waits on. It costs one more task step (about 20k instructions);
             # a whole response, which is CPU-bound in the benchmarks, starts as a plain task.
             # The test is on the raw bytes, before parsing (a compressed body is never
             # eager); a false match costs only the eager start it did not need.
@@ -455,12 +455,13 @@ class DataPlaneServer:
     def _accept(self, sock: socket.socket) -> None:
         """Accept every connection waiting on ``sock`` (up to :data:`_ACCEPT_BATCH`).
 
-        Not uvloop's server: libuv accepts one connection per loop iteration since
-        1.45 (libuv PR #3696, "unix: don't accept() connections in a loop"). At 256
-        relayed streams an iteration carries a few hundred reads and lasts 5-15 ms,
-        so a burst of new connections waited in the kernel's accept queue, up to
-        300 ms at p99 of the added TTFT (``python -m loadtest.peers --rig native``,
-        scenario (c)). Each accepted socket becomes a uvloop transport through
+        Not uvloop's server: libuv accepts one connection per loop iteration, and
+        leaves the next to the next poll (libuv PR #3696, "unix: don't accept()
+        connections in a loop", 2022; uvloop 0.23 bundles libuv 1.52). At 256 relayed
+        streams an iteration lasted up to 10-20 ms, so a burst of connects waited in
+        the kernel's accept queue, 150-600 ms at the tail of the added TTFT
+        (``python -m loadtest.peers --rig native``, scenario (c); loadtest/README.md,
+        "Fourth pass"). Each accepted socket becomes a uvloop transport through
         ``loop.connect_accepted_socket``, its first step run eagerly."""
         loop = asyncio.get_running_loop()
         for _ in range(_ACCEPT_BATCH):

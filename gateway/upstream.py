@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import httptools
 
 TURN_S = 0.001  # longest run of relayed reads between two polls of the loop (see RelayTurns)
+INLINE_PER_MS = 2  # relayed reads handled in their own callback per millisecond of loop time, before turns
 # vLLM and SGLang serve with uvicorn, whose keep-alive timeout is 5 s by default: drop
 # idle connections before the server does, so that a request rarely meets a closing one
 IDLE_TTL_S = 4.0
@@ -276,16 +277,22 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         ex = self.exchange
-        if ex is not None and ex._sink is not None and not ex._complete:  # a relayed stream: wait for a turn
-            ex.last_data_at = self.loop.time()
+        now = self.loop.time()
+        if ex is not None and ex._sink is not None and not ex._complete:  # a relayed stream
+            ex.last_data_at = now
             pending = self.pending
-            if pending is None:
-                self.pending = [data]
-                self.turns.add(self)
-            else:
+            if pending is not None:  # earlier reads still wait: this one after them
                 pending.append(data)
-            return
-        self._feed(data, self.loop.time())
+                return
+            turns = self.turns
+            if turns.inline_at != now:  # another millisecond of the loop's clock: a new allowance
+                turns.inline_at, turns.inline_left = now, INLINE_PER_MS
+            if turns.inline_left <= 0:  # busy: wait for a turn
+                self.pending = [data]
+                turns.add(self)
+                return
+            turns.inline_left -= 1
+        self._feed(data, now)
 
     def run_pending(self) -> None:
         """Parse and relay the reads that waited for this connection's turn."""
@@ -399,23 +406,30 @@ class RelayTurns:
     VM), they made that iteration last 5-15 ms, and a new request, or the first
     token of one, arriving meanwhile waited for all of it: most of the gateway's
     added TTFT at 256 streams (``python -m loadtest.peers --rig native``, (c)).
-    Now a read callback of a relayed stream only queues the bytes (a few µs);
+    Now, past :data:`INLINE_PER_MS` relayed reads in a millisecond of the loop's
+    clock, a read callback of a relayed stream only queues the bytes (a few µs);
     requests, heads and first tokens are still handled in their read callbacks;
     and the queued reads are relayed in FIFO turns. A preemptive router (the Rust
-    ones: tokio's scheduler) gets the same effect from its threads.
+    ones: tokio's scheduler) gets the same effect from its threads. Under that rate
+    (a few streams, or a quiet moment) reads are relayed in their callbacks as
+    before: a turn costs a loop iteration more per read, about 5k instructions
+    (``python -m loadtest.cpu_profile --callgrind``, 10 ms ITL at 8 streams:
+    2,019k instructions per stream with every read queued).
 
     Per connection the order of bytes is kept (a connection's reads are relayed in
     one turn, before any later read of it, and before its close is handled). The
     relay's writes to clients happen inside the turn, back to back, and count
     against its time."""
 
-    __slots__ = ("loop", "conns", "scheduled")
+    __slots__ = ("loop", "conns", "scheduled", "inline_at", "inline_left")
     _by_loop: dict[int, RelayTurns] = {}
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.conns: deque[_Connection] = deque()
         self.scheduled = False
+        self.inline_at = -1.0  # the loop time (ms resolution on uvloop) the allowance below is for
+        self.inline_left = 0
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> RelayTurns:
@@ -470,6 +484,7 @@ class UpstreamPool:
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
         self.closed = False
+        self._warming: asyncio.Task | None = None  # the spare connection being made (see _take_idle)
 
     def _put(self, conn: _Connection) -> None:
         if self.closed or conn.closed or len(self._idle) >= MAX_IDLE_PER_BACKEND:
@@ -498,13 +513,31 @@ class UpstreamPool:
         return conn
 
     def _take_idle(self) -> _Connection | None:
+        """The warmest idle connection, or ``None``. Taking the last one starts a spare
+        connection in the background (at most one at a time), so that the next
+        request finds one ready instead of connecting in its TTFT: Envoy's
+        ``preconnect_policy`` in its simplest form. A load that shifts between
+        backends otherwise connects on the critical path: at 256 streams over two
+        backends 3 to 9% of the requests did, and those added 10 to 20 ms to their
+        TTFT (loadtest/README.md, "Fourth pass")."""
         now = self.loop.time()
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < IDLE_TTL_S:
+                if not self._idle and self._warming is None and not self.closed:
+                    self._warming = self.loop.create_task(self._warm())
                 return conn
             conn.close()
         return None
+
+    async def _warm(self) -> None:
+        try:
+            conn = await self._connect()
+        except (ConnectError, OSError):
+            return  # the backend's trouble shows on the requests' own connects
+        finally:
+            self._warming = None
+        self._put(conn)  # closed (a retired or closed pool) or kept idle
 
     async def request(self, path: str, headers: bytes, body: bytes, deadline: float | None = None,
                       on_ready: Callable[[Exchange], None] | None = None) -> Exchange:
@@ -564,6 +597,8 @@ class UpstreamPool:
     def close(self) -> None:
         """Close every connection, idle or busy (a busy one's exchange fails)."""
         self.closed = True
+        if self._warming is not None:
+            self._warming.cancel()
         for conn in list(self._all):
             conn.close()
         self._idle.clear()
