@@ -557,18 +557,9 @@ class Proxy:
         already answered the client and installed the relay."""
         name = client.state.name
         if opened is not None:
-            relay, fut = opened
-            scan = ex.scan
-            assert scan is not None
-            try:
-                await fut
-            except UpstreamClosed as e:
-                raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
-            finally:
-                relay.stop()
-            chunk = up.take()
-            scan.feed(chunk)
-            return await self._end_relayed_stream(ex, name, scan, chunk, reservation)
+            assert ex.scan is not None
+            chunk = await self._relayed(name, up, ex.scan, *opened)
+            return await self._end_relayed_stream(ex, name, ex.scan, chunk, reservation)
         loop = asyncio.get_running_loop()
         first_at = loop.time()
         reservation.first_token(first_at)
@@ -589,21 +580,29 @@ class Proxy:
             chunk = b""
             relay = _Relay(loop, up, down, scan, self.metrics.child(self.metrics.itl, ex.parsed.model),
                            first_at, name, client.timeouts, total_deadline)
-            try:
-                fut = relay.run()
-                if down.may_wait:
-                    up.resume_reading()
-                await fut
-            except UpstreamClosed as e:
-                raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
-            finally:
-                relay.stop()
-            chunk = up.take()
-            scan.feed(chunk)
+            fut = relay.run()
+            if down.may_wait:
+                up.resume_reading()
+            chunk = await self._relayed(name, up, scan, relay, fut)
         elif not down.started:
             await down.start_stream(headers, chunk)
             chunk = b""
         return await self._end_relayed_stream(ex, name, scan, chunk, reservation)
+
+    async def _relayed(self, name: str, up: UpstreamExchange, scan: StreamScan, relay: _Relay,
+                       fut: asyncio.Future[None]) -> bytes:
+        """Wait for the relay to end (``fut``: the backend ended the response) and
+        return the response's last bytes, scanned, not yet sent. Raises
+        :class:`Disconnected` when the backend broke the stream."""
+        try:
+            await fut
+        except UpstreamClosed as e:
+            raise Disconnected(name, f"backend {name} closed the stream mid-response") from e
+        finally:
+            relay.stop()
+        chunk = up.take()
+        scan.feed(chunk)
+        return chunk
 
     async def _end_relayed_stream(self, ex: Exchange, name: str, scan: StreamScan, chunk: bytes,
                                   reservation: Reservation) -> None:

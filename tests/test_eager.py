@@ -25,6 +25,12 @@ def _run(new_loop, coro):
         loop.close()
 
 
+def _start(loop: asyncio.AbstractEventLoop, coro) -> asyncio.Task:
+    task, run_first_step = eager.create(loop, coro)
+    run_first_step()
+    return task
+
+
 def _in_callback(loop: asyncio.AbstractEventLoop, fn):
     """Run ``fn`` from a plain loop callback (as a protocol's ``data_received`` is) and
     return what it returned."""
@@ -72,14 +78,9 @@ def test_outcome_of_a_first_step_that_finishes_is_the_tasks(new_loop) -> None:
         async def raises() -> None:
             raise ValueError("bad request")
 
-        def start(coro):
-            task, run_first_step = eager.create(loop, coro)
-            run_first_step()
-            return task
-
-        assert await (await _in_callback(loop, lambda: start(returns()))) == 7
+        assert await (await _in_callback(loop, lambda: _start(loop, returns()))) == 7
         with pytest.raises(ValueError, match="bad request"):
-            await (await _in_callback(loop, lambda: start(raises())))
+            await (await _in_callback(loop, lambda: _start(loop, raises())))
 
     _run(new_loop, main())
 
@@ -100,8 +101,7 @@ def test_cancel_before_the_tasks_first_turn_reaches_the_coroutine(new_loop) -> N
                 events.append("cleanup")
 
         def start():
-            task, run_first_step = eager.create(loop, work())
-            run_first_step()
+            task = _start(loop, work())
             task.cancel()  # the client left in the same loop turn
             return task
 
@@ -127,12 +127,7 @@ def test_timeout_entered_in_the_first_step_fires(new_loop) -> None:
                 return "timed out"
             return "not reached"
 
-        def start():
-            task, run_first_step = eager.create(loop, work())
-            run_first_step()
-            return task
-
-        assert await (await _in_callback(loop, start)) == "timed out"
+        assert await (await _in_callback(loop, lambda: _start(loop, work()))) == "timed out"
 
     _run(new_loop, main())
 
@@ -167,13 +162,40 @@ def test_the_coroutine_runs_in_its_own_context(new_loop) -> None:
             return VAR.get()
 
         def start():
-            task, run_first_step = eager.create(loop, work())
-            run_first_step()
-            return task, VAR.get()
+            return _start(loop, work()), VAR.get()
 
         task, caller_sees = await _in_callback(loop, start)
         assert caller_sees == "caller"
         gate.set_result(None)
         assert await task == "task"
+
+    _run(new_loop, main())
+
+
+@pytest.mark.parametrize("new_loop", LOOPS)
+def test_cancel_after_the_awaited_future_completed_is_still_delivered(new_loop) -> None:
+    """The task waits on the first step's future; it completes, and the task is
+    cancelled before it resumed: the coroutine gets the CancelledError at its await,
+    as with any task."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate = loop.create_future()
+        events: list[str] = []
+
+        async def work() -> None:
+            try:
+                await gate
+                events.append("resumed normally")
+            except asyncio.CancelledError:
+                events.append("cancelled at the await")
+                raise
+
+        task = await _in_callback(loop, lambda: _start(loop, work()))
+        await asyncio.sleep(0)  # the task's scheduled step ran: it waits on `gate`
+        gate.set_result(None)
+        task.cancel()  # same turn: the task has not resumed yet
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert events == ["cancelled at the await"]
 
     _run(new_loop, main())
