@@ -306,10 +306,10 @@ class DataPlaneProtocol(asyncio.Protocol):
         if _STREAM_TRUE.search(body) is not None:
             # a stream's first step (parse, route, send upstream) runs now, in this read's
             # callback, not after every other callback of this loop turn (gateway/eager.py):
-            # its TTFT is what the client waits on. It costs one more task step (about 20k instructions);
-            # a whole response, which is CPU-bound in the benchmarks, starts as a plain task.
-            # The test is on the raw bytes, before parsing (a compressed body is never
-            # eager); a false match costs only the eager start it did not need.
+            # its TTFT is what the client waits on. It costs one more task step (about 20k
+            # instructions), so a whole response starts as a plain task. The test is on
+            # the raw bytes, before parsing (a compressed body is never eager); a false
+            # match costs only the eager start it did not need.
             self.task, run_first_step = eager.create(loop, serve)
             run_first_step()
         else:

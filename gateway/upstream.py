@@ -402,10 +402,11 @@ class RelayTurns:
 
     Why: an engine's decode step emits one event per running sequence at once, so
     at 256 streams the gateway reads a few hundred events in one loop iteration.
-    Relayed inside their read callbacks (parse, scan, write: ~40 µs each on this
-    VM), they made that iteration last 5-15 ms, and a new request, or the first
-    token of one, arriving meanwhile waited for all of it: most of the gateway's
-    added TTFT at 256 streams (``python -m loadtest.peers --rig native``, (c)).
+    Relayed inside their read callbacks (parse, scan, write: 40 to 70 µs each on
+    this VM), they made that iteration last about 10 ms at p90 and 20 ms at p99, and
+    a new request, or the head of one, arriving meanwhile waited for all of it: most
+    of the gateway's added TTFT at 256 streams (``python -m loadtest.peers --rig
+    native``, (c); loadtest/README.md, "Fourth pass").
     Now, past :data:`INLINE_PER_MS` relayed reads in a millisecond of the loop's
     clock, a read callback of a relayed stream only queues the bytes (a few µs);
     requests, heads and first tokens are still handled in their read callbacks;
