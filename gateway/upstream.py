@@ -519,7 +519,7 @@ class UpstreamPool:
         request finds one ready instead of connecting in its TTFT: Envoy's
         ``preconnect_policy`` in its simplest form. A load that shifts between
         backends otherwise connects on the critical path: at 256 streams over two
-        backends 3 to 10% of the requests did, and those added 10 to 20 ms to their
+        backends 3 to 10% of the requests did, and those added 10 to 30 ms to their
         TTFT (loadtest/README.md, "Fourth pass")."""
         now = self.loop.time()
         while self._idle:
