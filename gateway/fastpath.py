@@ -40,6 +40,7 @@ from multidict import CIMultiDict
 
 from gateway import eager
 from gateway.downstream import ClientGone
+from gateway.sends import Sends
 from gateway.errors import ClientError, error_body
 from gateway.openai_api import check_json_content_type, parse_json_object
 
@@ -133,10 +134,9 @@ class FastDownstream:
         if not self.proto.keep_alive:
             tail += b"Connection: close\r\n"
         self.started = self.finished = True
-        try:
-            self._write(_head(status, headers, tail) + body)
-        except ClientGone:
-            pass
+        t = self.proto.transport
+        if t is not None and not t.is_closing():  # a whole response: sent with this turn's others (gateway/sends.py)
+            Sends.of(self.proto.loop).send(t, _head(status, headers, tail) + body)
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
         self.start_stream_now(headers, first, end)
@@ -168,6 +168,7 @@ class DataPlaneProtocol(asyncio.Protocol):
 
     def __init__(self, server: DataPlaneServer) -> None:
         self.server = server
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.task: asyncio.Task | None = None
@@ -319,6 +320,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         """Give the connection, with the bytes read so far, to aiohttp."""
         transport = self.transport
         assert transport is not None
+        Sends.of(self.loop).flush()  # our queued answers on it go out before aiohttp's
         handler = self.server.aiohttp_server()
         self.server.conns.discard(self)
         if self.idle_timer is not None:
@@ -368,7 +370,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         if t is None:
             return
         if not down.finished or not self.keep_alive or self.server.closing:
-            t.close()
+            Sends.of(self.loop).close(t)  # after the response queued for this turn
             return
         if self.paused:
             self.paused = False
@@ -520,6 +522,7 @@ class DataPlaneServer:
         close idle connections, then clean the aiohttp runner up."""
         self.closing = True
         self._close_listeners()
+        Sends.of(asyncio.get_running_loop()).flush()  # answers queued this turn, before any close below
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         for c in list(self.conns):

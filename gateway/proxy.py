@@ -475,7 +475,8 @@ class Proxy:
         try:
             try:  # every wait up to the first body byte is bounded by ttft_deadline (the exchange's timer)
                 try:
-                    up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body, ttft_deadline, early)
+                    up = await client.pool.request(_PATHS[parsed.endpoint], headers, ex.body, ttft_deadline, early,
+                                                   batched=not parsed.stream)
                 except ConnectTimedOut as e:
                     raise ConnectTimeout(name, f"connecting to backend {name} timed out") from e
                 except ConnectError as e:

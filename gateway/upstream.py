@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.sends import Sends
+
 TURN_S = 0.001  # longest run of relayed reads between two polls of the loop (see RelayTurns)
 INLINE_PER_MS = 2  # relayed reads handled in their own callback per millisecond of loop time, before turns
 # vLLM and SGLang serve with uvicorn, whose keep-alive timeout is 5 s by default: drop
@@ -542,7 +544,7 @@ class UpstreamPool:
         self._put(conn)  # closed (a retired or closed pool) or kept idle
 
     async def request(self, path: str, headers: bytes, body: bytes, deadline: float | None = None,
-                      on_ready: Callable[[Exchange], None] | None = None) -> Exchange:
+                      on_ready: Callable[[Exchange], None] | None = None, batched: bool = False) -> Exchange:
         """Send ``POST prefix+path`` with the extra header lines ``headers`` (CRLF
         terminated, no Host/Content-Length) and ``body``; return the exchange once the
         status line and headers arrived.
@@ -557,6 +559,8 @@ class UpstreamPool:
         (or the whole response) arrive in one read before this coroutine resumed:
         the caller can answer its client there, a loop turn earlier (it must not
         raise and must not block). It is never called once this method returned.
+        ``batched``: the request is sent with this loop turn's other non-urgent sends
+        (:mod:`gateway.sends`), not at once; for requests whose latency is not a TTFT.
         Raises :class:`ConnectError`, :class:`UpstreamClosed`, ``TimeoutError``.
         """
         head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
@@ -577,7 +581,10 @@ class UpstreamPool:
             conn.got_bytes = False
             conn.served += 1
             assert conn.transport is not None
-            conn.transport.write(head + body)
+            if batched:
+                Sends.of(self.loop).send(conn.transport, head + body)
+            else:
+                conn.transport.write(head + body)
             try:
                 await ex._head
                 ex._on_ready = None

@@ -322,3 +322,42 @@ async def test_taking_the_last_idle_connection_makes_a_spare() -> None:
             assert pool.idle == 2
         finally:
             pool.close()
+
+
+async def test_batched_sends_keep_order_and_close_after_their_bytes() -> None:
+    """gateway/sends.py: what one loop turn queues goes out in order, a queued close
+    after the bytes queued before it, and nothing is written to a closed transport."""
+    from gateway.sends import Sends
+
+    got: dict[int, bytes] = {}
+    done = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        k = int((await reader.readexactly(1)).decode())
+        got[k] = await reader.read()  # until the sender's close
+        writer.close()
+        if len(got) == 2:
+            done.set()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        loop = asyncio.get_running_loop()
+        (_, w1), (_, w2) = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        t1, t2 = w1.transport, w2.transport
+        sends = Sends.of(loop)
+        sends.send(t1, b"1first ")
+        sends.send(t2, b"2other ")
+        sends.send(t1, b"second")
+        sends.close(t1)  # after t1's two sends
+        sends.send(t2, b"stream")
+        sends.close(t2)
+        assert not t1.is_closing()  # nothing happened yet: all of it goes out at the end of the turn
+        await asyncio.wait_for(done.wait(), 10)
+        assert got == {1: b"first second", 2: b"other stream"}
+        sends.send(t1, b"late")  # t1 is closed: dropped, no error
+        sends.flush()
+        assert sends.queue == []
+    finally:
+        server.close()
+        await server.wait_closed()
