@@ -26,25 +26,40 @@ drops its queued bytes, as a write to it would have).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 
-class Sends:
-    """The queued sends of one event loop (:meth:`of`)."""
+_PER_LOOP: dict[tuple[type, int], Any] = {}
 
-    __slots__ = ("loop", "queue", "scheduled")
-    _by_loop: dict[int, Sends] = {}
+
+class PerLoop:
+    """One instance per event loop and subclass, made on first use by :meth:`of`
+    (``RelayTurns``, :class:`Sends`). Keyed by ``id(loop)`` and checked by identity,
+    so that a new loop reusing a dead one's id gets its own."""
+
+    __slots__ = ("loop",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: list[tuple[asyncio.WriteTransport, bytes | None]] = []
-        self.scheduled = False
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> Sends:
-        s = cls._by_loop.get(id(loop))
-        if s is None or s.loop is not loop:
-            s = cls._by_loop[id(loop)] = cls(loop)
-        return s
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Any:
+        key = (cls, id(loop))
+        obj = _PER_LOOP.get(key)
+        if obj is None or obj.loop is not loop:
+            obj = _PER_LOOP[key] = cls(loop)
+        return obj
+
+
+class Sends(PerLoop):
+    """The queued sends of one event loop (:meth:`of`)."""
+
+    __slots__ = ("queue", "scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.queue: list[tuple[asyncio.WriteTransport, bytes | None]] = []
+        self.scheduled = False
 
     def send(self, transport: asyncio.WriteTransport, data: bytes) -> None:
         """Queue ``data`` for ``transport``; it goes out at the end of this loop turn."""

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.sends import Sends
+from gateway.sends import PerLoop, Sends
 
 TURN_S = 0.001  # longest run of relayed reads between two polls of the loop (see RelayTurns)
 INLINE_PER_MS = 2  # relayed reads handled in their own callback per millisecond of loop time, before turns
@@ -398,7 +398,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.abort()
 
 
-class RelayTurns:
+class RelayTurns(PerLoop):
     """The reads of relayed streams, parsed and relayed in turns of at most
     :data:`TURN_S` seconds, between which the loop polls again.
 
@@ -425,23 +425,14 @@ class RelayTurns:
     relay's writes to clients happen inside the turn, back to back, and count
     against its time."""
 
-    __slots__ = ("loop", "conns", "scheduled", "inline_at", "inline_left")
-    _by_loop: dict[int, RelayTurns] = {}
+    __slots__ = ("conns", "scheduled", "inline_at", "inline_left")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        super().__init__(loop)
         self.conns: deque[_Connection] = deque()
         self.scheduled = False
         self.inline_at = -1.0  # the loop time (ms resolution on uvloop) the allowance below is for
         self.inline_left = 0
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> RelayTurns:
-        """The turns of ``loop`` (one per loop)."""
-        t = cls._by_loop.get(id(loop))
-        if t is None or t.loop is not loop:
-            t = cls._by_loop[id(loop)] = cls(loop)
-        return t
 
     def add(self, conn: _Connection) -> None:
         self.conns.append(conn)
