@@ -54,11 +54,8 @@ import httptools
 import yaml
 
 from loadtest import procs
-from loadtest.peers import PROXY_CORE, _core_busy, _fmt, _spawn, gather_bounded
-from loadtest.peers import _percentile as _pct
+from loadtest.rig_common import MODEL, PROMPT, PROXY_CORE, core_busy, fmt, gather_bounded, percentile, spawn
 
-MODEL = "zero"
-PROMPT = "hello " * 50
 TOKEN = b' tok"'  # a content token in the body as any proxy relays or re-serializes it
 WHOLE_TOKENS = 16
 STREAM_TOKENS = 64
@@ -665,12 +662,12 @@ def cpu_scenario(name: str, start, be: Backends, set_name: str, stream: bool, to
         warm = run_wrk(url, script, args.wrk_warmup_seconds, 1, 64, client_cpus)
         time.sleep(0.3)
         be.hits()  # the warm-up's hits are not counted
-        c0, b0, k0 = _tree_cpu(proc.pid if proc else None), be.cpu_seconds(), _core_busy(PROXY_CORE)
+        c0, b0, k0 = _tree_cpu(proc.pid if proc else None), be.cpu_seconds(), core_busy(PROXY_CORE)
         t0 = time.perf_counter()
         w = run_wrk(url, script, args.wrk_seconds, 1, 64, client_cpus)
         wall = time.perf_counter() - t0
         cpu = _tree_cpu(proc.pid) - c0 if proc else None
-        bcpu, k1 = be.cpu_seconds() - b0, _core_busy(PROXY_CORE)
+        bcpu, k1 = be.cpu_seconds() - b0, core_busy(PROXY_CORE)
         nprocs = len(procs.tree_pids(proc.pid)) if proc else None
     finally:
         if proc is not None:
@@ -683,11 +680,11 @@ def cpu_scenario(name: str, start, be: Backends, set_name: str, stream: bool, to
            "warmup_errors": warm.error_text(), "check": check or "ok", "split": split,
            "core0_busy": (bcpu + w.cpu_s) / wall if wall else None, "core1_other": core1_other,
            "latency_p50_ms": w.lat_p50_ms, "latency_p99_ms": w.lat_p99_ms, "nprocs": nprocs, "wall_s": wall}
-    print(f"  {name} ({'b' if stream else 'a'}): {_fmt(row['cpu_s_per_1k'], '{:.3f}')} CPU s/1k, "
-          f"{w.requests} requests, {_fmt(w.rps, '{:.0f}')} req/s, errors {w.error_text()} "
+    print(f"  {name} ({'b' if stream else 'a'}): {fmt(row['cpu_s_per_1k'], '{:.3f}')} CPU s/1k, "
+          f"{w.requests} requests, {fmt(w.rps, '{:.0f}')} req/s, errors {w.error_text()} "
           f"(warm-up {warm.error_text()}), "
-          f"split {split}, core 0 busy {_fmt(row['core0_busy'], '{:.0%}')}, core 1 other "
-          f"{_fmt(core1_other, '{:.0%}')}, check {check or 'ok'}", file=sys.stderr, flush=True)
+          f"split {split}, core 0 busy {fmt(row['core0_busy'], '{:.0%}')}, core 1 other "
+          f"{fmt(core1_other, '{:.0%}')}, check {check or 'ok'}", file=sys.stderr, flush=True)
     return row
 
 
@@ -710,24 +707,24 @@ def ttft_scenario(name: str, label: str, start, be: Backends, args, workdir: Pat
         for c in concurrencies:
             n = rounds or args.ttft_rounds
             run_streams(urls, c, 1, args.ttft_tokens, args.batch_timeout, stagger)
-            p0, b0, k0 = _tree_cpu(proc.pid if proc else None), be.cpu_seconds(), _core_busy(PROXY_CORE)
+            p0, b0, k0 = _tree_cpu(proc.pid if proc else None), be.cpu_seconds(), core_busy(PROXY_CORE)
             b = run_streams(urls, c, n, args.ttft_tokens, args.batch_timeout, stagger)
-            pcpu, bcpu, k1 = _tree_cpu(proc.pid if proc else None) - p0, be.cpu_seconds() - b0, _core_busy(PROXY_CORE)
+            pcpu, bcpu, k1 = _tree_cpu(proc.pid if proc else None) - p0, be.cpu_seconds() - b0, core_busy(PROXY_CORE)
             core1_other = (max(0.0, (k1 - k0) - pcpu) / b.wall_s) if k0 is not None and k1 is not None and b.wall_s \
                 else None
-            row = {"name": name, "label": label, "concurrency": c, "p50": _pct(b.ttft_ms, 50),
-                   "p99": _pct(b.ttft_ms, 99), "ok": b.streams, "errors": b.errors, "first_error": b.first_error,
+            row = {"name": name, "label": label, "concurrency": c, "p50": percentile(b.ttft_ms, 50),
+                   "p99": percentile(b.ttft_ms, 99), "ok": b.streams, "errors": b.errors, "first_error": b.first_error,
                    "events_per_stream": b.events / b.streams if b.streams else None,
                    "core0_busy": (b.client_cpu_s + bcpu) / b.wall_s if b.wall_s else None,
                    "core1_other": core1_other, "req_per_s": b.streams / b.wall_s if b.wall_s else None,
                    "proxy_cores": pcpu / b.wall_s if proc is not None and b.wall_s else None,
                    "chunks_per_s": b.events / b.wall_s if b.wall_s else None}
             rows.append(row)
-            print(f"  {name} (c, {c} streams): TTFT p50 {_fmt(row['p50'])} ms, p99 {_fmt(row['p99'])} ms, "
-                  f"{b.streams} streams, {_fmt(row['req_per_s'], '{:.0f}')} req/s, "
-                  f"{_fmt(row['chunks_per_s'], '{:.0f}')} events/s, proxy {_fmt(row['proxy_cores'], '{:.0%}')} of "
-                  f"a core, core 0 {_fmt(row['core0_busy'], '{:.0%}')}, "
-                  f"core 1 other {_fmt(core1_other, '{:.0%}')}, errors {b.errors}"
+            print(f"  {name} (c, {c} streams): TTFT p50 {fmt(row['p50'])} ms, p99 {fmt(row['p99'])} ms, "
+                  f"{b.streams} streams, {fmt(row['req_per_s'], '{:.0f}')} req/s, "
+                  f"{fmt(row['chunks_per_s'], '{:.0f}')} events/s, proxy {fmt(row['proxy_cores'], '{:.0%}')} of "
+                  f"a core, core 0 {fmt(row['core0_busy'], '{:.0%}')}, "
+                  f"core 1 other {fmt(core1_other, '{:.0%}')}, errors {b.errors}"
                   + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
     finally:
         if proc is not None:
@@ -795,7 +792,7 @@ def _workers_run(be: Backends, args, workdir: Path, all_cpus: set[int], n: int, 
     argv = [sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1", "--port", "{port}",
             "--log-level", "warning", "--workers", str(n)]
     try:
-        proc, url = _spawn(argv, str(workdir), f"gateway-{tag}", all_cpus)
+        proc, url = spawn(argv, str(workdir), f"gateway-{tag}", all_cpus)
     except Exception as e:
         return {"workers": n, "missing": f"did not start: {e}"}
     try:
@@ -861,12 +858,12 @@ def workers_scenario(be: Backends, args, workdir: Path, all_cpus: set[int]) -> d
                 if run.get("missing"):
                     print(f"{head}: {run['missing']}", file=sys.stderr, flush=True)
                     continue
-                print(f"{head}: {_fmt(run['req_per_s'], '{:.0f}')} req/s, {run['ok']} requests, errors "
+                print(f"{head}: {fmt(run['req_per_s'], '{:.0f}')} req/s, {run['ok']} requests, errors "
                       f"{run['error_text']} (warm-up {run['warmup_errors']}), listening sockets "
-                      f"{run['listening_sockets']}, gateway {_fmt(run['gateway_cores'])} cores, backends "
-                      f"{_fmt(run['backend_cores'])}, wrk {_fmt(run['wrk_cores'])}, valkey "
-                      f"{_fmt(run['valkey_cores'])}, other {_fmt(run['other_cores'])}, machine busy "
-                      f"{_fmt(run['machine_busy_cores'])} of {run['ncores']}, per process CPU s "
+                      f"{run['listening_sockets']}, gateway {fmt(run['gateway_cores'])} cores, backends "
+                      f"{fmt(run['backend_cores'])}, wrk {fmt(run['wrk_cores'])}, valkey "
+                      f"{fmt(run['valkey_cores'])}, other {fmt(run['other_cores'])}, machine busy "
+                      f"{fmt(run['machine_busy_cores'])} of {run['ncores']}, per process CPU s "
                       f"{run['per_process_cpu_s']}, store flush {run['store_flush']}, check {run['check']}",
                       file=sys.stderr, flush=True)
     finally:
@@ -955,7 +952,7 @@ def run(args, proxies: list, client_cpus: set[int] | None, proxy_cpus: set[int] 
 
 def _pair(r: dict[str, Any], key: str, f: str) -> str:
     a, b = r.get("a", {}), r.get("b", {})
-    return f"{_fmt(a.get(key), f)} / {_fmt(b.get(key), f)}"
+    return f"{fmt(a.get(key), f)} / {fmt(b.get(key), f)}"
 
 
 def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dict[str, Any]],
@@ -979,7 +976,7 @@ def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dic
             if x.get("missing"):
                 cells += [x["missing"], ""]
             else:
-                cells += [_fmt(x["cpu_s_per_1k"], "{:.3f}"), _fmt(x["req_per_s"], "{:.0f}")]
+                cells += [fmt(x["cpu_s_per_1k"], "{:.3f}"), fmt(x["req_per_s"], "{:.0f}")]
         errs = " / ".join(x.get("error_text", "n/a")
                           + ("" if x.get("check", "ok") == "ok" else f" (check: {x['check']})") for x in (a, b))
         print(f"| {r['label']} | {' | '.join(cells)} | {errs} | {'/'.join(map(str, a.get('split', [])))} "
@@ -988,7 +985,7 @@ def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dic
     if calibration:
         c = calibration[0]
         print(f"\n(c) calibration, direct at 1 stream ({c.get('ok')} streams, backend sleeps {args.ttft_ms:g} ms "
-              f"before the first event): TTFT p50 {_fmt(c.get('p50'))} ms, p99 {_fmt(c.get('p99'))} ms, errors "
+              f"before the first event): TTFT p50 {fmt(c.get('p50'))} ms, p99 {fmt(c.get('p99'))} ms, errors "
               f"{c.get('errors')}" + (f" ({c['first_error']})" if c.get("errors") else ""))
     for conc in args.ttft_concurrency if ttft_rows else []:
         rows = [r for r in ttft_rows if r["concurrency"] == conc]
@@ -1008,12 +1005,12 @@ def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dic
                 print(f"| {r['label']} | {r['missing']} | | | | | | | | | |")
                 continue
             err = str(r["errors"]) + (f" ({r['first_error'][:120]})" if r["errors"] else "")
-            print(f"| {r['label']} | {_fmt(r['p50'], '{:.1f}')} | {_fmt(r['p99'], '{:.1f}')} "
+            print(f"| {r['label']} | {fmt(r['p50'], '{:.1f}')} | {fmt(r['p99'], '{:.1f}')} "
                   f"| {r['p50'] - base.get('p50', float('nan')):+.1f} "
                   f"| {r['p99'] - base.get('p99', float('nan')):+.1f} "
-                  f"| {_fmt(r['req_per_s'], '{:.0f}')} | {_fmt(r['chunks_per_s'], '{:.0f}')} "
-                  f"| {_fmt(r['proxy_cores'], '{:.0%}')} | {_fmt(r['core0_busy'], '{:.0%}')} "
-                  f"| {_fmt(r['core1_other'], '{:.0%}')} | {err} |")
+                  f"| {fmt(r['req_per_s'], '{:.0f}')} | {fmt(r['chunks_per_s'], '{:.0f}')} "
+                  f"| {fmt(r['proxy_cores'], '{:.0%}')} | {fmt(r['core0_busy'], '{:.0%}')} "
+                  f"| {fmt(r['core1_other'], '{:.0%}')} | {err} |")
 
     if workers:
         runs = workers["runs"]
@@ -1033,10 +1030,10 @@ def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dic
                 continue
             note = "" if r["check"] == "ok" else f" (check: {r['check']})"
             note += "" if r["store_flush"] in ("ok", "n/a") else f" (store flush failed: {r['store_flush']})"
-            print(f"| {r['state']} | {r['workers']} | {_fmt(r['req_per_s'], '{:.0f}')} | {_fmt(r['gateway_cores'])} "
-                  f"| {_fmt(r['backend_cores'])} | {_fmt(r['wrk_cores'])} | {_fmt(r['valkey_cores'])} "
-                  f"| {_fmt(r['other_cores'])} | {_fmt(r['machine_busy_cores'])} of {r['ncores']} "
-                  f"| {_fmt(r['gateway_cpu_s_per_1k'], '{:.3f}')} | {r['error_text']}{note} |")
+            print(f"| {r['state']} | {r['workers']} | {fmt(r['req_per_s'], '{:.0f}')} | {fmt(r['gateway_cores'])} "
+                  f"| {fmt(r['backend_cores'])} | {fmt(r['wrk_cores'])} | {fmt(r['valkey_cores'])} "
+                  f"| {fmt(r['other_cores'])} | {fmt(r['machine_busy_cores'])} of {r['ncores']} "
+                  f"| {fmt(r['gateway_cpu_s_per_1k'], '{:.3f}')} | {r['error_text']}{note} |")
         for mode, ratio in workers.get("ratio", {}).items():
             r2 = next(r for r in runs if r.get("state") == mode and r["workers"] == 2)
             left = (r2.get("backend_cores") or 0) + (r2.get("wrk_cores") or 0) + (r2.get("valkey_cores") or 0)

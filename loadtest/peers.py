@@ -69,30 +69,13 @@ import aiohttp
 import yaml
 
 from loadtest import procs
+from loadtest.rig_common import (CLIENT_CORE, MODEL, PROMPT, PROXY_CORE, core_busy, fmt, gather_bounded, percentile,
+                                 spawn, wait_chat)
 
-MODEL = "zero"  # the id the zero backend lists in /v1/models (smg routes by it)
-PROMPT = "hello " * 50
 PEERS_HOME = Path(os.environ.get("TG_PEERS_HOME", "~/.cache/turbo-gateway/peers")).expanduser()
-CLIENT_CORE = 0
-PROXY_CORE = 1
 
 
 # --- load generator -----------------------------------------------------------------------------
-
-
-async def gather_bounded(coros: list, timeout_s: float) -> bool:
-    """Run ``coros`` as tasks for at most ``timeout_s`` seconds; past it, cancel those
-    still running and wait for them to end. Returns ``True`` when the bound was hit."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        async with asyncio.timeout(timeout_s):
-            await asyncio.gather(*tasks)
-        return False
-    except TimeoutError:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return True
 
 
 @dataclass
@@ -146,7 +129,7 @@ async def _drive(urls: list[str], n: int, concurrency: int, stream: bool, tokens
 
         t0 = time.perf_counter()
         c0 = _core0_cpu()
-        k0 = _core_busy(PROXY_CORE)
+        k0 = core_busy(PROXY_CORE)
         p0 = _proxy_cpu(proxy_pid)
         if await gather_bounded([worker(k) for k in range(concurrency)], timeout_s):
             out.first_error = out.first_error or f"batch timed out after {timeout_s} s"
@@ -154,7 +137,7 @@ async def _drive(urls: list[str], n: int, concurrency: int, stream: bool, tokens
         out.wall_s = time.perf_counter() - t0
         if c0 is not None and out.wall_s > 0:
             out.core0_busy = (_core0_cpu() - c0) / out.wall_s
-        k1 = _core_busy(PROXY_CORE)
+        k1 = core_busy(PROXY_CORE)
         if k0 is not None and k1 is not None and out.wall_s > 0:
             out.core1_other = max(0.0, (k1 - k0) - (_proxy_cpu(proxy_pid) - p0)) / out.wall_s
     return out
@@ -165,19 +148,6 @@ def _proxy_cpu(pid: int | None) -> float:
         return procs.tree_cpu_seconds(pid) if pid else 0.0
     except OSError:
         return 0.0
-
-
-def _core_busy(core: int) -> float | None:
-    """Busy seconds of one core so far (``/proc/stat``: all but idle and iowait)."""
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith(f"cpu{core} "):
-                    v = [int(x) for x in line.split()[1:]]
-                    return (sum(v[:8]) - v[3] - v[4]) / procs.CLK_TCK
-    except OSError:
-        pass
-    return None
 
 
 _BACKEND_PIDS: list[int] = []
@@ -214,16 +184,6 @@ def _served(urls: list[str]) -> list[int]:
     return out
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 # --- proxies ----------------------------------------------------------------------------------
 
 
@@ -236,60 +196,14 @@ class Proxy:
     missing: str = ""  # why it cannot run ("not installed: ...")
 
 
-def _wait_chat(url: str, proc: subprocess.Popen, timeout_s: float, log: Path | None) -> None:
-    """Until one small chat completion through ``url`` answers 200 (a router's /health can
-    answer before its workers are registered); bounded by ``timeout_s``."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}{_log_tail(log)}")
-        try:
-            req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except Exception as e:
-            last = str(e)
-        time.sleep(0.2)
-    raise RuntimeError(f"no 200 within {timeout_s} s ({last}){_log_tail(log)}")
-
-
-def _log_tail(log: Path | None) -> str:
-    if not log or not log.exists():
-        return ""
-    import re
-
-    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    return "; log: " + " | ".join(ln[:200] for ln in lines[-3:])
-
-
-def _spawn(argv: list[str], workdir: str, tag: str, cpus: set[int] | None, ready_s: float = 60.0
-           ) -> tuple[subprocess.Popen, str]:
-    port = procs.free_port()
-    argv = [a.replace("{port}", str(port)).replace("{mport}", str(procs.free_port())) for a in argv]
-    log = Path(workdir) / f"{tag}.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                preexec_fn=procs.pin_to(cpus))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_chat(url, proc, ready_s, log)
-    except BaseException:
-        procs.stop(proc)
-        raise
-    return proc, url
-
-
 def _gateway(policy: str) -> Proxy:
     def start(workers: list[str], workdir: str, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
         cfg = {"routing": {"policy": policy, "scrape_interval_s": 0}, "health": {"interval_s": 3600},
                "backends": [{"name": f"b{i}", "url": u, "models": [MODEL]} for i, u in enumerate(workers)]}
         path = Path(workdir) / f"gw-{policy}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        return _spawn([sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1", "--port",
-                       "{port}", "--log-level", "warning"], workdir, f"gateway-{policy}", cpus)
+        return spawn([sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1", "--port",
+                      "{port}", "--log-level", "warning"], workdir, f"gateway-{policy}", cpus)
 
     return Proxy(f"gateway-{policy}", f"turbo-gateway {_own_version()} {policy}", start)
 
@@ -331,7 +245,7 @@ def _nginx() -> Proxy:
         d.mkdir(exist_ok=True)
         res = procs.start_nginx(workers, str(d), cpus=cpus, ready_path="/health")
         assert res is not None
-        _wait_chat(res[1], res[0], 15.0, d / "error.log")
+        wait_chat(res[1], res[0], 15.0, d / "error.log")
         return res
 
     return Proxy("nginx", f"nginx {ver} (1 worker, proxy_buffering off)", start)
@@ -395,7 +309,7 @@ def _peer(name: str, dist: str, module: str, lead: list[str], policy: str, log_l
                 # metrics cannot be switched off in all three: a loopback port nobody scrapes
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", "{mport}",
                 "--health-check-interval-secs", "3600"]
-        return _spawn(argv, workdir, f"{name}-{policy}", cpus)
+        return spawn(argv, workdir, f"{name}-{policy}", cpus)
 
     return Proxy(f"{name}-{policy}", f"{name} {ver} {policy}", start)
 
@@ -409,12 +323,6 @@ def all_proxies() -> list[Proxy]:
 
 
 # --- the run ----------------------------------------------------------------------------------
-
-
-def _fmt(v: Any, f: str = "{:.2f}") -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "n/a"
-    return f.format(v) if isinstance(v, (int, float)) else str(v)
 
 
 def _print_load(load0: tuple[float, float, float] | None) -> None:
@@ -542,9 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                             "req_per_s": b.requests / b.wall_s if b.wall_s else None, "split": split,
                             "core1_other": b.core1_other,
                             "nprocs": len(procs.tree_pids(proc.pid)) if proc else None}
-                print(f"  {name} ({key}): {_fmt(row[key]['cpu_s_per_1k'])} CPU s/1k, "
-                      f"{_fmt(row[key]['req_per_s'], '{:.0f}')} req/s, split {split}, "
-                      f"core 1 other {_fmt(b.core1_other, '{:.0%}')}, errors {b.errors}"
+                print(f"  {name} ({key}): {fmt(row[key]['cpu_s_per_1k'])} CPU s/1k, "
+                      f"{fmt(row[key]['req_per_s'], '{:.0f}')} req/s, split {split}, "
+                      f"core 1 other {fmt(b.core1_other, '{:.0%}')}, errors {b.errors}"
                       + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
             return row
 
@@ -555,14 +463,14 @@ def main(argv: list[str] | None = None) -> int:
                             stagger_s=stagger))
                 b = _run(_drive(urls, args.ttft_rounds * c, c, True, args.ttft_tokens, args.batch_timeout,
                                 measure_ttft=True, stagger_s=stagger, proxy_pid=proc.pid if proc else None))
-                row = {"name": name, "label": label, "concurrency": c, "p50": _percentile(b.ttft_ms, 50),
-                       "p99": _percentile(b.ttft_ms, 99), "ok": b.requests, "errors": b.errors,
+                row = {"name": name, "label": label, "concurrency": c, "p50": percentile(b.ttft_ms, 50),
+                       "p99": percentile(b.ttft_ms, 99), "ok": b.requests, "errors": b.errors,
                        "first_error": b.first_error, "core0_busy": b.core0_busy, "core1_other": b.core1_other,
                        "req_per_s": b.requests / b.wall_s if b.wall_s else None}
                 ttft_rows.append(row)
-                print(f"  {name} (c, {c} streams): TTFT p50 {_fmt(row['p50'])} ms, p99 {_fmt(row['p99'])} ms, "
-                      f"{_fmt(row['req_per_s'], '{:.0f}')} req/s, core 0 {_fmt(b.core0_busy, '{:.0%}')}, "
-                      f"core 1 other {_fmt(b.core1_other, '{:.0%}')}, "
+                print(f"  {name} (c, {c} streams): TTFT p50 {fmt(row['p50'])} ms, p99 {fmt(row['p99'])} ms, "
+                      f"{fmt(row['req_per_s'], '{:.0f}')} req/s, core 0 {fmt(b.core0_busy, '{:.0%}')}, "
+                      f"core 1 other {fmt(b.core1_other, '{:.0%}')}, "
                       f"errors {b.errors}" + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
 
         print("\n(a) and (b): proxy CPU", file=sys.stderr)
@@ -619,10 +527,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['label']} | {r['missing']} | | | | | | |")
             continue
         a, b = r["a"], r["b"]
-        print(f"| {r['label']} | {_fmt(a['cpu_s_per_1k'], '{:.3f}')} | {_fmt(a['req_per_s'], '{:.0f}')} "
-              f"| {_fmt(b['cpu_s_per_1k'], '{:.3f}')} | {_fmt(b['req_per_s'], '{:.0f}')} | {a['errors'] + b['errors']} "
+        print(f"| {r['label']} | {fmt(a['cpu_s_per_1k'], '{:.3f}')} | {fmt(a['req_per_s'], '{:.0f}')} "
+              f"| {fmt(b['cpu_s_per_1k'], '{:.3f}')} | {fmt(b['req_per_s'], '{:.0f}')} | {a['errors'] + b['errors']} "
               f"| {'/'.join(map(str, a['split']))} "
-              f"| {_fmt(a['core1_other'], '{:.0%}')} / {_fmt(b['core1_other'], '{:.0%}')} |")
+              f"| {fmt(a['core1_other'], '{:.0%}')} / {fmt(b['core1_other'], '{:.0%}')} |")
     for c in args.ttft_concurrency if ttft_rows else []:
         rows = [r for r in ttft_rows if r["concurrency"] == c]
         base = rows[0]
@@ -636,10 +544,10 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("missing"):
                 print(f"| {r['label']} | {r['missing']} | | | | | | | |")
                 continue
-            print(f"| {r['label']} | {_fmt(r['p50'], '{:.1f}')} | {_fmt(r['p99'], '{:.1f}')} "
+            print(f"| {r['label']} | {fmt(r['p50'], '{:.1f}')} | {fmt(r['p99'], '{:.1f}')} "
                   f"| {r['p50'] - base['p50']:+.1f} | {r['p99'] - base['p99']:+.1f} "
-                  f"| {_fmt(r['req_per_s'], '{:.0f}')} | {_fmt(r['core0_busy'], '{:.0%}')} "
-                  f"| {_fmt(r['core1_other'], '{:.0%}')} | {r['errors']} |")
+                  f"| {fmt(r['req_per_s'], '{:.0f}')} | {fmt(r['core0_busy'], '{:.0%}')} "
+                  f"| {fmt(r['core1_other'], '{:.0%}')} | {r['errors']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"started": started.isoformat(), "pinned": pinned, "rig": rig_line,
                                                "settings": vars(args), "cpu": results, "ttft": ttft_rows},
