@@ -28,28 +28,29 @@ class _Strict(BaseModel):
 
 
 class Timeouts(_Strict):
-    """Timeouts of one upstream attempt, in seconds (``None`` disables one).
+    """Timeouts of one upstream attempt, in seconds (``None`` disables one). A timeout
+    that fires fails that attempt; the retry policy (:class:`Retries`) decides what
+    comes next."""
 
-    - ``connect_s``: TCP connect (and TLS) to the backend.
-    - ``ttft_s``: from sending the request to the first response body byte
-      (time to first token for a stream).
-    - ``idle_s``: longest gap between two body chunks (inter-token stall).
-    - ``total_s``: the whole attempt, first byte to last.
-    """
-
-    connect_s: PositiveSeconds | None = 5.0
-    ttft_s: PositiveSeconds | None = 120.0
-    idle_s: PositiveSeconds | None = 60.0
-    total_s: PositiveSeconds | None = 900.0
+    connect_s: PositiveSeconds | None = Field(
+        5.0, description="TCP connect (and TLS handshake) to a backend; `null`: no limit.")
+    ttft_s: PositiveSeconds | None = Field(
+        120.0, description="From the start of the attempt to the first response body byte (time to first "
+        "token for a stream); `null`: no limit.")
+    idle_s: PositiveSeconds | None = Field(
+        60.0, description="Longest gap between two body chunks of a response (an inter-token stall); "
+        "`null`: no limit.")
+    total_s: PositiveSeconds | None = Field(
+        900.0, description="The whole attempt, from its start to the last byte; `null`: no limit.")
 
 
 class TimeoutOverrides(_Strict):
     """Per-backend overrides of :class:`Timeouts`; unset fields keep the global value."""
 
-    connect_s: PositiveSeconds | None = None
-    ttft_s: PositiveSeconds | None = None
-    idle_s: PositiveSeconds | None = None
-    total_s: PositiveSeconds | None = None
+    connect_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.connect_s`; unset: the global value.")
+    ttft_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.ttft_s`; unset: the global value.")
+    idle_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.idle_s`; unset: the global value.")
+    total_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.total_s`; unset: the global value.")
 
 
 class Retries(_Strict):
@@ -64,20 +65,33 @@ class Retries(_Strict):
     since the first attempt.
     """
 
-    max_attempts: int = Field(3, ge=1, le=20)
-    base_backoff_s: float = Field(0.05, ge=0)
-    max_backoff_s: float = Field(2.0, ge=0)
-    budget_s: float = Field(30.0, gt=0)
-    max_retry_after_s: float = Field(10.0, ge=0)
-    failed_backend_cooldown_s: float = Field(1.0, ge=0)
+    max_attempts: int = Field(3, ge=1, le=20, description="Attempts in all, the first one included.")
+    base_backoff_s: float = Field(
+        0.05, ge=0, description="Backoff before retry *n*: `uniform(0, min(max_backoff_s, base_backoff_s * "
+        "2^(n-1)))` (full jitter).")
+    max_backoff_s: float = Field(2.0, ge=0, description="Cap of the backoff before one retry.")
+    budget_s: float = Field(
+        30.0, gt=0, description="No retry starts later than this after the first attempt started.")
+    max_retry_after_s: float = Field(
+        10.0, ge=0, description="Longest `Retry-After` a request waits for when it can only go back to the "
+        "backend that sent it (the backend is kept out of routing for as long as it asked either way).")
+    failed_backend_cooldown_s: float = Field(
+        1.0, ge=0, description="A backend that refused a connection or did not accept it within "
+        "`connect_s` is skipped by every request this long.")
 
 
 class SpeedHints(_Strict):
     """Optional seeds for the load model (learned online later)."""
 
-    prefill_tokens_per_s: float | None = Field(None, gt=0)
-    decode_tokens_per_s: float | None = Field(None, gt=0)
-    kv_capacity_tokens: int | None = Field(None, gt=0)
+    prefill_tokens_per_s: float | None = Field(
+        None, gt=0, description="Expected prefill rate in tokens/s; the load model learns it from observed "
+        "TTFTs anyway.")
+    decode_tokens_per_s: float | None = Field(
+        None, gt=0, description="Expected single-stream decode rate in tokens/s; learned from observed "
+        "inter-token latency anyway.")
+    kv_capacity_tokens: int | None = Field(
+        None, gt=0, description="KV-cache capacity in tokens (bounds the prefix index's share of this "
+        "backend); learned from the engine's `/metrics` when it exports it.")
 
 
 class Backend(_Strict):
@@ -91,16 +105,35 @@ class Backend(_Strict):
     ``python -m loadtest.sim`` (validated there; see ``loadtest/README.md``).
     """
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
-    url: str | None = None
-    models: list[str] = Field(min_length=1)
-    pool: str = "mixed"
-    weight: float = Field(1.0, gt=0)
-    api_key_env: str | None = None
-    hints: SpeedHints = SpeedHints()
-    timeouts: TimeoutOverrides = TimeoutOverrides()
-    health_path: str | None = None
-    simulate: dict[str, Any] | None = None
+    name: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="Unique name of the backend (letters, digits, `_ . : -`): in metrics, logs, the "
+        "`x-turbo-backend` header and the admin endpoints.")
+    url: str | None = Field(
+        None, description="The server's base URL without `/v1`, e.g. `http://10.0.0.5:8000` (`http://` or "
+        "`https://`); request paths are appended. Set exactly one of `url` and `simulate`.")
+    models: list[str] = Field(
+        min_length=1, description="Model names the backend serves (the `model` field clients send).")
+    pool: str = Field("mixed", description="The name of a pool from `pools`.")
+    weight: float = Field(
+        1.0, gt=0, description="Relative capacity, for the load-aware policies (a weight-2 backend takes "
+        "about twice the work of a weight-1 one).")
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding the key sent to this backend as `Authorization: "
+        "Bearer`; it must be set when the config loads. The caller's own key is never forwarded.")
+    hints: SpeedHints = Field(
+        SpeedHints(), description="Seeds for the load model; every one is learned online anyway.")
+    timeouts: TimeoutOverrides = Field(
+        TimeoutOverrides(), description="Per-backend overrides of any `timeouts` field.")
+    health_path: str | None = Field(None, description="This backend's health-check path; unset: `health.path`.")
+    simulate: dict[str, Any] | None = Field(
+        None, description="Instead of `url`: a demo backend that the gateway starts itself on a free loopback "
+        "port (`python -m loadtest.sim`). Takes the simulator's backend spec fields: `profile` (`demo`, "
+        "`h100-llama3-8b`, `a100-llama3-8b`, ...), `speed` (emulated GPU time runs this many times faster "
+        "than real time), `eos_after` (natural answer length in tokens, or `[lo, hi]`), `role`, "
+        "`max_tokens_default`, `profile_overrides`, `faults` (see `loadtest/README.md`, \"Backend spec "
+        "fields\"). Checked when the simulator starts, not at config load: a bad field makes start-up fail "
+        "(exit code 1). Adding or changing one needs a restart.")
 
     @field_validator("url")
     @classmethod
@@ -121,31 +154,40 @@ class Backend(_Strict):
 
 
 class HealthChecks(_Strict):
-    """Active health checks: ``GET {url}{path}`` every ``interval_s`` seconds; a
-    backend is down after ``unhealthy_threshold`` consecutive failures (non-2xx or
-    no answer within ``timeout_s``) and up again after one success."""
+    """Active health checks: ``GET {url}{path}`` of every backend, periodically; a
+    probe fails on a non-2xx answer or none within ``timeout_s``."""
 
-    interval_s: float = Field(5.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
-    path: str = "/health"
-    unhealthy_threshold: int = Field(2, ge=1)
-    healthy_threshold: int = Field(1, ge=1)
+    interval_s: float = Field(5.0, gt=0, description="Time between two probes of a backend.")
+    timeout_s: float = Field(2.0, gt=0, description="A probe with no answer within this long fails.")
+    path: str = Field(
+        "/health", description="Probe path (vLLM, SGLang, TGI and llama.cpp all serve `/health`); "
+        "`backends[].health_path` overrides it per backend.")
+    unhealthy_threshold: int = Field(
+        2, ge=1, description="Consecutive failed probes before a backend is marked down (out of routing).")
+    healthy_threshold: int = Field(
+        1, ge=1, description="Consecutive passed probes before a down backend takes traffic again.")
 
 
 class Pool(_Strict):
     """A named group of backends with a role (``mixed``, ``prefill`` or ``decode``)."""
 
-    name: str
-    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    name: str = Field(description="The pool's name, as `backends[].pool` and `routing.canaries[]` give it.")
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="`mixed` serves whole requests; `prefill` takes long uncached prompts (the "
+        "prefill leg when a `decode` pool exists too); `decode` takes the decode leg of a disaggregated "
+        "request.")
 
 
 class Listen(_Strict):
-    """Where the gateway listens. ``fast_path``: serve plain completion requests on the
-    lean data-plane protocol (:mod:`gateway.fastpath`) instead of aiohttp's server."""
+    """Where the gateway listens, and on which server protocol."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    fast_path: bool = True
+    host: str = Field("127.0.0.1", description="Listen address; `--host` overrides it.")
+    port: int = Field(8080, ge=0, le=65535, description="Listen port (0: any free port); `--port` overrides it.")
+    fast_path: bool = Field(
+        True, description="Serve plain `POST /v1/chat/completions` and `/v1/completions` on the lean "
+        "HTTP/1.1 data-plane protocol; every other request (another path, a body coding, `Expect`, "
+        "HTTP/1.0, an unusual head) is handed to aiohttp's server unchanged. `false`: aiohttp serves "
+        "everything.")
 
 
 class CanarySplit(_Strict):
@@ -153,34 +195,43 @@ class CanarySplit(_Strict):
     requests (0 to 1, e.g. 0.05), from ``canary_pool``; a canary request that fails
     before its first byte is retried on the stable pool."""
 
-    model: str
-    stable_pool: str
-    canary_pool: str
-    canary_weight: float = Field(0.05, ge=0, le=1)
+    model: str = Field(description="The model whose requests are split.")
+    stable_pool: str = Field(
+        description="Pool serving the model's other requests, and canary requests that failed before "
+        "their first byte.")
+    canary_pool: str = Field(description="Pool receiving the canary share.")
+    canary_weight: float = Field(
+        0.05, ge=0, le=1, description="Fraction of the model's requests sent to `canary_pool` (0 to 1). "
+        "Compare the pools with `turbo_gateway_pool_requests_total{pool,status}` and "
+        "`turbo_gateway_pool_ttft_seconds{pool}`.")
 
 
 class Routing(_Strict):
-    """How a backend is chosen.
+    """How a backend is chosen: the policy, the prefix index, pools and canaries."""
 
-    - ``policy``: one of :data:`routing.POLICIES` (default ``estimated_ttft``).
-    - ``block_tokens``: prefix-index block size in tokens (blocks are cut every
-      ``4 * block_tokens`` bytes of canonical prompt text).
-    - ``prefix_ttl_s``: an indexed block unused this long counts as evicted.
-    - ``prefix_index_max_blocks``: memory bound of the index (about 100 bytes a block).
-    - ``long_prompt_tokens``: a request with more uncached prompt tokens than this goes
-      to a ``prefill`` pool when one exists (or, with a ``decode`` pool too, runs the
-      disaggregated two-step flow).
-    - ``scrape_interval_s``: how often backends' ``/metrics`` are read to correct the
-      load estimate (0 disables); samples older than 3 intervals are ignored.
-    """
-
-    policy: str = "estimated_ttft"
-    block_tokens: int = Field(64, ge=1, le=65536)
-    prefix_ttl_s: float = Field(600.0, gt=0)
-    prefix_index_max_blocks: int = Field(2_000_000, ge=1000)
-    long_prompt_tokens: int = Field(8192, ge=1)
-    scrape_interval_s: float = Field(2.0, ge=0)
-    canaries: list[CanarySplit] = []
+    policy: str = Field(
+        "estimated_ttft", description="The routing policy, one of: " + ", ".join(f"`{p}`" for p in sorted(POLICIES))
+        + ". `estimated_ttft` sends each request where its first token is estimated to come soonest; the "
+        "others are baselines (see docs/architecture.md, \"The routing model\").")
+    block_tokens: int = Field(
+        64, ge=1, le=65536, description="Prefix-index block size in tokens (a block is cut every "
+        "`4 * block_tokens` bytes of canonical prompt text). Changing it needs a restart.")
+    prefix_ttl_s: float = Field(
+        600.0, gt=0, description="An indexed prefix block unused this long counts as evicted. Changing it "
+        "needs a restart.")
+    prefix_index_max_blocks: int = Field(
+        2_000_000, ge=1000, description="Memory bound of the prefix index (about 100 bytes a block). "
+        "Changing it needs a restart.")
+    long_prompt_tokens: int = Field(
+        8192, ge=1, description="A request with more uncached prompt tokens than this goes to a `prefill` "
+        "pool when one exists (with a `decode` pool too, it runs the disaggregated two-step flow).")
+    scrape_interval_s: float = Field(
+        2.0, ge=0, description="How often backends' `/metrics` are read to learn KV capacity and correct "
+        "the load estimate's drift (0: never); samples older than 3 intervals are ignored.")
+    canaries: list[CanarySplit] = Field(
+        [], description="Canary (gray) releases: per model, a fraction of requests goes to a canary pool; a "
+        "canary failure before the first byte is retried on the stable pool "
+        "(`turbo_gateway_canary_fallbacks_total` counts them).")
 
     @field_validator("policy")
     @classmethod
@@ -192,26 +243,26 @@ class Routing(_Strict):
 
 class StateStore(_Strict):
     """Where the routing state lives: in this process (default) or shared by every
-    replica through Redis (see :mod:`routing.state`).
+    replica through Redis (see :mod:`routing.state`). Changing it needs a restart."""
 
-    - ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` for TLS, ``unix://``,
-      or ``redis+sentinel://[:password@]h1:26379,h2:26379/service[/db]`` (Sentinel);
-      unset = in-process.
-    - ``namespace``: keys are ``tg:{namespace}:...`` (a Cluster hash tag).
-    - ``staleness_s``: bound on the age of the other replicas' view (default 50 ms).
-    - ``lease_s``: a replica's load stops counting this long after its last sync.
-    - ``timeout_s``: connect and read timeout of every Redis call.
-    - ``prefix_stream_maxlen``: dispatches kept for late-starting replicas.
-    - ``cluster``: use Redis Cluster (redis-py ``RedisCluster``).
-    """
-
-    url: str | None = None
-    namespace: str = Field("turbo-gateway", pattern=r"^[A-Za-z0-9_.:-]+$")
-    staleness_s: float = Field(0.05, gt=0, le=60)
-    lease_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(0.25, gt=0)
-    prefix_stream_maxlen: int = Field(20000, ge=100)
-    cluster: bool = False
+    url: str | None = Field(
+        None, description="`redis://[:password@]host:port/db`, `rediss://` (TLS), `unix://` or "
+        "`redis+sentinel://[:password@]h1:26379,h2:26379/service[/db]` (Sentinel): share load, prefix "
+        "placement and per-key limits with the other replicas. Unset: this process only.")
+    namespace: str = Field(
+        "turbo-gateway", pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="Keys are `tg:{namespace}:...` (the braces are a Redis Cluster hash tag).")
+    staleness_s: float = Field(
+        0.05, gt=0, le=60, description="Bound on the age of the other replicas' view; the background sync "
+        "runs every half of it.")
+    lease_s: float = Field(
+        2.0, gt=0, description="A replica's load stops counting this long after its last sync (a killed "
+        "replica leaks nothing).")
+    timeout_s: float = Field(0.25, gt=0, description="Connect and read timeout of every Redis call.")
+    prefix_stream_maxlen: int = Field(
+        20000, ge=100, description="Recent dispatches (prefix blocks) kept in Redis for replicas that "
+        "start late.")
+    cluster: bool = Field(False, description="Connect with redis-py's `RedisCluster` (Redis Cluster).")
 
     @field_validator("url")
     @classmethod
@@ -225,48 +276,52 @@ class StateStore(_Strict):
 
 
 class Limits(_Strict):
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    """Limits on what a request may carry."""
+
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413.")
 
 
 class Batch(_Strict):
-    """The Batch API and its queue consumers (:mod:`gateway.batch`).
+    """The Batch API and its queue consumers (:mod:`gateway.batch`)."""
 
-    - ``enabled``: serve ``/v1/files`` and ``/v1/batches`` (needs Redis: ``redis_url``
-      or ``state.url``).
-    - ``files_dir``: where uploaded, output and error files live (shared by replicas).
-    - ``redis_url``: the queue and job state; unset = ``state.url``.
-    - ``gateway_url``: where ``python -m gateway.batch`` consumers send lines (default:
-      the ``listen`` address).
-    - ``workers``: lines this gateway process drains itself (0: external consumers only,
-      ``python -m gateway.batch``).
-    - ``ttft_slo_s``: batch lines are admitted only while the fleet's estimated TTFT of
-      an interactive request (``interactive_prompt_tokens`` long) stays within this.
-    - ``max_share``: batch lines hold at most this share of the fleet's KV-cache
-      capacity (estimated prompt + output tokens of the lines in flight).
-    - ``admission_wait_s``: a line waits this long for admission, then gets 429
-      ``batch_deferred`` (the consumer retries it; not counted as an attempt).
-    - ``request_timeout_s``, ``max_attempts``, ``base_backoff_s``, ``max_backoff_s``:
-      per-attempt timeout and the retry policy of one line (full-jitter backoff).
-    - ``visibility_timeout_s``: a line claimed by a consumer that stopped heartbeating
-      (killed) is reclaimed by another consumer after this long.
-    - ``max_file_bytes``: largest upload.
-    """
-
-    enabled: bool = False
-    files_dir: str = "batch-files"
-    redis_url: str | None = None
-    gateway_url: str | None = None
-    workers: int = Field(0, ge=0, le=4096)
-    ttft_slo_s: float = Field(2.0, gt=0)
-    interactive_prompt_tokens: int = Field(512, ge=1)
-    max_share: float = Field(0.5, gt=0, le=1)
-    admission_wait_s: float = Field(2.0, gt=0)
-    request_timeout_s: float = Field(180.0, gt=0)
-    max_attempts: int = Field(3, ge=1, le=20)
-    base_backoff_s: float = Field(0.5, ge=0)
-    max_backoff_s: float = Field(30.0, ge=0)
-    visibility_timeout_s: float = Field(60.0, gt=0)
-    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+    enabled: bool = Field(
+        False, description="Serve `/v1/files` and `/v1/batches` and run the batch life cycle (needs Redis: "
+        "`batch.redis_url` or `state.url`).")
+    files_dir: str = Field(
+        "batch-files", description="Where uploaded, output and error files live (shared by every replica "
+        "that serves the Batch API).")
+    redis_url: str | None = Field(
+        None, description="Redis holding the line queue and the batch records (`redis://`, `rediss://`, "
+        "`unix://` or `redis+sentinel://`); unset: `state.url`.")
+    gateway_url: str | None = Field(
+        None, description="Where `python -m gateway.batch` consumers send lines; unset: the `listen` "
+        "address.")
+    workers: int = Field(
+        0, ge=0, le=4096, description="Lines this gateway process drains itself, concurrently (0: external "
+        "consumers only, `python -m gateway.batch`).")
+    ttft_slo_s: float = Field(
+        2.0, gt=0, description="Batch lines are admitted only while the fleet's estimated TTFT for an "
+        "interactive request (`interactive_prompt_tokens` long) stays within this.")
+    interactive_prompt_tokens: int = Field(
+        512, ge=1, description="Prompt length of the interactive request whose estimated TTFT `ttft_slo_s` "
+        "bounds.")
+    max_share: float = Field(
+        0.5, gt=0, le=1, description="Batch lines hold at most this share of the fleet's KV-cache capacity "
+        "(estimated prompt and output tokens of the lines in flight).")
+    admission_wait_s: float = Field(
+        2.0, gt=0, description="A line waits this long for admission, then gets 429 `batch_deferred` (the "
+        "consumer retries it; not counted as an attempt).")
+    request_timeout_s: float = Field(180.0, gt=0, description="Timeout of one attempt of one line.")
+    max_attempts: int = Field(3, ge=1, le=20, description="Attempts of one line in all; the final failure "
+                              "goes to the error file with the backend's status and error body.")
+    base_backoff_s: float = Field(0.5, ge=0, description="Base of a line's full-jitter backoff between "
+                                  "attempts (as `retries.base_backoff_s`).")
+    max_backoff_s: float = Field(30.0, ge=0, description="Cap of a line's backoff between attempts.")
+    visibility_timeout_s: float = Field(
+        60.0, gt=0, description="A line claimed by a consumer that stopped heartbeating (killed) is "
+        "reclaimed by another consumer after this long.")
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="Largest file upload accepted.")
 
     @field_validator("redis_url")
     @classmethod
@@ -277,17 +332,14 @@ class Batch(_Strict):
 
 
 class Lifecycle(_Strict):
-    """Shutdown and reload.
+    """Shutdown and reload."""
 
-    - ``drain_timeout_s``: after SIGTERM the gateway stops accepting connections and
-      lets in-flight requests (streams included) finish for at most this long, then
-      exits 0 (deploy/ assumes 30 s).
-    - ``watch_config_s``: how often the config file is checked for changes (a changed
-      file is reloaded like SIGHUP); 0 disables the watch.
-    """
-
-    drain_timeout_s: float = Field(30.0, ge=0)
-    watch_config_s: float = Field(2.0, ge=0)
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="After SIGTERM the gateway stops accepting connections and lets in-flight "
+        "requests (streams included) finish for at most this long, then exits 0 (deploy/ assumes 30 s).")
+    watch_config_s: float = Field(
+        2.0, ge=0, description="How often the config file is checked for changes; a changed file is "
+        "reloaded like SIGHUP (0: no watch).")
 
 
 class ClientKey(_Strict):
@@ -297,13 +349,27 @@ class ClientKey(_Strict):
     metrics and the shared store. Limits are per key, across every replica sharing
     ``state.url``; unset = unlimited."""
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
-    key_env: str | None = None
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
-    priority: int = Field(0, ge=0, le=9)
+    name: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="The key's identity in logs, metrics (`key_name`), Redis and batch ownership; the key "
+        "itself appears nowhere.")
+    key_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-fA-F]{64}$",
+        description="The key's SHA-256, 64 hex digits (`printf %s \"$KEY\" | sha256sum`). Set exactly one "
+        "of `key_sha256` and `key_env`.")
+    key_env: str | None = Field(
+        None, description="Environment variable holding the key (hashed at load; must be set and non-empty).")
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests per minute (sliding window), across every replica sharing "
+        "`state.url`; over it: 429 `rate_limit_exceeded` with `Retry-After`. Unset: unlimited.")
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Tokens per minute: a request is charged its estimated prompt plus "
+        "`max_tokens` up front, corrected to the reported `usage` when it completes, refunded when it "
+        "never reached a backend. Unset: unlimited.")
+    max_concurrent: int | None = Field(
+        None, ge=1, description="Requests in flight at once for this key. Unset: unlimited.")
+    priority: int = Field(
+        0, ge=0, le=9, description="Higher goes first in the admission queue (`admission`).")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ClientKey":
@@ -327,7 +393,10 @@ class Auth(_Strict):
     caller is anonymous and unlimited (a local demo); with keys, one is required on
     ``/v1/*``."""
 
-    keys: list[ClientKey] = []
+    keys: list[ClientKey] = Field(
+        [], description="Client API keys and their limits. With any configured, `/v1/*` needs "
+        "`Authorization: Bearer KEY` (401 otherwise); none: every caller is anonymous and unlimited. "
+        "Names and key values must be unique.")
 
     @model_validator(mode="after")
     def _unique(self) -> "Auth":
@@ -345,8 +414,12 @@ class Admin(_Strict):
     """Admin endpoints (``/admin/*``): off (404) unless an admin key is set, as a
     SHA-256 (``key_sha256``) or an environment variable holding it (``key_env``)."""
 
-    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
-    key_env: str | None = None
+    key_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-fA-F]{64}$",
+        description="The admin key's SHA-256 (64 hex digits). Without an admin key `/admin/*` answers 404.")
+    key_env: str | None = Field(
+        None, description="Instead of `key_sha256`: an environment variable holding the admin key (hashed "
+        "at load; must be set and non-empty).")
 
     @model_validator(mode="after")
     def _at_most_one(self) -> "Admin":
@@ -373,9 +446,13 @@ class Breaker(_Strict):
     lets one probe request through (half-open) and closes after
     ``success_threshold`` successes. ``failure_threshold: 0`` disables it."""
 
-    failure_threshold: int = Field(5, ge=0)
-    open_s: float = Field(10.0, gt=0)
-    success_threshold: int = Field(1, ge=1)
+    failure_threshold: int = Field(
+        5, ge=0, description="Consecutive failed attempts (connect errors, timeouts, 5xx, cut streams; not "
+        "4xx or 429) that open a backend's circuit breaker (0: no breaker).")
+    open_s: float = Field(
+        10.0, gt=0, description="An open breaker keeps the backend out of routing this long, then lets one "
+        "probe request through (half-open).")
+    success_threshold: int = Field(1, ge=1, description="Successful probe requests that close the breaker again.")
 
 
 class Admission(_Strict):
@@ -385,29 +462,58 @@ class Admission(_Strict):
     ``queue_size``, served fairly across keys) for at most ``queue_timeout_s``, then
     get 503 with ``Retry-After``. Unset = off."""
 
-    max_in_flight_per_backend: int | None = Field(None, ge=1)
-    queue_size: int = Field(1000, ge=0)
-    queue_timeout_s: float = Field(10.0, ge=0)
+    max_in_flight_per_backend: int | None = Field(
+        None, ge=1, description="A backend is full at this many in-flight requests (from every replica); "
+        "when every routable backend of a model is full, requests queue. Unset: no admission control.")
+    queue_size: int = Field(
+        1000, ge=0, description="Waiting requests per priority; beyond, 503 `fleet_saturated` with "
+        "`Retry-After` at once.")
+    queue_timeout_s: float = Field(
+        10.0, ge=0, description="Longest wait in the queue, then 503 `fleet_saturated` with `Retry-After`.")
 
 
 class GatewayConfig(_Strict):
     """The root of ``backends.yaml``."""
 
-    listen: Listen = Listen()
-    backends: list[Backend] = Field(min_length=1)
-    pools: list[Pool] = [Pool(name="mixed")]
-    routing: Routing = Routing()
-    timeouts: Timeouts = Timeouts()
-    retries: Retries = Retries()
-    state: StateStore = StateStore()
-    limits: Limits = Limits()
-    health: HealthChecks = HealthChecks()
-    lifecycle: Lifecycle = Lifecycle()
-    auth: Auth = Auth()
-    admin: Admin = Admin()
-    breaker: Breaker = Breaker()
-    admission: Admission = Admission()
-    batch: Batch = Batch()
+    listen: Listen = Field(Listen(), description="Where the gateway listens. Changing it needs a restart.")
+    backends: list[Backend] = Field(
+        min_length=1, description="The upstream OpenAI-compatible servers (vLLM, SGLang, TGI, llama.cpp, ...), "
+        "or simulated demo backends. At least one; names unique.")
+    pools: list[Pool] = Field(
+        [Pool(name="mixed")], description="Named groups of backends with a role: `mixed`, `prefill` or "
+        "`decode`. Every `backends[].pool` must name one.")
+    routing: Routing = Field(
+        Routing(), description="How a backend is chosen: the policy, the prefix index, pools and canaries.")
+    timeouts: Timeouts = Field(
+        Timeouts(), description="Timeouts of one upstream attempt, in seconds; `backends[].timeouts` overrides "
+        "them per backend. A timeout that fires fails the attempt (retried while no byte reached the "
+        "client).")
+    retries: Retries = Field(
+        Retries(), description="Retries with exponential backoff and full jitter (AWS Architecture Blog, "
+        "\"Exponential Backoff And Jitter\", 2015), for connect errors, 429, 502/503/504 and timeouts, only "
+        "while no byte has reached the client; each retry goes to another backend when one can serve the "
+        "model.")
+    state: StateStore = Field(
+        StateStore(), description="Where the routing state lives: this process, or shared by every replica "
+        "through Redis (no Redis call on the request path). Changing it needs a restart.")
+    limits: Limits = Field(Limits(), description="Limits on what a request may carry.")
+    health: HealthChecks = Field(
+        HealthChecks(), description="Active health checks: `GET {url}{path}` of every backend, periodically; "
+        "a probe fails on a non-2xx answer or none within `timeout_s`.")
+    lifecycle: Lifecycle = Field(Lifecycle(), description="Shutdown (SIGTERM drain) and config reload.")
+    auth: Auth = Field(
+        Auth(), description="Client API keys (`Authorization: Bearer`) and their per-key limits.")
+    admin: Admin = Field(
+        Admin(), description="The admin key of `/admin/*` (backends, drain, reload, batches). Set at most one "
+        "of `key_sha256` and `key_env`; with neither the admin endpoints answer 404.")
+    breaker: Breaker = Field(
+        Breaker(), description="Passive outlier detection: one circuit breaker per backend.")
+    admission: Admission = Field(
+        Admission(), description="Admission control when the fleet is saturated: requests wait in a queue per "
+        "priority, served round robin across keys, then get 503 with `Retry-After`.")
+    batch: Batch = Field(
+        Batch(), description="The OpenAI Files and Batches API and its queue consumers, at a lower priority "
+        "than interactive traffic.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "GatewayConfig":
