@@ -12,111 +12,21 @@ Adding a policy means one module in this package and one line in :data:`POLICIES
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable
 
-from routing.fleet import BackendState
+from routing.policies.base import BasePolicy, Decision, Policy, RouteRequest
+from routing.policies.cache_aware import CacheAware, CacheAwareMinLoad
+from routing.policies.estimated_ttft import EstimatedTTFT
+from routing.policies.least_requests import LeastRequests
+from routing.policies.power_of_two import PowerOfTwo
+from routing.policies.prefix_hash import PrefixHash
+from routing.policies.round_robin import RoundRobin
 
+__all__ = ["POLICIES", "BasePolicy", "Decision", "Policy", "RouteRequest", "make_policy"]
 
-@dataclass(slots=True)
-class RouteRequest:
-    """What a policy may know about a request.
-
-    - ``model``: the requested model name.
-    - ``exclude``: backend names that must not be chosen (they already failed it).
-    - ``prompt_text``: the canonical prompt text (see :mod:`routing.estimate`), the
-      string the ``cache_aware`` baseline matches in its radix trees.
-    - ``prompt_bytes``: its length in UTF-8 bytes.
-    - ``block_hashes``: chained hashes of its fixed-size blocks (block ``i``'s hash
-      covers blocks ``0..i``), the key of the prefix index.
-    - ``prompt_tokens``: estimated prompt length in tokens.
-    - ``output_tokens``: expected completion length in tokens.
-    - ``tokens_per_block``: estimated tokens in one prefix block.
-    - ``roles``: pool roles the backend may have (``None``: any).
-    - ``pools``: pool names the backend may belong to (``None``: any), set by a
-      canary split (see :meth:`routing.router.Router.canary_pools`).
-    - ``remote_prefill``: the prompt's KV arrives by transfer (decode leg of a
-      disaggregated request): the backend computes no prefill for it.
-    - Set by the router before ``choose``: ``now`` (monotonic seconds) and
-      ``matched_blocks`` (per backend, leading blocks it probably holds).
-    """
-
-    model: str
-    exclude: frozenset[str] = frozenset()
-    prompt_text: str = ""
-    prompt_bytes: int = 0
-    block_hashes: tuple[int, ...] = ()
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    tokens_per_block: float = 64.0
-    roles: frozenset[str] | None = None
-    pools: frozenset[str] | None = None
-    remote_prefill: bool = False
-    now: float = 0.0
-    matched_blocks: dict[str, int] = field(default_factory=dict)
-    matched_at: float | None = None
-
-    def cached_tokens(self, backend: str) -> float:
-        """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
-        if self.remote_prefill:
-            return float(self.prompt_tokens)
-        blocks = self.matched_blocks.get(backend)
-        if not blocks:
-            return 0.0
-        return min(blocks * self.tokens_per_block, float(self.prompt_tokens))
-
-
-@dataclass(slots=True)
-class Decision:
-    """A policy's choice and why it was made.
-
-    ``reason`` is a short token for metrics (``round_robin``, ``least_requests``,
-    ``tie``...); ``detail`` carries numbers for the explanation header.
-    """
-
-    backend: BackendState
-    policy: str
-    reason: str
-    detail: dict[str, float] = field(default_factory=dict)
-
-
-class Policy(Protocol):
-    """The policy interface.
-
-    ``choose`` gets a non-empty list of eligible candidates (healthy, not excluded, not
-    cooling down) and returns the decision without side effects; ``on_dispatch`` is
-    called once after the router reserved the chosen backend.
-    """
-
-    name: str
-
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision: ...
-
-    def on_dispatch(self, request: RouteRequest, decision: Decision) -> None: ...
-
-
-class BasePolicy:
-    """Convenience base: a no-op :meth:`on_dispatch`."""
-
-    name = "base"
-
-    def on_dispatch(self, request: RouteRequest, decision: Decision) -> None:
-        return None
-
-
-def _registry() -> dict[str, Callable[[], Policy]]:
-    from routing.policies.cache_aware import CacheAware, CacheAwareMinLoad
-    from routing.policies.estimated_ttft import EstimatedTTFT
-    from routing.policies.least_requests import LeastRequests
-    from routing.policies.power_of_two import PowerOfTwo
-    from routing.policies.prefix_hash import PrefixHash
-    from routing.policies.round_robin import RoundRobin
-
-    return {p.name: p for p in (RoundRobin, LeastRequests, PowerOfTwo, PrefixHash, CacheAware, CacheAwareMinLoad,
-                                       EstimatedTTFT)}
-
-
-POLICIES: dict[str, Callable[[], Policy]] = _registry()
+POLICIES: dict[str, Callable[[], Policy]] = {
+    p.name: p for p in (RoundRobin, LeastRequests, PowerOfTwo, PrefixHash, CacheAware, CacheAwareMinLoad,
+                        EstimatedTTFT)}
 
 
 def make_policy(name: str) -> Policy:

@@ -58,7 +58,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from routing.fleet import BackendState
-from routing.policies import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, RouteRequest
 from routing.radix_tree import ApproxRadixTree, _Node
 
 #: ``RouterArgs`` defaults, sgl-router/py_src/sglang_router/router_args.py.

@@ -31,7 +31,7 @@ import random
 from typing import Sequence
 
 from routing.fleet import BackendState
-from routing.policies import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 # vLLM's default token budget per step with chunked prefill (max_num_batched_tokens
 # 2048 for online serving: vllm/engine/arg_utils.py, "default_max_num_batched_tokens").

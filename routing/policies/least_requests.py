@@ -6,7 +6,7 @@ import random
 from typing import Sequence
 
 from routing.fleet import BackendState
-from routing.policies import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 
 class LeastRequests(BasePolicy):

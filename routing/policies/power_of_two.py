@@ -22,7 +22,7 @@ import random
 from typing import Sequence
 
 from routing.fleet import BackendState
-from routing.policies import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 
 class PowerOfTwo(BasePolicy):

@@ -46,7 +46,7 @@ from hashlib import blake2b
 from typing import Sequence
 
 from routing.fleet import BackendState
-from routing.policies import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 _MASK64 = (1 << 64) - 1
 

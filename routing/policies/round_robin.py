@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from routing.fleet import BackendState
-from routing.policies import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 
 class RoundRobin(BasePolicy):
