@@ -1,7 +1,9 @@
-"""Pure routing logic: fleet view, load accounting and policies.
+"""Routing: fleet view, load accounting, prefix index, policies and the decision core.
 
-Nothing in this package does network I/O or imports aiohttp or ``gateway``; every
-function is testable without a socket (see DESIGN.md section 2).
+Nothing here imports aiohttp or ``gateway``, and nothing on a request's path does I/O:
+every decision is testable without a socket (docs/architecture.md). The one exception
+is :mod:`routing.state`, whose background sync shares the fleet view with other
+replicas through Redis. The data planes enter through :mod:`routing.core`.
 """
 
 from routing.fleet import (

@@ -137,6 +137,10 @@ class PromptEstimate:
     output_tokens: int
 
 
+def _tokens(size_bytes: int, bytes_per_token: float) -> int:
+    return max(1, round(size_bytes / bytes_per_token))
+
+
 @dataclass
 class TokenEstimator:
     """Per-model token estimates, learned from ``usage``.
@@ -158,11 +162,17 @@ class TokenEstimator:
             s = self.models[model] = ModelStats()
         return s
 
+    def prompt_tokens(self, model: str, text: str) -> int:
+        """The estimated tokens of ``text``: its UTF-8 bytes over the model's learned
+        bytes per token (at least 1)."""
+        return _tokens(len(text.encode("utf-8", "surrogatepass")), self.stats(model).bytes_per_token)
+
     def estimate(self, model: str, text: str, max_tokens: int | None, cache_salt: str | None = None) -> PromptEstimate:
-        """Estimate a request. ``max_tokens`` caps the expected output."""
+        """Estimate a request. ``max_tokens`` caps the expected output. The prompt's
+        tokens are counted as :meth:`prompt_tokens` counts them."""
         raw = text.encode("utf-8", "surrogatepass")
         s = self.stats(model)
-        prompt_tokens = max(1, round(len(raw) / s.bytes_per_token))
+        prompt_tokens = _tokens(len(raw), s.bytes_per_token)
         out = round(s.output_tokens)
         if max_tokens is not None:
             out = min(out, max_tokens)

@@ -1,0 +1,187 @@
+"""The decision core: the one door from the data planes into ``routing/``.
+
+It holds no HTTP and does no I/O on the request path. A data plane (the Python one in
+``gateway/``; an Envoy endpoint picker next) gives it a parsed request and gets back
+where the request goes; it then reports what happened, and the core learns from it::
+
+    core = DecisionCore(specs, "estimated_ttft")
+    est, req = core.request(model, prompt_text, max_tokens, cache_salt)  # estimate
+    plan = core.plan(req, now, long_prompt_tokens)      # pools: single or disaggregated
+    decision, reservation = core.route(req, now)        # backend, explanation, load reserved
+    reservation.first_token(t); reservation.outcome(ok, t); reservation.release(t, tokens)
+    core.learn_usage(model, est.size_bytes, prompt_tokens, completion_tokens)
+
+``Decision`` carries the chosen backend, the policy, the reason and the numbers behind
+it (``detail``: ``matched_tokens``, ``ttft_est_s``); ``Reservation`` is the request's
+load on that backend, released exactly once (:mod:`routing.fleet`). Startup and reload
+both go through :meth:`DecisionCore.apply`, so a fleet is built one way.
+
+The names the data plane needs from ``routing/`` are re-exported here; ``gateway/``
+imports nothing else of this package (``tests/test_import_cycles.py`` checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt
+from routing.fleet import (
+    BackendSpec,
+    BackendState,
+    Fleet,
+    NoBackendAvailable,
+    Reservation,
+    UnknownModel,
+)
+from routing.load import EngineSample
+from routing.policies import POLICIES, Decision, RouteRequest, make_policy
+from routing.policies.estimated_ttft import estimate_ttft
+from routing.prefix_index import PrefixIndex
+from routing.router import DECODE, PREFILL, SERVING, Plan, Router
+from routing.state import (
+    InProcessStore,
+    RedisStore,
+    parse_sentinel_url,
+    raise_if_cancel_swallowed,
+    redis_client,
+    stop_sync,
+    sync_forever,
+)
+
+__all__ = [
+    "DECODE", "POLICIES", "PREFILL", "SERVING", "BackendSpec", "BackendState", "Decision", "DecisionCore",
+    "EngineSample", "Fleet", "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest",
+    "StoreSettings", "UnknownModel", "canonical_prompt", "estimate_ttft", "parse_sentinel_url",
+    "raise_if_cancel_swallowed", "redis_client", "stop_sync", "sync_forever",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """Where the fleet view is shared with other replicas (see :mod:`routing.state`):
+    a Redis URL, its key namespace, and the sync's bounds in seconds."""
+
+    url: str
+    namespace: str = "turbo-gateway"
+    staleness_s: float = 0.05
+    lease_s: float = 2.0
+    timeout_s: float = 0.25
+    prefix_stream_maxlen: int = 20000
+    cluster: bool = False
+
+
+class DecisionCore:
+    """Estimate, plan, route and learn for one fleet.
+
+    ``specs``: the backends; ``policy``: a name from :data:`routing.policies.POLICIES`;
+    ``block_tokens``, ``prefix_ttl_s`` and ``prefix_index_max_blocks`` shape the prefix
+    index (fixed for the core's life); ``store``: share the view through Redis, or
+    ``None`` for this process alone. Raises ``ValueError`` on duplicate backend names
+    and ``KeyError`` on an unknown policy.
+    """
+
+    def __init__(self, specs: list[BackendSpec], policy: str, *, block_tokens: int = 64,
+                 prefix_ttl_s: float = 600.0, prefix_index_max_blocks: int = 2_000_000,
+                 canaries: dict[str, tuple[str, str, float]] | None = None,
+                 store: StoreSettings | None = None) -> None:
+        self.fleet = Fleet([])
+        self.estimator = TokenEstimator(block_tokens=block_tokens)
+        self.index = PrefixIndex(ttl_s=prefix_ttl_s, max_blocks=prefix_index_max_blocks)
+        if store is not None:
+            self.store: InProcessStore | RedisStore = RedisStore(
+                self.fleet, self.index, store.url, namespace=store.namespace, staleness_s=store.staleness_s,
+                lease_s=store.lease_s, timeout_s=store.timeout_s, prefix_stream_maxlen=store.prefix_stream_maxlen,
+                cluster=store.cluster)
+        else:
+            self.store = InProcessStore()
+        self.policy_name = policy
+        self.router = Router(self.fleet, make_policy(policy), self.index, block_tokens=block_tokens,
+                             store=self.store if store is not None else None)
+        self.apply(specs, policy, canaries or {})
+
+    def apply(self, specs: list[BackendSpec], policy: str, canaries: dict[str, tuple[str, str, float]]) -> None:
+        """Make the fleet ``specs`` (in place, in one synchronous step): a backend kept
+        by name keeps its live state (in flight, learned speeds, health, breaker,
+        draining) under its new spec, a new one starts fresh, a removed one leaves
+        routing and the prefix index (its reservations still release cleanly). The
+        policy is made anew when its name or the set of backends changed (policies
+        may keep per-backend state). Raises ``ValueError`` on duplicate names."""
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"duplicate backend name {dup!r}")
+        fleet = self.fleet
+        old = fleet.backends
+        states: dict[str, BackendState] = {}
+        for spec in specs:
+            st = old.get(spec.name)
+            if st is None:
+                st = BackendState(spec)
+            else:
+                st.spec = spec
+            states[spec.name] = st
+        changed = set(states) != set(old)
+        for name in set(old) - set(states):
+            self.index.forget_backend(name)
+        fleet.backends = states
+        fleet.by_model.clear()
+        for st in states.values():
+            for model in sorted(st.spec.models):
+                fleet.by_model.setdefault(model, []).append(st)
+        if policy != self.policy_name or changed:
+            self.router.policy = make_policy(policy)
+            self.policy_name = policy
+        self.router.set_canaries(canaries)
+        for st in states.values():
+            self.index.set_capacity(st.name, self.router.capacity_blocks(st))
+
+    # ---- one request -----------------------------------------------------------------
+
+    def request(self, model: str, prompt_text: str, max_tokens: int | None,
+                cache_salt: str | None = None) -> tuple[PromptEstimate, RouteRequest]:
+        """Estimate a request (prompt tokens, prefix block hashes, expected output
+        tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take."""
+        estimator = self.estimator
+        est = estimator.estimate(model, prompt_text, max_tokens, cache_salt)
+        tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
+        return est, RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
+                                 est.output_tokens, tokens_per_block)
+
+    def prompt_tokens(self, model: str, prompt_text: str) -> int:
+        """The estimated prompt tokens of ``prompt_text`` (the same estimate routing
+        uses, without hashing blocks): what per-key token limits charge up front."""
+        return self.estimator.prompt_tokens(model, prompt_text)
+
+    def plan(self, req: RouteRequest, now: float, long_prompt_tokens: int) -> Plan:
+        """Which pools serve ``req`` (single, or a disaggregated prefill then decode).
+        Raises :class:`UnknownModel`."""
+        return self.router.plan(req, now, long_prompt_tokens)
+
+    def route(self, req: RouteRequest, now: float) -> tuple[Decision, Reservation]:
+        """Choose a backend for ``req`` at monotonic time ``now`` (seconds) and reserve
+        its load. Raises :class:`UnknownModel` and :class:`NoBackendAvailable`."""
+        return self.router.route(req, now)
+
+    def canary_pools(self, model: str) -> tuple[frozenset[str] | None, frozenset[str] | None]:
+        """(pools this request may use, pools to fall back to) under a canary split."""
+        return self.router.canary_pools(model)
+
+    def cool_down(self, backend: BackendState, until: float) -> None:
+        """Keep ``backend`` out of routing until monotonic time ``until`` (seconds)."""
+        self.fleet.cool_down(backend, until)
+
+    def learn_usage(self, model: str, prompt_bytes: int, prompt_tokens: int | None,
+                    completion_tokens: int | None) -> None:
+        """Learn bytes per token and typical output length from a response's ``usage``."""
+        self.estimator.observe_usage(model, prompt_bytes, prompt_tokens, completion_tokens)
+
+    # ---- what the data plane learns outside requests ------------------------------------
+
+    def set_kv_capacity(self, backend: BackendState, tokens: int) -> None:
+        """``backend``'s KV cache size in tokens, e.g. from an engine's metrics."""
+        self.router.set_kv_capacity(backend, tokens)
+
+    def backend_recovered(self, backend: BackendState) -> None:
+        """``backend`` came back after failing its health checks: it may have restarted
+        with an empty KV cache, so its prefix entries are dropped."""
+        self.index.forget_backend(backend.name)
