@@ -14,73 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import json
 import logging
-import signal
 import sys
 import time
-
-from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import ConfigError, load_config
 from gateway.demo import DemoFleetError
+from gateway.run import serve, setup_logging
 
 log = logging.getLogger("gateway")
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter())
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-
-
-async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
-    from gateway.app import STATE
-    from gateway.fastpath import listen
-    from gateway.reload import reload_from_file
-
-    server = await listen(app, host, port, reuse_port=reuse_port)
-    try:
-        addr = server.addresses[0]
-        log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
-        print(f"turbo-gateway listening on http://{addr[0]}:{addr[1]}", file=sys.stderr, flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        reloads: set[asyncio.Task] = set()
-
-        def on_hup() -> None:
-            t = loop.create_task(reload_from_file(app, "SIGHUP"))
-            reloads.add(t)
-            t.add_done_callback(reloads.discard)
-
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
-        await stop.wait()
-        drain_s = app[STATE].cfg.lifecycle.drain_timeout_s  # the value after any reload
-        in_flight = sum(b.in_flight for b in app[STATE].fleet.backends.values())
-        log.warning("draining: stopped accepting connections; waiting up to %.0f s for %d in-flight request(s)",
-                    drain_s, in_flight)
-        main = asyncio.current_task()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
-            loop.add_signal_handler(sig, main.cancel)  # type: ignore[union-attr]
-    finally:
-        try:
-            await server.shutdown(app[STATE].cfg.lifecycle.drain_timeout_s)
-        except asyncio.CancelledError:
-            log.warning("second signal: stopped without finishing the drain")
-        log.info("shut down")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1,
                     help="processes sharing the listening port (SO_REUSEPORT); share state via state.url")
     args = ap.parse_args(argv)
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
@@ -118,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
             return 2
     try:
-        run(_serve(create_app(cfg, config_path=args.config), host, port))
+        run(serve(create_app(cfg, config_path=args.config), host, port))
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             print(f"error: cannot listen on {host}:{port}: the address is already in use "

@@ -25,24 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterator
 
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from gateway.auth import check_admin
+from gateway.auth import CALLER, check_admin
 from gateway.errors import ClientError
+from gateway.state import STATE
 
-CALLER = web.RequestKey("caller", object)
+_COMPLETIONS = frozenset({"/v1/chat/completions", "/v1/completions"})  # the pipeline authenticates these
 
 
 def _state(request: web.Request):
-    from gateway.app import STATE
-
     return request.app[STATE]
 
 
@@ -52,8 +48,8 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     the outer middleware turns into an OpenAI error). Also turns a request body that
     cannot be read as its ``Content-Encoding`` says (found by tests/test_fuzz.py: it was
     a 500) into a 400."""
-    if request.path.startswith("/v1/"):
-        request[CALLER] = _state(request).keyring.authenticate(request)
+    if request.path.startswith("/v1/") and request.path not in _COMPLETIONS:
+        request[CALLER] = _state(request).keyring.authenticate(request.headers)
     try:
         return await handler(request)
     except (RequestPayloadError, ContentEncodingError) as e:
@@ -162,45 +158,6 @@ def setup_admin(app: web.Application) -> None:
     app.router.add_get("/admin/batches/{batch_id}", _batch)
     app.router.add_post("/admin/batches/{batch_id}/cancel", _cancel_batch)
     app.router.add_get("/openapi.json", _openapi)
-
-
-class HardeningCollector(Collector):
-    """Metrics of keys, limits, admission, breakers, draining and reloads, read from
-    the live state at scrape time (key *names* only, never keys)."""
-
-    def __init__(self, state) -> None:
-        self.state = state
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        st = self.state
-        limited = CounterMetricFamily("turbo_gateway_rate_limited", "Requests refused by a per-key limit",
-                                      labels=["key_name", "limit"])
-        for (name, limit), n in st.limiter.rejected.items():
-            limited.add_metric([name, limit], n)
-        adm = CounterMetricFamily("turbo_gateway_admission_rejected", "Requests refused by admission control",
-                                  labels=["reason"])
-        for reason, n in st.admission.rejected.items():
-            adm.add_metric([reason], n)
-        depth = GaugeMetricFamily("turbo_gateway_admission_queue_depth", "Requests waiting for room in the fleet")
-        depth.add_metric([], st.admission.waiting)
-        opened = CounterMetricFamily("turbo_gateway_backend_breaker_opened", "Times the circuit breaker opened",
-                                     labels=["backend"])
-        bopen = GaugeMetricFamily("turbo_gateway_backend_breaker_open",
-                                  "1 while the circuit breaker is open or half-open", labels=["backend"])
-        draining = GaugeMetricFamily("turbo_gateway_backend_draining", "1 while the backend is drained by an operator",
-                                     labels=["backend"])
-        for b in st.fleet.backends.values():
-            opened.add_metric([b.name], b.breaker.opened_total)
-            bopen.add_metric([b.name], 0.0 if b.breaker.state == "closed" else 1.0)
-            draining.add_metric([b.name], 1.0 if b.draining else 0.0)
-        reloads = CounterMetricFamily("turbo_gateway_config_reloads", "Config reloads, by outcome", labels=["outcome"])
-        for outcome, n in st.reloads.items():
-            reloads.add_metric([outcome], n)
-        yield from (limited, adm, depth, opened, bopen, draining, reloads)
-        if st.limiter_sync is not None:
-            up = GaugeMetricFamily("turbo_gateway_limits_store_up", "1 when per-key limits are shared through Redis")
-            up.add_metric([], 1.0 if st.limiter_sync.up else 0.0)
-            yield up
 
 
 # ---- the OpenAPI document of the gateway's own API -----------------------------------

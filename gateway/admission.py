@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from gateway.config import Admission as AdmissionConfig
 from gateway.errors import ClientError
-from routing.fleet import Fleet
+from routing.core import Fleet
 
 RECHECK_S = 0.05
 

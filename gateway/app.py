@@ -1,45 +1,36 @@
 """The aiohttp application: routes, middleware and lifecycle.
 
-:func:`create_app` builds the app from a :class:`~gateway.config.GatewayConfig`;
-handlers are thin and hand completion requests to :class:`~gateway.proxy.Proxy`.
+:func:`create_app` builds the app from a :class:`~gateway.config.GatewayConfig` and its
+state (:func:`gateway.state.build_state`); handlers are thin. Completion requests go
+to the front door both server stacks share, :func:`gateway.pipeline.director.handle`;
+the middleware gives every other route its request id and OpenAI error answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-import os
-import time
-import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
 
-import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.admin import CALLER, HardeningCollector, auth_middleware, setup_admin
+from gateway.admin import auth_middleware, setup_admin
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
 from gateway.demo import DemoFleet
-from gateway.errors import ClientError, error_response
-from gateway.health import HealthChecker
-from gateway.scraper import MetricsScraper
-from gateway.metrics import GatewayMetrics
-from gateway.openai_api import models_list, parse_completion_request, read_json_body
-from gateway.downstream import AiohttpDownstream, ClientGone
-from gateway.proxy import REQUEST_ID_HEADER, BackendClient, Exchange, Proxy
-from gateway.reload import init_hardening, make_session, watch_config
-from routing import BackendSpec, Fleet, Router, UnknownModel, make_policy
-from routing.estimate import TokenEstimator
-from routing.prefix_index import PrefixIndex
-from routing.state import InProcessStore, RedisStore
+from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id
+from gateway.openai_api import models_list, read_body
+from gateway.pipeline import director
+from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
+from gateway.reload import watch_config
+from gateway.state import STATE, build_state, connect, limiter_sync
 
 log = logging.getLogger("gateway")
 
-CONFIG = web.AppKey("config", GatewayConfig)
-STATE = web.AppKey("state", "GatewayState")
 REQUEST_ID = web.RequestKey("request_id", str)
+COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 def _version() -> str:
@@ -49,44 +40,6 @@ def _version() -> str:
         return version("turbo-gateway")
     except PackageNotFoundError:
         return "unknown"
-
-
-def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
-    """``routing.canaries`` as the router takes them."""
-    return {c.model: (c.stable_pool, c.canary_pool, c.canary_weight) for c in cfg.routing.canaries}
-
-
-class GatewayState:
-    """Everything one running gateway holds; created at startup."""
-
-    def __init__(self, cfg: GatewayConfig) -> None:
-        self.cfg = cfg
-        roles = {p.name: p.role for p in cfg.pools}
-        self.fleet = Fleet([BackendSpec(b.name, frozenset(b.models), b.pool, b.weight, roles[b.pool],
-                                        b.hints.prefill_tokens_per_s, b.hints.decode_tokens_per_s,
-                                        b.hints.kv_capacity_tokens) for b in cfg.backends])
-        r = cfg.routing
-        self.estimator = TokenEstimator(block_tokens=r.block_tokens)
-        index = PrefixIndex(ttl_s=r.prefix_ttl_s, max_blocks=r.prefix_index_max_blocks)
-        st = cfg.state
-        if st.url:
-            self.store: InProcessStore | RedisStore = RedisStore(
-                self.fleet, index, st.url, namespace=st.namespace, staleness_s=st.staleness_s, lease_s=st.lease_s,
-                timeout_s=st.timeout_s, prefix_stream_maxlen=st.prefix_stream_maxlen, cluster=st.cluster)
-        else:
-            self.store = InProcessStore()
-        self.router = Router(self.fleet, make_policy(r.policy), index, block_tokens=r.block_tokens,
-                             store=self.store if st.url else None)
-        self.router.set_canaries(canary_splits(cfg))
-        self.metrics = GatewayMetrics(self.fleet, self.store, index)
-        self.metrics.build_info.labels(_version(), r.policy).set(1)
-        self.clients: dict[str, BackendClient] = {}
-        self.proxy: Proxy | None = None
-        self.health: HealthChecker | None = None
-        self.scraper: MetricsScraper | None = None
-        self.created = int(time.time())
-        init_hardening(self, cfg)  # keys, limits, admission, breakers, reload (gateway/reload.py)
-        self.metrics.registry.register(HardeningCollector(self))
 
 
 def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
@@ -99,10 +52,7 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     reloading it (SIGHUP, file watch, ``POST /admin/reload``).
     """
     app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[_middleware, auth_middleware])
-    app[CONFIG] = cfg
-    state = GatewayState(cfg)
-    state.config_path = config_path
-    app[STATE] = state
+    app[STATE] = build_state(cfg, config_path, _version())
     app.cleanup_ctx.append(_lifecycle(backend_urls or {}))
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
@@ -127,39 +77,23 @@ def _lifecycle(backend_urls: dict[str, str]):
             demo = await DemoFleet.start(to_simulate)
             urls.update(demo.urls)
             log.info("started simulated demo fleet: %s", ", ".join(f"{k}={v}" for k, v in demo.urls.items()))
-        sessions: list[aiohttp.ClientSession] = []
-        state.urls, state.sessions_list = urls, sessions
-        for b in cfg.backends:
-            t = cfg.timeouts_for(b)
-            session = make_session(cfg, b)
-            sessions.append(session)
-            auth = f"Bearer {os.environ[b.api_key_env]}" if b.api_key_env else None
-            state.clients[b.name] = BackendClient(state.fleet.backends[b.name], urls.get(b.name) or b.url or "",
-                                                  session, t, auth)
-        state.proxy = Proxy(cfg, state.router, state.clients, state.metrics, state.estimator)
-        paths = {b.name: b.health_path or cfg.health.path for b in cfg.backends}
-        state.health = HealthChecker(cfg.health, state.clients.values(), paths)
+        connect(state, urls)
+        assert state.health is not None
         await state.health.check_all()
         await state.store.start()  # loads the shared view before serving (bounded wait)
-        tasks = [asyncio.create_task(state.health.run())]
-        state.tasks_list = tasks
+        tasks = state.tasks
+        tasks.append(asyncio.create_task(state.health.run()))
         if state.config_path is not None:
-            import hashlib
             try:
                 with open(state.config_path, "rb") as f:
                     state.config_digest = hashlib.sha256(f.read()).digest()
             except OSError:
                 pass
             tasks.append(asyncio.create_task(watch_config(app)))
-        if cfg.state.url:
-            from gateway.limits import LimiterSync
-            st = cfg.state
-            state.limiter_sync = LimiterSync(state.limiter, st.url, namespace=st.namespace,
-                                             interval_s=st.staleness_s / 2, lease_s=st.lease_s,
-                                             timeout_s=st.timeout_s, cluster=st.cluster)
+        state.limiter_sync = limiter_sync(state)
+        if state.limiter_sync is not None:
             await state.limiter_sync.start()
-        if cfg.routing.scrape_interval_s > 0:
-            state.scraper = MetricsScraper(state.router, state.clients, cfg.routing.scrape_interval_s)
+        if state.scraper is not None:
             tasks.append(asyncio.create_task(state.scraper.run()))
         try:
             yield
@@ -173,7 +107,7 @@ def _lifecycle(backend_urls: dict[str, str]):
             await state.store.stop()
             if state.limiter_sync is not None:
                 await state.limiter_sync.stop()
-            for s in sessions:
+            for s in state.sessions:
                 await s.close()
             for c in state.clients.values():
                 c.pool.close()
@@ -185,8 +119,7 @@ def _lifecycle(backend_urls: dict[str, str]):
 
 @web.middleware
 async def _middleware(request: web.Request, handler) -> web.StreamResponse:
-    rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    request[REQUEST_ID] = rid
+    rid = request[REQUEST_ID] = request_id(request.headers)
     try:
         resp = await handler(request)
     except ClientError as e:
@@ -212,40 +145,14 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
 async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse:
     arrival = asyncio.get_running_loop().time()
     state = request.app[STATE]
-    body, data = await read_json_body(request, state.cfg.limits.max_body_bytes)
+    max_bytes = state.cfg.limits.max_body_bytes
+
+    def body() -> Awaitable[bytes]:
+        return read_body(request, max_bytes)
+
     down = AiohttpDownstream(request)
-    await complete(state, endpoint, body, data, request.get(CALLER) or state.keyring.anonymous, request[REQUEST_ID],
-                   down, arrival)
+    await director.handle(state, endpoint, request.headers, body, down, arrival, request[REQUEST_ID])
     return down.response or web.Response(status=499)
-
-
-async def complete(state: GatewayState, endpoint: str, body: bytes, data: dict, caller: Any, request_id: str,
-                   down: Any, arrival: float) -> None:
-    """Serve one completion whose JSON body was read: validate it, apply the caller's
-    limits and admission, and forward it; the answer goes to ``down`` (see
-    :mod:`gateway.downstream`). Raises :class:`ClientError` (4xx) before any byte was
-    sent, and :class:`ClientGone` / ``CancelledError`` when the client left."""
-    parsed = parse_completion_request(endpoint, body, data)
-    try:
-        state.fleet.candidates(parsed.model)
-    except UnknownModel as e:
-        raise ClientError(404, str(e), param="model", code="model_not_found") from None
-    key = caller.key
-    est = 0.0
-    if key is not None and key.tokens_per_minute is not None:
-        est = len(parsed.prompt_text) / state.estimator.stats(parsed.model).bytes_per_token + (parsed.max_tokens or 0)
-    permit = state.limiter.acquire(key, est)  # 429 when over a per-key limit (gateway/limits.py)
-    ex = Exchange(down, parsed, request_id, arrival)
-    try:
-        await state.admission.admit(parsed.model, caller.name, caller.priority)
-        assert state.proxy is not None
-        try:
-            await state.proxy.forward(ex)
-        except ClientGone:
-            pass
-    finally:
-        permit.release(ex.tokens, dispatched=bool(ex.attempts))
-        state.admission.pump()
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:

@@ -22,6 +22,7 @@ from gateway.config import Auth, ClientKey
 from gateway.errors import ClientError
 
 ANONYMOUS = "anonymous"
+CALLER = web.RequestKey("caller", object)  # the authenticated Caller of a /v1/ request (aiohttp routes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +38,10 @@ class Caller:
         return self.key.priority if self.key is not None else 0
 
 
-def bearer_digest(request: web.Request) -> bytes | None:
-    """SHA-256 of the bearer token, or ``None`` when the header is absent or not a
-    bearer token."""
-    header = request.headers.get("Authorization")
+def bearer_digest(headers) -> bytes | None:
+    """SHA-256 of the bearer token in ``headers`` (a case-insensitive mapping), or
+    ``None`` when the header is absent or not a bearer token."""
+    header = headers.get("Authorization")
     if not header:
         return None
     scheme, _, token = header.strip().partition(" ")
@@ -61,12 +62,13 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self.by_digest)
 
-    def authenticate(self, request: web.Request) -> Caller:
-        """The caller of ``request``. Raises :class:`ClientError` 401 when keys are
-        configured and the request carries none or an unknown one."""
+    def authenticate(self, headers) -> Caller:
+        """The caller of a request with ``headers`` (a case-insensitive mapping).
+        Raises :class:`ClientError` 401 when keys are configured and the request
+        carries none or an unknown one."""
         if not self.by_digest:
             return self.anonymous
-        digest = bearer_digest(request)
+        digest = bearer_digest(headers)
         if digest is None:
             raise ClientError(401, "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",
                               code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -82,7 +84,7 @@ def check_admin(request: web.Request, admin_digest: bytes | None) -> None:
     401 without the right key."""
     if admin_digest is None:
         raise ClientError(404, f"Unknown route {request.method} {request.path}.")
-    digest = bearer_digest(request)
+    digest = bearer_digest(request.headers)
     if digest is None or not hmac.compare_digest(digest, admin_digest):
         raise ClientError(401, "This endpoint needs the admin key.", code="invalid_api_key",
                           headers={"WWW-Authenticate": "Bearer"})

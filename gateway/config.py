@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from routing.policies import POLICIES
+from routing.core import POLICIES
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
@@ -270,7 +270,7 @@ class StateStore(_Strict):
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
             raise ValueError("must be a redis://, rediss://, unix:// or redis+sentinel:// URL")
         if v is not None and v.startswith("redis+sentinel://"):
-            from routing.state import parse_sentinel_url
+            from routing.core import parse_sentinel_url
             parse_sentinel_url(v)
         return v
 

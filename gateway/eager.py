@@ -2,12 +2,11 @@
 of the event loop.
 
 Why: a request that arrives in an I/O callback would otherwise wait, as a freshly
-scheduled task, until every other callback of that loop iteration has run. At 256
-streams relayed on one core those iterations carry a few hundred reads each, and that
-wait was 1-3 ms at the median and 5-15 ms at p99 of the gateway's added TTFT
-(``python -m loadtest.peers --rig native``, scenario (c)). Run eagerly, a request's
-first step (auth, parsing, routing, writing the request to the backend) happens in the
-callback that read it, and the task is needed only from its first real wait on.
+scheduled task, until every other callback of that loop iteration has run; with
+hundreds of streams relayed on one core those iterations are long, and that wait is
+added TTFT. Run eagerly, a request's first step (auth, parsing, routing, writing the
+request to the backend) happens in the callback that read it, and the task is needed
+only from its first real wait on.
 
 This is what Python 3.12's ``asyncio.eager_task_factory`` does; it is done here by
 hand because the gateway supports Python 3.11, and because the caller must hold the
@@ -22,8 +21,7 @@ outcome at its first scheduled step, exactly as for a task that ran it there; a 
 that arrives before that step reaches the coroutine where it waits.
 
 Cost: the task still takes the step the loop scheduled for it when it was made (it
-hands the loop what the coroutine waits on), one step more than a plain task: about
-20k instructions per request (``python -m loadtest.cpu_profile --callgrind``), which
+hands the loop what the coroutine waits on), one step more than a plain task, which
 is why the data plane starts only streamed requests this way.
 """
 

@@ -1,17 +1,31 @@
-"""One home for failures: the OpenAI error body and the upstream exception hierarchy.
+"""One home for failures: the OpenAI error body, the caller's errors, the one upstream
+exception hierarchy and the mapping of a final failure to the client's answer.
 
 Client-facing errors are OpenAI-shaped::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
 
-Upstream failures are :class:`UpstreamError` subclasses; the retry loop reads
-``retryable`` and ``retry_after_s``, the error mapper reads ``status``.
+Upstream failures are :class:`UpstreamError` subclasses, raised where they happen (the
+transport raises :class:`ConnectFailed`, :class:`ConnectTimeout`, :class:`Disconnected`
+and the timeouts its deadline was armed with); the retry policy reads ``retryable`` and
+``retry_after_s``, :func:`failure_answer` reads ``status``.
 """
 
 from __future__ import annotations
 
+import random
+
 import orjson
 from aiohttp import web
+
+REQUEST_ID_HEADER = "x-request-id"
+BACKEND_HEADER = "x-turbo-backend"
+_ids = random.Random()  # request ids: unique, not secret (uuid4's os.urandom is a syscall per request)
+
+
+def request_id(headers) -> str:
+    """The caller's ``x-request-id``, or a new 32-hex-digit id."""
+    return headers.get(REQUEST_ID_HEADER) or "%032x" % _ids.getrandbits(128)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -114,10 +128,16 @@ class TotalTimeout(UpstreamError):
 
 
 class Disconnected(UpstreamError):
-    """The backend closed the connection or sent a truncated / malformed response."""
+    """The backend closed the connection or sent a truncated / malformed response.
+    ``got_bytes``: whether any byte of the response had arrived (a reused connection
+    closed before that is retried once on a new one: the backend never saw it)."""
 
     reason = "disconnected"
     status = 502
+
+    def __init__(self, backend: str, message: str, *, got_bytes: bool = True) -> None:
+        super().__init__(backend, message)
+        self.got_bytes = got_bytes
 
 
 class BackendStatus(UpstreamError):
@@ -139,3 +159,33 @@ class BackendStatus(UpstreamError):
         self.content_type = content_type
         self.retryable = status in self.RETRYABLE
         self.reason = f"status_{status}"
+
+
+def _retry_after_header(seconds: float) -> str:
+    return str(max(int(seconds + 0.999), 1))
+
+
+def failure_answer(err: UpstreamError | None, no_backend_message: str | None = None,
+                   no_backend_retry_after_s: float | None = None) -> tuple[int, bytes, dict[str, str]]:
+    """The client's answer (status, OpenAI error body, headers) to a request that
+    failed for good: ``err`` the last attempt's failure, or, with ``err`` ``None``, no
+    backend could be tried (``no_backend_message``, and the wait until one may be).
+    A backend's own error answer is relayed as it sent it when it is a JSON object."""
+    headers = {"Content-Type": "application/json"}
+    if isinstance(err, BackendStatus):
+        if err.retry_after_s is not None:
+            headers["Retry-After"] = _retry_after_header(err.retry_after_s)
+        body = err.body
+        try:
+            ok = isinstance(orjson.loads(body), dict)
+        except orjson.JSONDecodeError:
+            ok = False
+        if not ok:
+            body = error_body(f"Backend {err.backend} answered HTTP {err.backend_status}.", err.status,
+                              code=f"backend_status_{err.backend_status}")
+        return err.status, body, headers
+    if err is not None:
+        return err.status, error_body(err.message, err.status, code=err.reason), headers
+    if no_backend_retry_after_s is not None:
+        headers["Retry-After"] = _retry_after_header(no_backend_retry_after_s)
+    return 503, error_body(no_backend_message or "No backend is available.", 503, code="no_backend_available"), headers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 
@@ -17,10 +17,13 @@ class HealthChecker:
     """Probes ``GET {base_url}{path}``; updates ``BackendState.healthy`` and
     ``checked``. A backend is marked up again after ``healthy_threshold`` consecutive
     successful probes, and down after ``unhealthy_threshold`` consecutive
-    failed probes and up after one successful probe."""
+    failed probes. ``on_recovered(backend_state)`` is called when a backend that was
+    down is marked up again (it may have restarted with an empty KV cache)."""
 
-    def __init__(self, cfg: HealthChecks, clients: Iterable, paths: dict[str, str]) -> None:
+    def __init__(self, cfg: HealthChecks, clients: Iterable, paths: dict[str, str],
+                 on_recovered: Callable | None = None) -> None:
         self.cfg = cfg
+        self.on_recovered = on_recovered
         self.clients = list(clients)
         self.paths = paths
         self.failures: dict[str, int] = {}
@@ -48,6 +51,8 @@ class HealthChecker:
                 if not c.state.healthy and n_ok >= self.cfg.healthy_threshold:
                     log.warning("backend %s passed %d health checks; it is healthy again", name, n_ok)
                     c.state.healthy = True
+                    if self.on_recovered is not None:
+                        self.on_recovered(c.state)
             else:
                 self.successes[name] = 0
                 n = self.failures[name] = self.failures.get(name, 0) + 1

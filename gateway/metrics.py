@@ -19,8 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from routing.fleet import Fleet
-from routing.prefix_index import PrefixIndex
+from routing.core import Fleet, PrefixIndex
 
 # TTFT and end-to-end buckets span a cached short prompt (ms) to a long prefill under
 # load (minutes); ITL buckets span 1 ms to 2 s gaps between chunks.
@@ -65,9 +64,8 @@ class RequestMetric(Collector):
     floats updated by the event-loop thread, which is also the only one that renders them.
 
     Why not prometheus_client's own: its ``inc`` takes a lock and three Python calls, and
-    its ``observe`` walks the bucket list in Python; with a dozen updates per request that
-    was about 8% of the gateway's CPU per non-streamed request (callgrind,
-    ``loadtest/README.md``). ``labels(*values)`` returns the child (``inc(amount)`` or
+    its ``observe`` walks the bucket list in Python, and the request path makes a dozen
+    updates per request. ``labels(*values)`` returns the child (``inc(amount)`` or
     ``observe(seconds)``); raises ``ValueError`` on a wrong number of label values.
     """
 
@@ -277,3 +275,42 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class HardeningCollector(Collector):
+    """Metrics of keys, limits, admission, breakers, draining and reloads, read from
+    the live state at scrape time (key *names* only, never keys)."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self.state
+        limited = CounterMetricFamily("turbo_gateway_rate_limited", "Requests refused by a per-key limit",
+                                      labels=["key_name", "limit"])
+        for (name, limit), n in st.limiter.rejected.items():
+            limited.add_metric([name, limit], n)
+        adm = CounterMetricFamily("turbo_gateway_admission_rejected", "Requests refused by admission control",
+                                  labels=["reason"])
+        for reason, n in st.admission.rejected.items():
+            adm.add_metric([reason], n)
+        depth = GaugeMetricFamily("turbo_gateway_admission_queue_depth", "Requests waiting for room in the fleet")
+        depth.add_metric([], st.admission.waiting)
+        opened = CounterMetricFamily("turbo_gateway_backend_breaker_opened", "Times the circuit breaker opened",
+                                     labels=["backend"])
+        bopen = GaugeMetricFamily("turbo_gateway_backend_breaker_open",
+                                  "1 while the circuit breaker is open or half-open", labels=["backend"])
+        draining = GaugeMetricFamily("turbo_gateway_backend_draining", "1 while the backend is drained by an operator",
+                                     labels=["backend"])
+        for b in st.fleet.backends.values():
+            opened.add_metric([b.name], b.breaker.opened_total)
+            bopen.add_metric([b.name], 0.0 if b.breaker.state == "closed" else 1.0)
+            draining.add_metric([b.name], 1.0 if b.draining else 0.0)
+        reloads = CounterMetricFamily("turbo_gateway_config_reloads", "Config reloads, by outcome", labels=["outcome"])
+        for outcome, n in st.reloads.items():
+            reloads.add_metric([outcome], n)
+        yield from (limited, adm, depth, opened, bopen, draining, reloads)
+        if st.limiter_sync is not None:
+            up = GaugeMetricFamily("turbo_gateway_limits_store_up", "1 when per-key limits are shared through Redis")
+            up.add_metric([], 1.0 if st.limiter_sync.up else 0.0)
+            yield up

@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import ClientError
-from routing.estimate import canonical_prompt
+from routing.core import canonical_prompt
 
 
 @dataclass(slots=True)
@@ -45,13 +45,9 @@ def _is_json_type(content_type: str) -> bool:
     return ct == "application/json" or (ct.startswith("application/") and ct.endswith("+json"))
 
 
-async def read_json_body(request: web.Request, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
-    """Read and parse the request body as a JSON object.
-
-    Raises :class:`ClientError` 415 (non-JSON content type), 413 (body over
-    ``max_bytes`` bytes) or 400 (malformed JSON, not an object).
-    """
-    check_json_content_type(request.headers.get("Content-Type"))
+async def read_body(request: web.Request, max_bytes: int) -> bytes:
+    """Read an aiohttp request's body. Raises :class:`ClientError` 413 (over
+    ``max_bytes`` bytes)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise ClientError(413, f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.",
                           code="request_too_large")
@@ -61,7 +57,7 @@ async def read_json_body(request: web.Request, max_bytes: int) -> tuple[bytes, d
         raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large") from None
     if len(body) > max_bytes:
         raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large")
-    return body, parse_json_object(body)
+    return body
 
 
 def check_json_content_type(content_type: str | None) -> None:

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from routing import Router
-from routing.load import EngineSample
+from routing.core import DecisionCore, EngineSample
 
 log = logging.getLogger("gateway.scraper")
 
@@ -71,10 +70,10 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
 
 
 class MetricsScraper:
-    """Background scraping of every backend's ``/metrics`` into the router's load model."""
+    """Background scraping of every backend's ``/metrics`` into the decision core's load model."""
 
-    def __init__(self, router: Router, clients: dict, interval_s: float) -> None:
-        self.router = router
+    def __init__(self, core: DecisionCore, clients: dict, interval_s: float) -> None:
+        self.core = core
         self.clients = clients
         self.interval_s = interval_s
         self.ok: dict[str, bool] = {}
@@ -97,7 +96,7 @@ class MetricsScraper:
         state = client.state
         if m.kv_capacity_tokens and (not state.load.kv_capacity_known or
                                      m.kv_capacity_tokens != state.load.kv_capacity_tokens):
-            self.router.set_kv_capacity(state, m.kv_capacity_tokens)
+            self.core.set_kv_capacity(state, m.kv_capacity_tokens)
         if m.waiting is not None or m.running is not None or m.kv_usage is not None:
             now = asyncio.get_running_loop().time()
             state.load.observe_engine(EngineSample(now, m.waiting or 0.0, m.running or 0.0, m.kv_usage))

@@ -1,20 +1,15 @@
 """Writes that are not latency-critical, sent together once per loop turn.
 
-Why: on this VM a ``send`` on loopback that wakes a receiver asleep in ``epoll_wait``
-costs the sender about 34 us of CPU, one that finds it awake about 9 us (160 bytes,
-receiver on the other core, two processes, ``thread_time`` around the call). A
-gateway answering whole responses one task step at a time spaces its sends 50 to
-100 us apart, time enough for a fast client or backend to fall asleep between two;
-sent back to back at the end of the turn, the receiver wakes once for several. In
-the native rig's non-streamed scenario (``python -m loadtest.peers --rig native
---targets gateway-estimated_ttft --skip-ttft --skip-workers``, 5 alternating pairs)
-this read 0.212 to 0.283 CPU s/1k against 0.253 to 0.327 with every send at once, lower
-in all 5 pairs.
+Why: a ``send`` on loopback that wakes a receiver asleep in ``epoll_wait`` costs the
+sender several times what one that finds it awake does. A gateway answering whole
+responses one task step at a time spaces its sends far enough apart for a fast
+client or backend to fall asleep between two; sent back to back at the end of the
+turn, the receiver wakes once for several (the measurements: loadtest/README.md).
 
-What goes through here: whole responses (``FastDownstream.respond``), the close that
+What goes through here: whole responses (``LeanDownstream.respond``), the close that
 may follow them, and the request of a non-streamed completion to its backend. What
 does not: anything of a stream before its first token (the TTFT), and the relay (whose
-writes already go out back to back in :class:`gateway.upstream.RelayTurns`).
+writes already go out back to back in :class:`gateway.transport.RelayTurns`).
 
 Order: a transport's queued writes and its queued close go out in the order queued;
 ``flush()`` sends everything queued at once (before a connection changes hands).

@@ -1,21 +1,19 @@
-"""The upstream HTTP/1.1 client of the data plane: pooled keep-alive connections to one
-backend, responses parsed by llhttp (through ``httptools``), bodies handed to the
-caller as they arrive without a task switch per chunk.
-
-Why not ``aiohttp.ClientSession`` here: a streamed completion is ~one TCP segment per
-token, and aiohttp wakes a coroutine, resumes a stream reader and reschedules a
-timeout for each one. Relaying a 64-token stream that way cost the gateway about 20 µs
-of CPU per token on the data-plane benchmark (``python -m loadtest.cpu_profile``); a
-protocol callback that writes the chunk straight on is a few µs. Health checks,
-scraping and the prefill leg of a disaggregated request still use aiohttp.
+"""The one upstream HTTP/1.1 client: every request to a backend on a request's path
+(completions, the prefill leg of a disaggregated request, in-process batch lines)
+goes through it. Pooled keep-alive connections per backend, responses parsed by llhttp
+(``httptools``), body bytes handed to the caller as they arrive, inside the
+connection's read callback, without a task switch per chunk (a streamed completion is
+about one TCP segment per token).
 
 Shapes: :meth:`UpstreamPool.request` sends one ``POST`` and returns an
 :class:`Exchange` once the status line and headers arrived. Its body is then either
-collected (:meth:`Exchange.read`, bytes) or relayed (:meth:`Exchange.relay`, each body
-chunk passed to a callback inside ``data_received``). Errors raised:
-:class:`UpstreamClosed` (the backend closed or broke the connection, or sent what
-llhttp rejects), :class:`ConnectError` (TCP/TLS connect failed) and ``TimeoutError``
-from the caller's own timeouts.
+collected (:meth:`Exchange.read`, bytes) or relayed (:meth:`Exchange.relay`, each
+read's body bytes passed to a callback). Failures are raised as the gateway's one
+hierarchy (:mod:`gateway.errors`): :class:`~gateway.errors.ConnectFailed`,
+:class:`~gateway.errors.ConnectTimeout`, :class:`~gateway.errors.Disconnected` (the
+backend closed or broke the connection, or sent what llhttp rejects) and the error a
+deadline was armed with (:meth:`Exchange.set_deadline`). Health checks and metric
+scraping, which are not on a request's path, use aiohttp.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.errors import ConnectFailed, ConnectTimeout, Disconnected, UpstreamError
 from gateway.sends import PerLoop, Sends
 
 TURN_S = 0.001  # longest run of relayed reads between two polls of the loop (see RelayTurns)
@@ -39,21 +38,9 @@ IDLE_TTL_S = 4.0
 MAX_IDLE_PER_BACKEND = 512
 
 
-class ConnectError(Exception):
-    """The TCP (or TLS) connection to the backend could not be made."""
-
-
-class ConnectTimedOut(ConnectError):
-    """The TCP (or TLS) connect took longer than ``connect_s``."""
-
-
-class UpstreamClosed(ConnectionError):
-    """The backend closed the connection, or sent bytes that are not HTTP/1.1, before
-    the response was complete. ``got_bytes`` tells whether any response byte arrived."""
-
-    def __init__(self, message: str, got_bytes: bool) -> None:
-        super().__init__(message)
-        self.got_bytes = got_bytes
+def header_value(value: str) -> bytes:
+    """``value`` as a header value: latin-1, with CR, LF and NUL dropped."""
+    return value.encode("latin-1", "replace").translate(None, b"\r\n\x00")
 
 
 def _fail(fut: asyncio.Future | None, exc: BaseException) -> None:
@@ -100,27 +87,23 @@ class Exchange:
         if not self._head.done():
             self._head.set_result(None)
 
-    def _on_body(self, data: bytes) -> None:
-        if self._size < self._limit:
-            self._chunks.append(data)
-        self._size += len(data)
-
     def _on_complete(self, keep_alive: bool) -> None:
         self._complete, self._keep_alive = True, keep_alive
 
-    def _flush(self) -> None:
-        """After each read from the socket: hand the body bytes of that read to the
-        relay sink as one chunk (the response's last bytes stay for :meth:`take`),
-        or wake the waiting owner."""
-        if self._chunks:
-            self.last_data_at = self.conn.loop.time()
+    def _flush(self, at: float) -> None:
+        """After each read from the socket (at loop time ``at``): hand the body bytes
+        of that read to the relay sink as one chunk (the response's last bytes stay
+        for :meth:`take`), or wake the waiting owner."""
+        chunks = self._chunks
+        if chunks:
+            self.last_data_at = at
             sink = self._sink
             if sink is not None and not self._complete:
-                data = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
-                self._chunks.clear()
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
                 sink(data)
                 return
-        if self._complete or self._size >= self._limit or (self._wake_on_data and self._chunks):
+        if self._complete or self._size >= self._limit or (self._wake_on_data and chunks):
             self._wake()
 
     def _on_error(self, exc: BaseException) -> None:
@@ -129,22 +112,22 @@ class Exchange:
         _fail(self._head, self._error)
         _fail(self._waiter, self._error)
 
-    def set_deadline(self, at: float | None) -> None:
-        """Fail every wait of this exchange with ``TimeoutError`` at loop time ``at``
+    def set_deadline(self, at: float | None, error: UpstreamError | None = None) -> None:
+        """Fail every wait of this exchange with ``error`` at loop time ``at``
         (``None``: no deadline) and drop the connection; replaces an earlier deadline."""
         self.clear_deadline()
         if at is not None:
-            self._timer = self.conn.loop.call_at(at, self._expire)
+            self._timer = self.conn.loop.call_at(at, self._expire, error)
 
     def clear_deadline(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _expire(self) -> None:
+    def _expire(self, error: UpstreamError | None) -> None:
         self._timer = None
         if not self._complete:
-            self._on_error(TimeoutError())
+            self._on_error(error or TimeoutError())
             self.conn.exchange = None
             self.conn.close()
 
@@ -172,7 +155,7 @@ class Exchange:
     async def wait_first_body(self) -> bytes:
         """Wait until some body bytes arrived (or the response completed) and take
         them: the first chunk(s) of a stream, ``b""`` for an empty body. Raises
-        :class:`UpstreamClosed`."""
+        :class:`~gateway.errors.Disconnected` or the deadline's error."""
         if not self._chunks and not self._complete:
             self._wake_on_data = True
             await self._wait()
@@ -184,7 +167,8 @@ class Exchange:
     async def read(self, limit: int | None = None) -> bytes:
         """The rest of the body, collected. With ``limit`` (bytes), at most that much
         is returned and the wait ends as soon as it arrived (the connection is then
-        not reused). Raises :class:`UpstreamClosed` if the connection breaks first."""
+        not reused). Raises :class:`~gateway.errors.Disconnected` if the connection
+        breaks first, or the deadline's error."""
         if limit is not None:
             self._limit = limit
         while not self._complete and self._size < self._limit:
@@ -198,7 +182,7 @@ class Exchange:
         arrive (inside the connection's ``data_received``: ``sink`` must not block and
         must not raise), except those of the read that completes the response: they
         wait for :meth:`take`. Returns a future that resolves when the response
-        completes or fails with :class:`UpstreamClosed`; :meth:`abort` fails it from
+        completes or fails with :class:`~gateway.errors.Disconnected`; :meth:`abort` fails it from
         the caller's side (a timeout, the client gone)."""
         self._sink = sink
         fut = self._waiter = self.conn.loop.create_future()
@@ -311,7 +295,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._fail(UpstreamClosed(f"invalid HTTP from the backend: {e}", True))
+            self._fail(Disconnected(self.pool.name, f"backend {self.pool.name} sent invalid HTTP: {e}"))
             return
         ex = self.exchange
         if ex is None:
@@ -319,15 +303,7 @@ class _Connection(asyncio.Protocol):
         if ex._on_ready is not None and ex.status and (ex._chunks or ex._complete):
             on_ready, ex._on_ready = ex._on_ready, None
             on_ready(ex)  # the status, headers and first body bytes arrived before the owner resumed
-        chunks = ex._chunks
-        sink = ex._sink
-        if chunks and sink is not None and not ex._complete:  # a relayed stream: Exchange._flush, inlined
-            ex.last_data_at = at
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            chunks.clear()
-            sink(data)
-        else:
-            ex._flush()
+        ex._flush(at)
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
@@ -344,9 +320,11 @@ class _Connection(asyncio.Protocol):
             if exc is None and ex.status and "content-length" not in h and \
                     "chunked" not in h.get("transfer-encoding", "").lower():
                 ex._on_complete(False)  # a body delimited by the close (RFC 9112 6.3): this is its end
-                ex._flush()
+                ex._flush(self.loop.time())
             else:
-                ex._on_error(UpstreamClosed("the backend closed the connection", self.got_bytes))
+                name = self.pool.name
+                when = "mid-response" if ex._size else "before the first body byte" if ex.status else "before answering"
+                ex._on_error(Disconnected(name, f"backend {name} closed the connection {when}", got_bytes=self.got_bytes))
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -369,7 +347,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         ex = self.exchange
-        if ex is not None:  # Exchange._on_body, inlined (called for every chunk of a stream)
+        if ex is not None:
             if ex._size < ex._limit:
                 ex._chunks.append(body)
             ex._size += len(body)
@@ -403,22 +381,16 @@ class RelayTurns(PerLoop):
     :data:`TURN_S` seconds, between which the loop polls again.
 
     Why: an engine's decode step emits one event per running sequence at once, so
-    at 256 streams the gateway reads a few hundred events in one loop iteration.
-    Relayed inside their read callbacks (parse, scan, write: 40 to 70 µs each on
-    this VM), they made that iteration last about 10 ms at p90 and 20 ms at p99, and
-    a new request, or the head of one, arriving meanwhile waited for all of it: most
-    of the gateway's added TTFT at 256 streams (``python -m loadtest.peers --rig
-    native``, (c); loadtest/README.md, "Fourth pass").
-    Now, past :data:`INLINE_PER_MS` relayed reads in a millisecond of the loop's
-    clock, a read callback of a relayed stream only queues the bytes (a few µs);
-    requests, heads and first tokens are still handled in their read callbacks;
-    and the queued reads are relayed in FIFO turns. A preemptive router (the Rust
-    ones: tokio's scheduler) gets the same effect from its threads. Under that rate
-    (a few streams, or a quiet moment) reads are relayed in their callbacks as
-    before: a turn costs a loop iteration more per read, about 5k instructions
-    (``python -m loadtest.cpu_profile --callgrind``, 10 ms ITL at 8 streams:
-    2,019k instructions per stream with every read queued, 1,699k with this
-    allowance).
+    with hundreds of streams the gateway reads hundreds of events in one loop
+    iteration. Relayed inside their read callbacks, they would make that iteration
+    long, and a new request, or the head of one, arriving meanwhile would wait for
+    all of them: added TTFT. So, past :data:`INLINE_PER_MS` relayed reads in a
+    millisecond of the loop's clock, a read callback of a relayed stream only queues
+    the bytes; requests, heads and first tokens are still handled in their read
+    callbacks; and the queued reads are relayed in FIFO turns. (A preemptive router
+    gets the same effect from its threads.) Under that rate, with few streams, reads
+    are relayed in their callbacks: a turn costs one more loop iteration per read.
+    The measurements behind both numbers are in loadtest/README.md.
 
     Per connection the order of bytes is kept (a connection's reads are relayed in
     one turn, before any later read of it, and before its close is handled). The
@@ -459,11 +431,14 @@ class UpstreamPool:
     """Keep-alive connections to one backend, reused LIFO (the warmest first).
 
     ``base_url`` is ``http://host:port[/prefix]`` or ``https://…``; ``connect_s`` bounds
-    the TCP/TLS connect (seconds, ``None`` for no bound).
+    the TCP/TLS connect (seconds, ``None`` for no bound); ``name`` is the backend's,
+    for the errors raised.
     """
 
-    def __init__(self, base_url: str, connect_s: float | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, base_url: str, connect_s: float | None, loop: asyncio.AbstractEventLoop | None = None,
+                 name: str = "") -> None:
         u = urlsplit(base_url)
+        self.name = name or base_url
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"backend URL must be http:// or https:// with a host, not {base_url!r}")
         self.loop = loop or asyncio.get_running_loop()
@@ -501,9 +476,10 @@ class UpstreamPool:
                 _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port,
                                                             ssl=self.ssl)
         except TimeoutError as e:
-            raise ConnectTimedOut(f"connect timed out after {self.connect_s} s") from e
+            raise ConnectTimeout(self.name, f"connecting to backend {self.name} timed out after "
+                                            f"{self.connect_s} s") from e
         except OSError as e:
-            raise ConnectError(e.strerror or str(e)) from e
+            raise ConnectFailed(self.name, f"could not connect to backend {self.name}: {e.strerror or e}") from e
         self._all.add(conn)
         return conn
 
@@ -511,10 +487,8 @@ class UpstreamPool:
         """The warmest idle connection, or ``None``. Taking the last one starts a spare
         connection in the background (at most one at a time), so that the next
         request finds one ready instead of connecting in its TTFT: Envoy's
-        ``preconnect_policy`` in its simplest form. A load that shifts between
-        backends otherwise connects on the critical path: at 256 streams over two
-        backends 3 to 10% of the requests did, and those added 10 to 30 ms to their
-        TTFT (loadtest/README.md, "Fourth pass")."""
+        ``preconnect_policy`` in its simplest form (without it, a load that shifts
+        between backends connects on the critical path)."""
         now = self.loop.time()
         while self._idle:
             conn = self._idle.pop()
@@ -528,14 +502,15 @@ class UpstreamPool:
     async def _warm(self) -> None:
         try:
             conn = await self._connect()
-        except (ConnectError, OSError):
+        except (UpstreamError, OSError):
             return  # the backend's trouble shows on the requests' own connects
         finally:
             self._warming = None
         self._put(conn)  # closed (a retired or closed pool) or kept idle
 
     async def request(self, path: str, headers: bytes, body: bytes, deadline: float | None = None,
-                      on_ready: Callable[[Exchange], None] | None = None, batched: bool = False) -> Exchange:
+                      on_ready: Callable[[Exchange], None] | None = None, batched: bool = False,
+                      deadline_error: UpstreamError | None = None) -> Exchange:
         """Send ``POST prefix+path`` with the extra header lines ``headers`` (CRLF
         terminated, no Host/Content-Length) and ``body``; return the exchange once the
         status line and headers arrived.
@@ -544,7 +519,8 @@ class UpstreamPool:
         retried once on a new connection (the backend never saw the request).
         ``deadline`` (loop time, or ``None``) bounds the connect and every wait of the
         returned exchange until :meth:`Exchange.clear_deadline` or :meth:`Exchange.finish`:
-        past it they raise ``TimeoutError`` and the connection is dropped.
+        past it they raise ``deadline_error`` (``TimeoutError`` when ``None``) and the
+        connection is dropped.
         ``on_ready(exchange)``, when given, is called at most once, inside the
         connection's read callback, if the status line, the headers and body bytes
         (or the whole response) arrive in one read before this coroutine resumed:
@@ -552,7 +528,8 @@ class UpstreamPool:
         raise and must not block). It is never called once this method returned.
         ``batched``: the request is sent with this loop turn's other non-urgent sends
         (:mod:`gateway.sends`), not at once; for requests whose latency is not a TTFT.
-        Raises :class:`ConnectError`, :class:`UpstreamClosed`, ``TimeoutError``.
+        Raises :class:`~gateway.errors.ConnectFailed`, :class:`~gateway.errors.ConnectTimeout`,
+        :class:`~gateway.errors.Disconnected` and ``deadline_error``.
         """
         head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
             self.prefix.encode(), path.encode(), self.host_header, len(body), headers)
@@ -563,11 +540,16 @@ class UpstreamPool:
                 if deadline is None:
                     conn = await self._connect()
                 else:
-                    async with asyncio.timeout_at(deadline):
-                        conn = await self._connect()
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            conn = await self._connect()
+                    except TimeoutError:
+                        if deadline_error is None:
+                            raise
+                        raise deadline_error from None
             ex = Exchange(conn)
             ex._on_ready = on_ready
-            ex.set_deadline(deadline)
+            ex.set_deadline(deadline, deadline_error)
             conn.exchange = ex
             conn.got_bytes = False
             conn.served += 1
@@ -579,7 +561,7 @@ class UpstreamPool:
             try:
                 await ex._head
                 ex._on_ready = None
-            except UpstreamClosed as e:
+            except Disconnected as e:
                 ex.clear_deadline()
                 conn.exchange = None
                 conn.close()
@@ -612,6 +594,30 @@ class UpstreamPool:
         self._idle.clear()
 
     @property
+    def busy(self) -> bool:
+        """Some connection is carrying a request."""
+        return len(self._all) > len(self._idle)
+
+    @property
     def idle(self) -> int:
         """Idle pooled connections (for tests and metrics)."""
         return len(self._idle)
+
+
+class BackendClient:
+    """How to reach one backend: its state in the decision core, base URL, timeouts,
+    the ``Authorization`` header sent to it (the caller's own key never is), the
+    keep-alive :class:`UpstreamPool` of every request on a request's path, and an
+    aiohttp ``session`` for the health checks and metric scraping. Made inside the
+    running loop."""
+
+    __slots__ = ("state", "base_url", "session", "timeouts", "auth_header", "pool", "auth_line")
+
+    def __init__(self, state, base_url: str, session, timeouts, auth_header: str | None = None) -> None:
+        self.state = state
+        self.base_url = base_url
+        self.session = session
+        self.timeouts = timeouts
+        self.auth_header = auth_header
+        self.pool = UpstreamPool(base_url, timeouts.connect_s, name=state.name)
+        self.auth_line = b"Authorization: %s\r\n" % header_value(auth_header) if auth_header else b""

@@ -26,11 +26,11 @@ log = logging.getLogger("gateway.workers")
 
 
 def _worker(config_path: str, host: str, port: int, log_level: str, urls: dict[str, str], index: int) -> None:
-    from gateway import __main__ as cli
     from gateway.app import create_app
     from gateway.config import load_config
+    from gateway.run import serve, setup_logging
 
-    cli._setup_logging(log_level)
+    setup_logging(log_level)
     cfg = load_config(config_path)
     try:
         import uvloop
@@ -39,7 +39,7 @@ def _worker(config_path: str, host: str, port: int, log_level: str, urls: dict[s
         import asyncio
         run = asyncio.run
     try:
-        run(cli._serve(create_app(cfg, urls), host, port, reuse_port=True))
+        run(serve(create_app(cfg, urls), host, port, reuse_port=True))
     except OSError as e:
         print(f"error: worker {index} cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
         sys.exit(2)

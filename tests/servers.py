@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway.app import STATE, create_app
 from gateway.config import parse_config
-from gateway.fastpath import listen
+from gateway.server import listen
 
 
 def free_port() -> int:

@@ -725,7 +725,7 @@ async def test_shutdown_with_a_cancelling_batch_and_no_consumers_does_not_hang(r
     return of the bug all but certain to show. Each shutdown is bounded: a hang fails
     the test (after stopping the stray loop so the suite can go on)."""
     from gateway.batch.store import BatchStore
-    from gateway.fastpath import listen
+    from gateway.server import listen
 
     backends, urls = await sim_fleet(1)
     cfg = admin_batch_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()], redis,

@@ -2,7 +2,7 @@
 
 - a stream whose status, headers and first event arrive in one read is answered from
   inside that read (``UpstreamPool.request(on_ready=...)``, ``Proxy._open_stream``);
-- relayed reads wait for their turn (``gateway.upstream.RelayTurns``) and still reach
+- relayed reads wait for their turn (``gateway.transport.RelayTurns``) and still reach
   the client byte-exact and in order, also when the backend closes right after;
 - the listening socket accepts every queued connection, not one per loop turn.
 
@@ -21,8 +21,8 @@ import orjson
 import uvloop
 
 from gateway.app import STATE, create_app
-from gateway.fastpath import listen
-from gateway.upstream import UpstreamPool
+from gateway.server import listen
+from gateway.transport import UpstreamPool
 from tests.servers import gateway_config, running_gateway, sse_chunk, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -1,6 +1,6 @@
 """Adversarial probes of the data plane: the listening socket's lean HTTP/1.1 protocol
-(gateway/fastpath.py), the keep-alive upstream client (gateway/upstream.py) and the
-SSE relay (gateway/proxy.py), as a hostile client, a strict HTTP client and a
+(gateway/server.py), the keep-alive upstream client (gateway/transport.py) and the
+SSE relay (gateway/pipeline/relay.py), as a hostile client, a strict HTTP client and a
 misbehaving backend would see them.
 
 Where it makes sense each probe runs twice, with the data plane on and with
@@ -30,7 +30,7 @@ import pytest
 from aiohttp import web
 
 from gateway.app import STATE, create_app
-from gateway.fastpath import listen
+from gateway.server import listen
 from tests.servers import (
     RunningGateway,
     ScriptedBackend,
@@ -648,7 +648,7 @@ async def test_a_client_that_stops_reading_then_leaves_stops_the_backend(fast):
 
 
 # ======================================================================================
-# 4. Backends that frame their answers oddly, fail, or never answer (gateway/upstream.py)
+# 4. Backends that frame their answers oddly, fail, or never answer (gateway/transport.py)
 # ======================================================================================
 
 

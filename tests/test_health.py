@@ -8,7 +8,7 @@ from aiohttp import web
 
 from gateway.config import HealthChecks, Timeouts
 from gateway.health import HealthChecker
-from gateway.proxy import BackendClient
+from gateway.transport import BackendClient
 from routing import BackendSpec, Fleet
 
 

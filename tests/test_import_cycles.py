@@ -37,13 +37,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gateway", "routing", "loadtest")
 
-GATEWAY_XFAIL = pytest.mark.xfail(strict=True, reason="gateway cycles being removed by the pipeline refactor")
-# routing/policies/__init__.py builds POLICIES at import time from its policy modules, which import
-# BasePolicy, Decision and RouteRequest back from it (moving those three into a module of their own
-# ends it); strict, so the case fails as soon as the cycle is gone and the mark must go too
-ROUTING_XFAIL = pytest.mark.xfail(strict=True, reason="routing.policies <-> its policy modules (BasePolicy et al.)")
-
-
 # --- the detector ---------------------------------------------------------------------------------
 
 
@@ -225,12 +218,7 @@ def project_graph() -> dict[str, set[str]]:
     return module_graph(ROOT, PACKAGES)
 
 
-@pytest.mark.parametrize("scope", [
-    pytest.param("gateway", marks=GATEWAY_XFAIL),
-    pytest.param("routing", marks=ROUTING_XFAIL),
-    "loadtest",
-    pytest.param("project", marks=GATEWAY_XFAIL),
-])
+@pytest.mark.parametrize("scope", ["gateway", "routing", "loadtest", "project"])
 def test_no_import_cycles(project_graph, scope):
     graph = project_graph if scope == "project" else restrict(project_graph, scope)
     assert graph, f"no modules found for {scope}"
@@ -267,3 +255,11 @@ def test_detector_resolution(tmp_path):
         "pkg.sub.c": {"pkg.b"},
     }
     assert find_cycles(module_graph(tmp_path, ("pkg",))) == []
+
+
+def test_gateway_enters_routing_only_through_the_decision_core(project_graph):
+    """``routing.core`` is the one door from the data plane into ``routing/``."""
+    doors = {(m, dep) for m, deps in project_graph.items() if m.split(".")[0] == "gateway"
+             for dep in deps if dep.split(".")[0] == "routing" and dep != "routing.core"}
+    assert not doors, "gateway imports routing/ besides routing.core: " + ", ".join(
+        f"{m} -> {d}" for m, d in sorted(doors))

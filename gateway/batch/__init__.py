@@ -21,6 +21,8 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
+from gateway.state import STATE
+
 log = logging.getLogger("gateway.batch")
 
 
@@ -37,13 +39,14 @@ class BatchRuntime:
 
 
 def setup_batch(app: web.Application, cfg) -> None:
-    """Add the Files/Batches routes, the batch admission middleware and the manager
-    (plus ``batch.workers`` in-process consumers) to ``app`` when ``batch.enabled``."""
+    """Add the Files/Batches routes, the batch gate (completion requests marked
+    ``x-turbo-priority: batch`` pass it: :func:`gateway.pipeline.director.complete`)
+    and the manager (plus ``batch.workers`` in-process consumers) to ``app`` when
+    ``batch.enabled``."""
     b = cfg.batch
     if not b.enabled:
         return
-    from gateway.app import STATE
-    from gateway.batch.admission import BatchGate, GateCollector, batch_middleware
+    from gateway.batch.admission import BatchGate, GateCollector
     from gateway.batch.api import BATCH, add_routes
     from gateway.batch.manager import BatchManager
     from gateway.batch.store import BatchStore
@@ -54,13 +57,12 @@ def setup_batch(app: web.Application, cfg) -> None:
     state.metrics.registry.register(GateCollector(gate))
     rt = BatchRuntime(b, store, BatchManager(store), gate)
     app[BATCH] = rt
-    app.middlewares.append(batch_middleware(gate))
+    state.batch_gate = gate
     add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    from gateway.app import STATE
     from gateway.batch.api import BATCH
     from gateway.batch.worker import Consumer, LocalSender
 

@@ -31,15 +31,13 @@ import asyncio
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from aiohttp import web
-
 from gateway.config import Batch
 from gateway.errors import ClientError
 from gateway.openai_api import ParsedRequest
-from routing.policies import RouteRequest
-from routing.policies.estimated_ttft import estimate_ttft
+from gateway.pipeline.director import PRIORITY_HEADER
+from routing.core import RouteRequest, estimate_ttft
 
-PRIORITY_HEADER = "x-turbo-priority"
+__all__ = ["PRIORITY_HEADER", "DEFERRED_CODE", "BatchGate", "GateCollector"]
 DEFERRED_CODE = "batch_deferred"
 _SERVING_ROLES = ("mixed", "decode")
 _POLL_S = 0.01
@@ -85,7 +83,7 @@ class BatchGate:
         """Hold one admission for the duration of the block; raises a 429
         :class:`ClientError` (``batch_deferred``) when not admitted in time."""
         loop = asyncio.get_running_loop()
-        est = self.state.estimator.estimate(parsed.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt)
+        est, _ = self.state.core.request(parsed.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt)
         kv = float(est.prompt_tokens + est.output_tokens)
         deadline = loop.time() + self.cfg.admission_wait_s
         while not self.admissible(parsed.model, kv, loop.time()):
@@ -128,25 +126,3 @@ class GateCollector:
         yield CounterMetricFamily("turbo_gateway_batch_admitted", "Batch lines admitted", value=g.admitted_total)
         yield CounterMetricFamily("turbo_gateway_batch_deferred", "Batch lines deferred (429 batch_deferred)",
                                   value=g.deferred_total)
-
-
-def batch_middleware(gate: BatchGate):
-    """An aiohttp middleware: completion requests marked ``x-turbo-priority: batch``
-    pass the gate first; everything else goes straight through."""
-    from gateway.openai_api import parse_completion_request, read_json_body
-
-    endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-
-    @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        if request.headers.get(PRIORITY_HEADER) != "batch" or request.method != "POST":
-            return await handler(request)
-        endpoint = endpoints.get(request.path)
-        if endpoint is None:
-            return await handler(request)
-        body, data = await read_json_body(request, gate.state.cfg.limits.max_body_bytes)  # cached for the handler
-        parsed = parse_completion_request(endpoint, body, data)
-        async with gate.admit(parsed):
-            return await handler(request)
-
-    return middleware

@@ -30,7 +30,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.admin import CALLER
+from gateway.auth import CALLER
+from gateway.state import STATE
 from gateway.batch.store import (ENDPOINTS, FINAL, RUNNING, BatchStore, batch_object, file_object, new_id,
                                  parse_window)
 from gateway.errors import ClientError
@@ -71,9 +72,7 @@ def _caller(request: web.Request) -> tuple[str, str | None]:
     be missing, the caller is authenticated here (never assumed anonymous)."""
     caller = request.get(CALLER)
     if caller is None:
-        from gateway.app import STATE
-
-        caller = request.app[STATE].keyring.authenticate(request)
+        caller = request.app[STATE].keyring.authenticate(request.headers)
     return caller.name, (None if caller.key is None else caller.name)
 
 

@@ -170,6 +170,7 @@ def _run_main(argv: list[str]) -> int:
 async def run_local(raw: bytes, args: argparse.Namespace) -> int:
     from gateway.batch.manager import parse_input
     from gateway.batch.worker import HttpSender, output_line, run_with_retries
+    from gateway.pipeline.retry import RetryPolicy
 
     out_path = Path(args.output)
     err_path = Path(args.errors or f"{args.output}.errors.jsonl")
@@ -178,7 +179,7 @@ async def run_local(raw: bytes, args: argparse.Namespace) -> int:
     todo = [v for v in valid if v[1] not in done]
     progress = Progress(len(valid) + len(bad), len(valid) - len(todo))
     sender = HttpSender(args.target, args.timeout, priority=False, api_key=args.api_key)
-    rng = random.Random()
+    policy = RetryPolicy(args.max_attempts, 0.5, 30.0, rng=random.Random())
     queue: asyncio.Queue = asyncio.Queue()
     for item in todo:
         queue.put_nowait(item)
@@ -197,8 +198,7 @@ async def run_local(raw: bytes, args: argparse.Namespace) -> int:
                 except asyncio.QueueEmpty:
                     return
                 res = await run_with_retries(sender, url, body, cid, request_timeout_s=args.timeout,
-                                             max_attempts=args.max_attempts, base_backoff_s=0.5, max_backoff_s=30.0,
-                                             rng=rng, request_id=f"run-{cid}")
+                                             policy=policy, request_id=f"run-{cid}")
                 assert res is not None
                 ok, line = res
                 f = out if ok else err

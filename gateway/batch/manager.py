@@ -135,7 +135,7 @@ class BatchManager:
         batch), else every ``tick_s`` (backing off while Redis fails)."""
         import redis.exceptions
 
-        from routing.state import raise_if_cancel_swallowed
+        from routing.core import raise_if_cancel_swallowed
 
         errors = 0
         while not self._stopping:
@@ -164,7 +164,7 @@ class BatchManager:
                 pass
 
     async def tick(self) -> None:
-        from routing.state import raise_if_cancel_swallowed
+        from routing.core import raise_if_cancel_swallowed
 
         for bid in await self.store.active_ids():
             if self._stopping:

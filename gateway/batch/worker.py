@@ -12,7 +12,7 @@ Each line is sent by a *sender*: :class:`HttpSender` posts it to a gateway with
 pass the same admission gate (:mod:`gateway.batch.admission`).
 
 Per line: up to ``max_attempts`` attempts of at most ``request_timeout_s`` each,
-full-jitter exponential backoff between them (:func:`gateway.proxy.full_jitter_backoff`);
+full-jitter exponential backoff between them (:class:`gateway.pipeline.retry.RetryPolicy`);
 connect errors, timeouts, 408/409/429/5xx are retried, other statuses are final. A
 ``batch_deferred`` answer (no spare capacity) is waited out and not counted. The final
 failure goes to the error file: the backend's HTTP status and error body as
@@ -37,8 +37,9 @@ import orjson
 from gateway.batch.admission import DEFERRED_CODE, PRIORITY_HEADER
 from gateway.batch.store import GROUP, BatchStore
 from gateway.config import Batch
-from gateway.proxy import full_jitter_backoff
-from routing.state import raise_if_cancel_swallowed
+from gateway.pipeline import director
+from gateway.pipeline.retry import RetryPolicy
+from routing.core import raise_if_cancel_swallowed
 
 log = logging.getLogger("gateway.batch")
 
@@ -76,7 +77,7 @@ class HttpSender:
 
 
 class LocalSender:
-    """Sends lines through this gateway's own gate and proxy (no HTTP hop)."""
+    """Sends lines through this gateway's own gate and pipeline (no HTTP hop)."""
 
     def __init__(self, state, gate, timeout_s: float) -> None:
         self.state = state
@@ -84,31 +85,9 @@ class LocalSender:
         self.timeout_s = timeout_s
 
     async def send(self, url: str, body: bytes, request_id: str) -> Answer:
-        from gateway.errors import ClientError
-        from gateway.openai_api import parse_completion_request
-        from gateway.downstream import CollectDownstream
-        from gateway.proxy import Exchange
-        from routing import UnknownModel
-
         endpoint = "chat" if url == "/v1/chat/completions" else "completions"
-        try:
-            parsed = parse_completion_request(endpoint, body, orjson.loads(body))
-            try:
-                self.state.fleet.candidates(parsed.model)
-            except UnknownModel as e:
-                raise ClientError(404, str(e), param="model", code="model_not_found") from None
-            async with asyncio.timeout(self.timeout_s):
-                async with self.gate.admit(parsed):
-                    assert self.state.proxy is not None
-                    down = CollectDownstream()
-                    ex = Exchange(down, parsed, request_id, asyncio.get_running_loop().time())
-                    await self.state.proxy.forward(ex)
-        except ClientError as e:
-            r = e.response()
-            return r.status, dict(r.headers), bytes(r.body)  # type: ignore[arg-type]
-        headers = dict(down.headers)
-        headers.setdefault("x-request-id", request_id)
-        return down.status, headers, down.body
+        async with asyncio.timeout(self.timeout_s):
+            return await director.collect(self.state, endpoint, body, request_id)
 
     async def close(self) -> None:
         return None
@@ -305,18 +284,17 @@ class Consumer:
         async def paused() -> None:
             await self.store.r.zrem(fly, str(index))
 
+        policy = RetryPolicy(cfg.max_attempts, cfg.base_backoff_s, cfg.max_backoff_s, rng=self.rng)
         return await run_with_retries(self.sender, url, body, custom_id, request_timeout_s=cfg.request_timeout_s,
-                                      max_attempts=cfg.max_attempts, base_backoff_s=cfg.base_backoff_s,
-                                      max_backoff_s=cfg.max_backoff_s, rng=self.rng,
-                                      request_id=f"{batch_id}-{index}", before_send=before_send, paused=paused)
+                                      policy=policy, request_id=f"{batch_id}-{index}", before_send=before_send, paused=paused)
 
 
 async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None, *, request_timeout_s: float,
-                           max_attempts: int, base_backoff_s: float, max_backoff_s: float, rng: random.Random,
-                           request_id: str, before_send=None, paused=None) -> tuple[bool, bytes] | None:
-    """Send one line with up to ``max_attempts`` attempts (full-jitter backoff between
-    them; a ``batch_deferred`` answer is waited out and not counted). Returns (ok, the
-    output or error line), or ``None`` when ``before_send()`` says to stop."""
+                           policy: RetryPolicy, request_id: str, before_send=None,
+                           paused=None) -> tuple[bool, bytes] | None:
+    """Send one line with up to ``policy.max_attempts`` attempts (the policy's backoff
+    between them; a ``batch_deferred`` answer is waited out and not counted). Returns
+    (ok, the output or error line), or ``None`` when ``before_send()`` says to stop."""
     attempts = 0
     deferrals = 0
     while True:
@@ -344,11 +322,11 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
             await paused()
         if status == 429 and _error_code(data) == DEFERRED_CODE:
             deferrals += 1
-            await asyncio.sleep(rng.uniform(0.05, 0.25))
+            await asyncio.sleep(policy.rng.uniform(0.05, 0.25))
             continue
         attempts += 1
         retryable = status is None or status in RETRYABLE
-        if not retryable or attempts >= max_attempts:
+        if not retryable or attempts >= policy.max_attempts:
             if status is None:
                 assert err is not None
                 return False, output_line(custom_id, None, None, None,
@@ -359,7 +337,7 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
                 obj = {"error": {"message": data.decode("utf-8", "replace")[:2000], "type": "server_error",
                                  "param": None, "code": None}}
             return False, output_line(custom_id, status, headers.get("x-request-id", rid), obj, None)
-        delay = full_jitter_backoff(attempts, base_backoff_s, max_backoff_s, rng)
+        delay = policy.backoff_s(attempts)
         log.info("%s: attempt %d failed (%s); retrying in %.2f s", request_id, attempts,
                  status or (err or {}).get("code"), delay)
         await asyncio.sleep(delay)

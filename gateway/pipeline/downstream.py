@@ -1,17 +1,18 @@
-"""The client side of an exchange: where :class:`gateway.proxy.Proxy` writes its answer.
+"""Where a request's answer goes: one interface, :class:`Downstream`, three kinds.
 
-Three kinds, one interface: :class:`AiohttpDownstream` (a request served by the aiohttp
-app), :class:`gateway.fastpath.FastDownstream` (a completion served by the data-plane
-protocol) and :class:`CollectDownstream` (an in-process batch consumer, no socket).
+:class:`AiohttpDownstream` (a completion served by the aiohttp app),
+:class:`gateway.server.LeanDownstream` (one served by the lean HTTP/1.1 protocol) and
+:class:`CollectDownstream` (an in-process batch line, no socket).
 
 - :meth:`respond` answers at once with a whole body (bytes) and headers;
 - :meth:`start_stream` sends status 200, the headers and the first chunk of a chunked
   stream (``end=True``: also its end); :meth:`write` and :meth:`end_stream` go on;
-- ``transport`` is the socket the SSE relay writes to directly (HTTP/1.1 chunks when
-  ``chunked``), or ``None``; ``started`` tells whether any byte was committed to the
-  client; ``may_wait`` whether :meth:`start_stream` can wait for a slow client (one that
-  cannot also offers ``start_stream_now``, the same call without ``await``, which the
-  proxy makes from inside the backend connection's read callback).
+- ``transport`` is what the SSE relay writes each relayed read to directly (HTTP/1.1
+  chunks when ``chunked``): the client's socket, or ``None`` once it is gone;
+  ``started`` tells whether any byte was committed to the client; ``may_wait`` whether
+  :meth:`start_stream` can wait for a slow client (one that cannot also offers
+  ``start_stream_now``, the same call without ``await``, which the relay makes from
+  inside the backend connection's read callback).
 
 All writers raise :class:`ClientGone` when the client's connection is gone.
 """
@@ -19,7 +20,7 @@ All writers raise :class:`ClientGone` when the client's connection is gone.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +28,27 @@ from aiohttp import web
 
 class ClientGone(Exception):
     """The client closed its connection while the response was being written."""
+
+
+class Downstream(Protocol):
+    """What the pipeline writes an answer to (see the module doc)."""
+
+    started: bool
+    chunked: bool
+    may_wait: bool
+
+    @property
+    def transport(self) -> asyncio.Transport | None: ...
+
+    def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None: ...
+
+    async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None: ...
+
+    def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end_stream(self, last: bytes = b"") -> None: ...
 
 
 _WRITE_ERRORS = (ConnectionError, aiohttp.ClientConnectionResetError)
@@ -51,6 +73,9 @@ class AiohttpDownstream:
 
     def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.response = web.Response(status=status, body=body, headers=headers)
+
+    def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        raise NotImplementedError("aiohttp's response is started with `await start_stream`")  # may_wait
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
         out = web.StreamResponse(status=200, headers=headers)
@@ -83,11 +108,29 @@ class AiohttpDownstream:
             raise ClientGone() from e
 
 
-class CollectDownstream:
-    """Keeps the answer in memory (status, headers, body) for an in-process caller."""
+class _BodySink:
+    """The write side of a transport, appending to a :class:`CollectDownstream`'s body."""
 
-    __slots__ = ("status", "headers", "body", "started")
-    transport = None
+    __slots__ = ("down",)
+
+    def __init__(self, down: CollectDownstream) -> None:
+        self.down = down
+
+    def write(self, data: bytes) -> None:
+        self.down.body += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class CollectDownstream:
+    """Keeps the answer in memory (status, headers, body) for an in-process caller;
+    the relay's writes to its ``transport`` append to ``body``."""
+
+    __slots__ = ("status", "headers", "body", "started", "transport")
     chunked = False
     may_wait = False
 
@@ -96,6 +139,7 @@ class CollectDownstream:
         self.headers: dict[str, str] = {}
         self.body = b""
         self.started = False
+        self.transport = _BodySink(self)
 
     def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.status, self.body, self.headers = status, body, dict(headers)
@@ -111,6 +155,3 @@ class CollectDownstream:
 
     async def end_stream(self, last: bytes = b"") -> None:
         self.body += last
-
-
-Downstream = Any  # AiohttpDownstream | FastDownstream | CollectDownstream (duck-typed, see the module doc)

@@ -1,25 +1,22 @@
-"""The listening socket: plain completion requests on a lean HTTP/1.1 protocol, every
-other connection handed to the aiohttp app unchanged.
+"""The listening socket: completion requests on a lean HTTP/1.1 protocol, every other
+connection handed to the aiohttp app unchanged.
 
-aiohttp's server costs about 0.15 ms of CPU per request before our handler runs
-(request and response objects, the middleware chain, the router); on the data-plane
-benchmark (``python -m loadtest.cpu_profile``) that was a third of the gateway's CPU
-per non-streamed completion. :class:`DataPlaneProtocol` serves the requests that make
-up the traffic, ``POST /v1/chat/completions`` and ``POST /v1/completions`` over
-HTTP/1.1 with a ``Content-Length`` body (identity, gzip or deflate), itself, and passes the
-connection, with every byte it has read, to aiohttp's ``RequestHandler`` the moment a
-request is anything else (another path or method, HTTP/1.0, chunked bodies, other
-content codings, ``Expect``, ``Upgrade``, obsolete line folding, an oversized head or body, bytes
-that are not plain HTTP, a batch line's ``x-turbo-priority``). aiohttp then answers it
-exactly as before, with its own parser's checks and errors; the connection stays with
-aiohttp afterwards. An app with a middleware this module does not know of is served
-by aiohttp alone (the data plane would bypass it).
+:class:`DataPlaneProtocol` serves the requests that make up the traffic, ``POST
+/v1/chat/completions`` and ``POST /v1/completions`` over HTTP/1.1 with a
+``Content-Length`` body (identity, gzip or deflate), itself: aiohttp's server builds
+request and response objects and runs its middleware chain and router for each
+request, which costs more CPU than the rest of a short completion's path in the
+gateway. The moment a connection carries anything else (another path or method,
+HTTP/1.0, chunked bodies, other content codings, ``Expect``, ``Upgrade``, obsolete
+line folding, an oversized head or body, bytes that are not plain HTTP), the
+connection, with every byte read so far, goes to aiohttp's ``RequestHandler``, which
+answers exactly as it would have alone, with its own parser's checks and errors; the
+connection stays with aiohttp afterwards.
 
-The served requests go through the same code as aiohttp's: :func:`gateway.app.complete`
-(auth, limits, admission, routing, proxying), with OpenAI error bodies, the request id
-and a client disconnect cancelling the request (and so the backend's generation).
-
-Turn it off with ``listen.fast_path: false`` (every request through aiohttp).
+Both stacks serve a completion through the same front door,
+:func:`gateway.pipeline.director.handle` (authentication, body checks, the request id,
+OpenAI error answers, limits, admission, routing), so the choice of stack changes no
+behaviour. Turn the lean protocol off with ``listen.fast_path: false``.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import random
 import socket
 import time
 import zlib
@@ -39,12 +35,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway import eager
-from gateway.downstream import ClientGone
+from gateway.errors import REQUEST_ID_HEADER, ClientError, request_id
+from gateway.pipeline import director
+from gateway.pipeline.downstream import ClientGone
 from gateway.sends import Sends
-from gateway.errors import ClientError, error_body
-from gateway.openai_api import check_json_content_type, parse_json_object
+from gateway.state import STATE, GatewayState
 
-log = logging.getLogger("gateway.fastpath")
+log = logging.getLogger("gateway.server")
 
 _HOT = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
@@ -64,16 +61,11 @@ _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')  # starts with a literal: re 
 _ACCEPT_BATCH = 512  # connections accepted per readiness of a listening socket
 _ACCEPT_RETRY_S = 0.5  # after accept() failed for want of file descriptors or memory
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
-# headers whose requests aiohttp serves: codings and protocol switches it implements, and
-# ``x-turbo-priority`` (batch lines pass the batch gate, an aiohttp middleware)
-_HANDED_OVER = {"transfer-encoding", "expect", "upgrade", "x-turbo-priority"}
+# headers whose requests aiohttp serves: codings and protocol switches it implements
+_HANDED_OVER = {"transfer-encoding", "expect", "upgrade"}
 # request body codings decoded here (zlib); others (br, several codings) go to aiohttp
 _CODINGS = {"identity", "gzip", "x-gzip", "deflate"}
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-# what the data plane does itself for the app's middleware (request id and errors,
-# authentication) or hands over (the batch gate: x-turbo-priority)
-_KNOWN_MIDDLEWARE_MODULES = {"gateway.app", "gateway.admin", "gateway.batch.admission"}
-_ids = random.Random()  # request ids: unique, not secret (uuid4's os.urandom is a syscall per request)
 KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default: a connection with no request started for this long is closed
 
 
@@ -102,9 +94,9 @@ def _head(status: int, headers: dict[str, str], tail: bytes) -> bytes:
         status, _REASONS.get(status, b"Unknown"), block, _Date.get(), tail)
 
 
-class FastDownstream:
-    """Answers one request of a :class:`DataPlaneProtocol` connection (see
-    :mod:`gateway.downstream` for the interface)."""
+class LeanDownstream:
+    """Answers one request of a :class:`DataPlaneProtocol` connection (the interface:
+    :class:`gateway.pipeline.downstream.Downstream`)."""
 
     __slots__ = ("proto", "request_id", "started", "finished")
     chunked = True
@@ -129,7 +121,7 @@ class FastDownstream:
     def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         if self.finished:
             return
-        headers.setdefault("x-request-id", self.request_id)
+        headers.setdefault(REQUEST_ID_HEADER, self.request_id)
         tail = b"Content-Length: %d\r\n" % len(body)
         if not self.proto.keep_alive:
             tail += b"Connection: close\r\n"
@@ -307,10 +299,10 @@ class DataPlaneProtocol(asyncio.Protocol):
         if _STREAM_TRUE.search(body) is not None:
             # a stream's first step (parse, route, send upstream) runs now, in this read's
             # callback, not after every other callback of this loop turn (gateway/eager.py):
-            # its TTFT is what the client waits on. It costs one more task step (about 20k
-            # instructions), so a whole response starts as a plain task. The test is on
-            # the raw bytes, before parsing (a compressed body is never eager); a false
-            # match costs only the eager start it did not need.
+            # its TTFT is what the client waits on. An eager start costs one task step
+            # more, so a whole response starts as a plain task. The test is on the raw
+            # bytes, before parsing (a compressed body is never eager); a false match
+            # costs only the eager start it did not need.
             self.task, run_first_step = eager.create(loop, serve)
             run_first_step()
         else:
@@ -338,34 +330,23 @@ class DataPlaneProtocol(asyncio.Protocol):
 
     async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: str = "identity") -> None:
         server = self.server
-        state = server.state()
+        rid = request_id(headers)
+        down = LeanDownstream(self, rid)
         arrival = asyncio.get_running_loop().time()
-        rid = headers.get("x-request-id") or "%032x" % _ids.getrandbits(128)
-        down = FastDownstream(self, rid)
+        if coding != "identity":
+            raw, limit = body, server.max_body_bytes()
+
+            async def body() -> bytes:  # type: ignore[misc]
+                return _decode(raw, coding, limit)
         try:
-            caller = state.keyring.authenticate(_Req(headers))  # first, as aiohttp's auth middleware does
-            check_json_content_type(headers.get("Content-Type"))
-            if coding != "identity":
-                body = _decode(body, coding, server.max_body_bytes())
-            data = parse_json_object(body)
-            await server.complete(state, endpoint, body, data, caller, rid, down, arrival)
-        except ClientError as e:
-            if not down.started:
-                h = dict(e.headers or {})
-                h["Content-Type"] = "application/json"
-                down.respond(e.status, error_body(e.message, e.status, code=e.code, param=e.param), h)
+            await director.handle(server.state, endpoint, headers, body, down, arrival, rid)
         except (asyncio.CancelledError, ClientGone):
             down.finished = False  # the client left: close
-        except Exception:
-            log.exception("unhandled error on POST /v1/%s (request %s)", endpoint, rid)
-            if not down.started:
-                down.respond(500, error_body("The gateway hit an internal error.", 500, code="internal_error"),
-                             {"Content-Type": "application/json"})
         finally:
             self.task = None
             self._after(down)
 
-    def _after(self, down: FastDownstream) -> None:
+    def _after(self, down: LeanDownstream) -> None:
         t = self.transport
         if t is None:
             return
@@ -401,15 +382,6 @@ def _decode(body: bytes, coding: str, limit: int) -> bytes:
                            f"{why}", code="invalid_body")
 
 
-class _Req:
-    """What :meth:`gateway.auth.KeyRing.authenticate` reads of a request."""
-
-    __slots__ = ("headers",)
-
-    def __init__(self, headers: CIMultiDict) -> None:
-        self.headers = headers
-
-
 class DataPlaneServer:
     """Listens on ``host:port`` for both the data-plane protocol and the aiohttp app.
 
@@ -420,24 +392,21 @@ class DataPlaneServer:
     """
 
     def __init__(self, app: web.Application, runner: web.AppRunner) -> None:
-        from gateway.app import STATE, complete
-
         self.app = app
         self.runner = runner
         self.aiohttp_server: Any = runner.server
         self.conns: set[DataPlaneProtocol] = set()
         self.closing = False
-        self.complete = complete
-        self._state_key = STATE
         self._socks: list[socket.socket] = []  # the listening sockets (one per resolved address)
         self._accepting: set[asyncio.Task] = set()
         self._accept_errors_logged_at = -1e9
 
-    def state(self) -> Any:
-        return self.app[self._state_key]
+    @property
+    def state(self) -> GatewayState:
+        return self.app[STATE]
 
     def max_body_bytes(self) -> int:
-        return self.state().cfg.limits.max_body_bytes
+        return self.state.cfg.limits.max_body_bytes
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 1024) -> None:
         """Bind and listen on every address ``host`` resolves to (raises ``OSError``),
@@ -459,11 +428,9 @@ class DataPlaneServer:
 
         Not uvloop's server: libuv accepts one connection per loop iteration, and
         leaves the next to the next poll (libuv PR #3696, "unix: don't accept()
-        connections in a loop", 2022; uvloop 0.23 bundles libuv 1.52). At 256 relayed
-        streams an iteration lasted up to 10-20 ms, so a burst of connects waited in
-        the kernel's accept queue, 150-600 ms at the tail of the added TTFT
-        (``python -m loadtest.peers --rig native``, scenario (c); loadtest/README.md,
-        "Fourth pass"). Each accepted socket becomes a uvloop transport through
+        connections in a loop", 2022). When an iteration relays many streams, a burst
+        of connects would wait in the kernel's accept queue for several iterations,
+        all of it added TTFT. Each accepted socket becomes a uvloop transport through
         ``loop.connect_accepted_socket``, its first step run eagerly."""
         loop = asyncio.get_running_loop()
         for _ in range(_ACCEPT_BATCH):
@@ -559,15 +526,8 @@ async def listen(app: web.Application, host: str, port: int, *, reuse_port: bool
     ``.addresses``); with ``listen.fast_path`` (the default) through
     :class:`DataPlaneServer`. Stop it with ``await server.shutdown(drain_timeout_s)``.
     Raises ``OSError`` when the address cannot be bound."""
-    from gateway.app import STATE
-
     cfg = app[STATE].cfg
     fast = cfg.listen.fast_path
-    unknown = [m for m in app.middlewares if getattr(m, "__module__", "") not in _KNOWN_MIDDLEWARE_MODULES]
-    if fast and unknown:
-        log.warning("listen.fast_path: off, the app has middleware the data plane would bypass: %s",
-                    ", ".join(getattr(m, "__qualname__", repr(m)) for m in unknown))
-        fast = False
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=cfg.lifecycle.drain_timeout_s)
     await runner.setup()

@@ -1,0 +1,216 @@
+"""A completion request's life, in the order it happens.
+
+:func:`handle` is the front door that both server stacks (the lean protocol of
+:mod:`gateway.server` and the aiohttp routes of :mod:`gateway.app`) call: authenticate,
+read and parse the body, then :func:`complete`; every :class:`ClientError` becomes an
+OpenAI error answer here and nowhere else. :func:`complete` admits the request (the
+batch gate, the caller's limits, the admission queue) and :func:`forward` carries it:
+
+    estimate -> plan (pools) -> [prefill leg] -> route -> attempt (retry) -> relay -> settle
+
+Each step is a call into the decision core (:mod:`routing.core`) or a module of this
+package named after it: :mod:`~gateway.pipeline.attempt`, :mod:`~gateway.pipeline.retry`,
+:mod:`~gateway.pipeline.relay`, :mod:`~gateway.pipeline.settle`,
+:mod:`~gateway.pipeline.prefill`. The reservation taken by each route is released
+exactly once on every path (success, failure, timeout, the client gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.errors import ClientError, UpstreamError, error_body
+from gateway.openai_api import ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object
+from gateway.pipeline import attempt, prefill, settle
+from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
+from gateway.pipeline.relay import StreamScan
+from gateway.pipeline.settle import ServedMetrics
+from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, UnknownModel
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger("gateway.pipeline")
+
+PRIORITY_HEADER = "x-turbo-priority"  # "batch": a batch line, admitted by the batch gate
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request's progress across attempts."""
+
+    down: Downstream  # where the answer goes
+    parsed: ParsedRequest
+    request_id: str
+    arrival: float  # loop time the request arrived
+    backend: str = ""  # the backend of the current (or last) attempt
+    estimate: PromptEstimate | None = None
+    decision: Decision | None = None
+    body: bytes = b""  # what is sent upstream: the client's bytes unless a leg rewrote them
+    scan: StreamScan | None = None  # the stream being relayed, if any
+    attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
+    tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
+    served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
+
+
+async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes | Callable[[], Awaitable[bytes]],
+                 down: Downstream, arrival: float, request_id: str) -> None:
+    """Serve one completion request (``endpoint``: ``chat`` or ``completions``) whose
+    head was read: ``headers`` (case-insensitive mapping), ``body`` the body bytes or a
+    coroutine function reading them (raising :class:`ClientError` 400/413). The answer,
+    or the OpenAI error, goes to ``down``. Raises ``CancelledError`` when the client
+    left."""
+    try:
+        caller = state.keyring.authenticate(headers)
+        check_json_content_type(headers.get("Content-Type"))
+        if not isinstance(body, bytes):
+            body = await body()
+        parsed = parse_completion_request(endpoint, body, parse_json_object(body))
+        await complete(state, parsed, caller, request_id, down, arrival, headers.get(PRIORITY_HEADER) == "batch")
+    except ClientError as e:
+        if not down.started:
+            h = dict(e.headers or {})
+            h["Content-Type"] = "application/json"
+            h.setdefault("x-request-id", request_id)
+            down.respond(e.status, error_body(e.message, e.status, code=e.code, param=e.param), h)
+    except ClientGone:
+        pass
+    except Exception:
+        log.exception("unhandled error on POST /v1/%s (request %s)", endpoint, request_id)
+        if not down.started:
+            down.respond(500, error_body("The gateway hit an internal error.", 500, code="internal_error"),
+                         {"Content-Type": "application/json", "x-request-id": request_id})
+
+
+def check_model(state: GatewayState, model: str) -> None:
+    """Raises :class:`ClientError` 404 when no backend serves ``model``."""
+    try:
+        state.core.fleet.candidates(model)
+    except UnknownModel as e:
+        raise ClientError(404, str(e), param="model", code="model_not_found") from None
+
+
+async def complete(state: GatewayState, parsed: ParsedRequest, caller: Any, request_id: str, down: Downstream,
+                   arrival: float, batch: bool = False) -> None:
+    """Admit a parsed request and forward it. Raises :class:`ClientError` (4xx, or 429
+    and 503 from the limits, the batch gate and the admission queue) before any byte
+    was sent."""
+    check_model(state, parsed.model)
+    if batch and state.batch_gate is not None:
+        async with state.batch_gate.admit(parsed):
+            return await _admitted(state, parsed, caller, request_id, down, arrival)
+    await _admitted(state, parsed, caller, request_id, down, arrival)
+
+
+async def _admitted(state: GatewayState, parsed: ParsedRequest, caller: Any, request_id: str, down: Downstream,
+                    arrival: float) -> None:
+    key = caller.key
+    charge = 0.0
+    if key is not None and key.tokens_per_minute is not None:
+        charge = state.core.prompt_tokens(parsed.model, parsed.prompt_text) + (parsed.max_tokens or 0)
+    permit = state.limiter.acquire(key, charge)  # 429 when over a per-key limit
+    ex = Exchange(down, parsed, request_id, arrival)
+    try:
+        await state.admission.admit(parsed.model, caller.name, caller.priority)
+        await forward(state, ex)
+    finally:
+        permit.release(ex.tokens, dispatched=bool(ex.attempts))
+        state.admission.pump()
+
+
+async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: str) -> tuple[int, dict[str, str], bytes]:
+    """Serve one batch line in process (no socket, no client key): through the batch
+    gate, then as any request. Returns the answer's status, headers and body."""
+    down = CollectDownstream()
+    try:
+        parsed = parse_completion_request(endpoint, body, parse_json_object(body))
+        check_model(state, parsed.model)
+        gate = state.batch_gate
+        ex = Exchange(down, parsed, request_id, asyncio.get_running_loop().time())
+        if gate is None:
+            await forward(state, ex)
+        else:
+            async with gate.admit(parsed):
+                await forward(state, ex)
+    except ClientError as e:
+        h = dict(e.headers or {})
+        h["Content-Type"] = "application/json"
+        return e.status, h, error_body(e.message, e.status, code=e.code, param=e.param)
+    headers = dict(down.headers)
+    headers.setdefault("x-request-id", request_id)
+    return down.status, headers, down.body
+
+
+async def forward(state: GatewayState, ex: Exchange) -> None:
+    """Estimate, plan, route, attempt and retry; the answer goes to ``ex.down``. Never
+    raises an :class:`UpstreamError`; raises :class:`ClientGone` (or
+    ``CancelledError``) when the client left."""
+    loop = asyncio.get_running_loop()
+    core, policy, m = state.core, state.retry, state.metrics
+    parsed = ex.parsed
+    t0 = loop.time()
+    ex.estimate, req = core.request(parsed.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt)
+    ex.body = parsed.body
+    plan = core.plan(req, t0, state.cfg.routing.long_prompt_tokens)
+    roles, remote, now = plan.roles, False, t0  # the first route reuses the plan's prefix match
+    if plan.kind == "disaggregated":
+        params = await prefill.run(state, ex, req)
+        if params is not None:
+            ex.body = orjson.dumps({**parsed.data, "kv_transfer_params": params})
+            roles, remote = DECODE, True
+        else:  # the prefill leg failed: a decode or mixed backend computes the prompt itself
+            roles = SERVING
+        m.child(m.disaggregated, "ok" if remote else "fallback").inc()
+        now = loop.time()
+    pools, stable_pools = core.canary_pools(parsed.model)
+    req.roles, req.remote_prefill = roles, remote
+    excluded: set[str] = set()
+    last: UpstreamError | None = None
+    while True:
+        req.pools = pools
+        if excluded:
+            req.exclude = frozenset(excluded)
+        try:
+            decision, reservation = core.route(req, now)
+        except NoBackendAvailable as e:
+            if stable_pools is not None:  # no canary backend can take it: the stable pool does
+                pools, stable_pools = stable_pools, None
+                m.child(m.canary_fallbacks, "no_canary_backend").inc()
+                continue
+            if e.retry_after_s is not None and policy.may_wait(e.retry_after_s, len(ex.attempts), t0, now):
+                await asyncio.sleep(e.retry_after_s)
+                now = loop.time()
+                continue
+            return settle.failed(state, ex, last, no_backend=e)
+        m.child(m.decisions, decision.policy, decision.reason).inc()
+        backend = decision.backend
+        ex.backend, ex.decision = backend.name, decision
+        ex.attempts.append((backend.name, now, "started"))
+        try:
+            return await attempt.run(state, ex, state.clients[backend.name], reservation)
+        except UpstreamError as err:
+            settle.attempt_failed(state, backend, reservation, err)
+            ex.attempts[-1] = (backend.name, now, err.reason)
+            if ex.down.started:  # bytes already reached the client: end the stream
+                return await settle.stream_failed(state, ex, err)
+            last, now = err, loop.time()
+            delay = policy.after_failure(err, len(ex.attempts), t0, now)
+            if delay is None:
+                return settle.failed(state, ex, err)
+            excluded.add(backend.name)
+            if stable_pools is not None:  # a canary failed: retry on the stable pool
+                pools, stable_pools = stable_pools, None
+                m.child(m.canary_fallbacks, err.reason).inc()
+            m.child(m.retries, err.reason).inc()
+            log.info("retrying request %s after %s from %s (attempt %d)", ex.request_id, err.reason, backend.name,
+                     len(ex.attempts))
+            await asyncio.sleep(delay)
+            now = loop.time()
+        finally:
+            reservation.release(loop.time())

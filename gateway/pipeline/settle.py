@@ -1,0 +1,182 @@
+"""Settling: what happens when an attempt or a request ends.
+
+An answered request counts its tokens, teaches the decision core (the backend's
+outcome for its circuit breaker, the tokens it produced for the load model, ``usage``
+for the token estimator) and releases its reservation; a failed attempt reports its
+failure the same way, once, whichever leg it was (the decode or single leg, the prefill
+leg); a request that failed for good gets its error answer. A reservation's release is
+idempotent (:class:`routing.core.Reservation`), so every exit path may call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import (
+    BACKEND_HEADER,
+    REQUEST_ID_HEADER,
+    BackendStatus,
+    ConnectFailed,
+    ConnectTimeout,
+    UpstreamError,
+    failure_answer,
+    sse_error_event,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline.downstream import ClientGone
+from routing.core import NoBackendAvailable, Reservation
+
+if TYPE_CHECKING:
+    from gateway.pipeline.director import Exchange
+    from gateway.state import GatewayState
+
+log = logging.getLogger("gateway.pipeline")
+
+
+class ServedMetrics:
+    """The metric children one answered request updates, for one (model, backend,
+    pool): looked up once per request instead of once per update."""
+
+    __slots__ = ("pool", "ttft", "pool_ttft", "e2e", "ok", "pool_ok", "prompt_tokens", "completion_tokens")
+
+    def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str) -> None:
+        self.pool = pool
+        self.ttft = m.child(m.ttft, model)
+        self.pool_ttft = m.child(m.pool_ttft, pool)
+        self.e2e = m.child(m.e2e, model)
+        self.ok = m.child(m.requests, model, backend, "200")
+        self.pool_ok = m.child(m.pool_requests, pool, "200")
+        self.prompt_tokens = m.child(m.prompt_tokens, model)
+        self.completion_tokens = m.child(m.completion_tokens, model)
+
+
+def _pool(state: GatewayState, ex: Exchange) -> str:
+    b = state.core.fleet.backends.get(ex.backend) if ex.backend else None
+    return b.spec.pool if b is not None else "none"
+
+
+def served(state: GatewayState, ex: Exchange) -> ServedMetrics:
+    """The metric children of the backend that answered ``ex`` (cached per model and
+    backend, made anew when a reload moved the backend to another pool)."""
+    key = (ex.parsed.model, ex.backend)
+    pool = _pool(state, ex)
+    cache = state.served_metrics
+    s = cache.get(key)
+    if s is None or s.pool != pool:
+        s = cache[key] = ServedMetrics(state.metrics, ex.parsed.model, ex.backend or "none", pool)
+    ex.served = s
+    return s
+
+
+def first_byte(state: GatewayState, ex: Exchange, reservation: Reservation | None, at: float) -> None:
+    """The answer's first byte goes to the client at loop time ``at``: the TTFT, and
+    the backend's first token when the answer is a stream (``reservation`` given)."""
+    if reservation is not None:
+        reservation.first_token(at)
+    s = served(state, ex)  # the answering backend is known from here on
+    ttft = at - ex.arrival
+    s.ttft.observe(ttft)
+    s.pool_ttft.observe(ttft)
+
+
+def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage: Any, events: int,
+              whole: bool = False) -> None:
+    """A response completed: count its tokens (``usage`` as the backend reported it,
+    else ``events``, the streamed content events), teach the decision core and release
+    the reservation. ``whole``: a non-streamed answer, whose timing says nothing about
+    the backend's TTFT or ITL."""
+    m = state.metrics
+    model = ex.parsed.model
+    s = ex.served or served(state, ex)
+    completion: int | None = events or None
+    prompt: int | None = None
+    if isinstance(usage, dict):
+        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(pt, int):
+            prompt = pt
+            s.prompt_tokens.inc(pt)
+        if isinstance(ct, int):
+            completion = ct
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            m.child(m.cached_tokens, model).inc(details["cached_tokens"])
+            if ex.decision is not None:
+                m.child(m.predicted_cached_tokens, model).inc(ex.decision.detail.get("matched_tokens", 0))
+                m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
+    if completion:
+        s.completion_tokens.inc(completion)
+    est = ex.estimate
+    if est is not None:
+        state.core.learn_usage(model, est.size_bytes, prompt, completion)
+    now = asyncio.get_running_loop().time()
+    reservation.outcome(True, now)
+    ex.tokens = int(prompt if prompt is not None else (est.prompt_tokens if est else 0)) + (completion or 0)
+    reservation.release(now, None if whole else completion)
+
+
+def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: UpstreamError) -> None:
+    """One attempt on ``backend`` (a :class:`routing.core.BackendState`) failed with
+    ``err``: the circuit breaker hears of it (a backend's 4xx answers and 429s are not
+    its faults), the reservation is released, the failure counted, and the backend
+    kept out of routing for as long as it asked (``Retry-After``) or, when it refused
+    the connection, ``retries.failed_backend_cooldown_s``."""
+    now = asyncio.get_running_loop().time()
+    reservation.outcome(isinstance(err, BackendStatus) and err.status < 500, now)
+    reservation.release(now)
+    m = state.metrics
+    m.child(m.upstream_errors, backend.name, err.reason).inc()
+    if err.retry_after_s is not None:
+        state.core.cool_down(backend, now + err.retry_after_s)
+    elif isinstance(err, (ConnectFailed, ConnectTimeout)):
+        state.core.cool_down(backend, now + state.cfg.retries.failed_backend_cooldown_s)
+
+
+def finish(state: GatewayState, ex: Exchange, status: int) -> None:
+    """Count the request's final ``status`` (and its end-to-end time when 200)."""
+    if status == 200:
+        s = ex.served or served(state, ex)
+        s.ok.inc()
+        s.pool_ok.inc()
+        s.e2e.observe(asyncio.get_running_loop().time() - ex.arrival)
+        return
+    m = state.metrics
+    m.child(m.requests, ex.parsed.model, ex.backend or "none", str(status)).inc()
+    m.child(m.pool_requests, _pool(state, ex), str(status)).inc()
+
+
+def client_left(state: GatewayState, ex: Exchange, backend: str) -> None:
+    """The client went away during an attempt on ``backend`` (status 499)."""
+    state.metrics.child(state.metrics.client_disconnects, backend).inc()
+    finish(state, ex, 499)
+
+
+def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
+           no_backend: NoBackendAvailable | None = None) -> None:
+    """The request failed for good before any byte reached the client: answer it
+    with the last attempt's failure ``err``, or with ``no_backend`` when no backend
+    could be tried (:func:`gateway.errors.failure_answer`)."""
+    if err is not None:
+        status, body, headers = failure_answer(err)
+    else:
+        assert no_backend is not None
+        status, body, headers = failure_answer(None, str(no_backend), no_backend.retry_after_s)
+    headers[REQUEST_ID_HEADER] = ex.request_id
+    if ex.backend:
+        headers[BACKEND_HEADER] = ex.backend
+    finish(state, ex, status)
+    ex.down.respond(status, body, headers)
+
+
+async def stream_failed(state: GatewayState, ex: Exchange, err: UpstreamError) -> None:
+    """A stream failed after bytes reached the client: end it with an error event
+    (no ``[DONE]``) and count it."""
+    state.metrics.child(state.metrics.stream_errors, err.backend, err.reason).inc()
+    prefix = b"\n\n" if ex.scan is not None and ex.scan.tail else b""
+    log.warning("stream %s from %s failed after the first byte: %s", ex.request_id, err.backend, err.message)
+    try:
+        await ex.down.end_stream(prefix + sse_error_event(err.message, err.reason))
+    except ClientGone:
+        pass
+    finish(state, ex, err.status)

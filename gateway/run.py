@@ -1,0 +1,77 @@
+"""Running one gateway process: JSON logs, serving until a signal, the drain.
+
+Signals: SIGTERM (or SIGINT) drains: the listening socket closes at once, in-flight
+requests and streams finish for up to ``lifecycle.drain_timeout_s`` (then they are
+cut); a second SIGTERM/SIGINT stops at once. SIGHUP reloads the config file (see
+:mod:`gateway.reload`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from gateway.reload import reload_from_file
+from gateway.server import listen
+from gateway.state import STATE
+
+log = logging.getLogger("gateway")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str) -> None:
+    """JSON log lines on stderr at ``level`` (``debug``, ``info``, ``warning``, ``error``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+async def serve(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM, then drain (see the
+    module doc); SIGHUP reloads the config file. Raises ``OSError`` when the address
+    cannot be bound."""
+    server = await listen(app, host, port, reuse_port=reuse_port)
+    try:
+        addr = server.addresses[0]
+        log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
+        print(f"turbo-gateway listening on http://{addr[0]}:{addr[1]}", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        reloads: set[asyncio.Task] = set()
+
+        def on_hup() -> None:
+            t = loop.create_task(reload_from_file(app, "SIGHUP"))
+            reloads.add(t)
+            t.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+        await stop.wait()
+        drain_s = app[STATE].cfg.lifecycle.drain_timeout_s  # the value after any reload
+        in_flight = sum(b.in_flight for b in app[STATE].fleet.backends.values())
+        log.warning("draining: stopped accepting connections; waiting up to %.0f s for %d in-flight request(s)",
+                    drain_s, in_flight)
+        main = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
+            loop.add_signal_handler(sig, main.cancel)  # type: ignore[union-attr]
+    finally:
+        try:
+            await server.shutdown(app[STATE].cfg.lifecycle.drain_timeout_s)
+        except asyncio.CancelledError:
+            log.warning("second signal: stopped without finishing the drain")
+        log.info("shut down")

@@ -1,0 +1,192 @@
+"""Everything one running gateway holds, declared once and built one way.
+
+:func:`build_state` makes a :class:`GatewayState` from a config at startup;
+:func:`configure` applies a config to it, at startup and on every reload, in one
+synchronous step (no request sees half of it): the decision core's fleet and policy,
+retries, keys and limits, admission, breakers, and, once the event loop runs and
+:func:`connect` has made them, the backends' clients, health checks and scraping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.admission import AdmissionControl
+from gateway.auth import KeyRing
+from gateway.config import Backend, GatewayConfig
+from gateway.health import HealthChecker
+from gateway.limits import Limiter, LimiterSync
+from gateway.metrics import GatewayMetrics, HardeningCollector
+from gateway.pipeline.retry import RetryPolicy
+from gateway.scraper import MetricsScraper
+from gateway.transport import BackendClient
+from routing.core import BackendSpec, DecisionCore, Fleet, StoreSettings
+
+STATE = web.AppKey("state", "GatewayState")
+
+
+@dataclass(eq=False)
+class GatewayState:
+    """A running gateway: its config, decision core, clients and request-path helpers."""
+
+    cfg: GatewayConfig
+    core: DecisionCore
+    metrics: GatewayMetrics
+    limiter: Limiter
+    admission: AdmissionControl
+    retry: RetryPolicy = field(init=False)
+    keyring: KeyRing = field(init=False)
+    admin_digest: bytes | None = field(init=False)
+    clients: dict[str, BackendClient] = field(default_factory=dict)  # by backend name, made by connect()
+    served_metrics: dict[tuple[str, str], Any] = field(default_factory=dict)  # gateway.pipeline.settle's cache
+    health: HealthChecker | None = None
+    scraper: MetricsScraper | None = None
+    limiter_sync: LimiterSync | None = None
+    batch_gate: Any = None  # gateway.batch.admission.BatchGate when batch is enabled
+    config_path: str | None = None  # the file to reload, when started from one
+    config_digest: bytes | None = None  # SHA-256 of that file as last read
+    reloads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
+    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    urls: dict[str, str] = field(default_factory=dict)  # backend URLs given at startup (simulated demo backends)
+    sessions: list[aiohttp.ClientSession] = field(default_factory=list)  # the clients' aiohttp sessions, to close
+    tasks: list[asyncio.Task] = field(default_factory=list)  # background tasks, cancelled at shutdown
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def fleet(self) -> Fleet:
+        return self.core.fleet
+
+    @property
+    def router(self):
+        return self.core.router
+
+    @property
+    def store(self):
+        return self.core.store
+
+
+def backend_specs(cfg: GatewayConfig) -> list[BackendSpec]:
+    """The config's backends as the decision core takes them."""
+    roles = {p.name: p.role for p in cfg.pools}
+    return [BackendSpec(b.name, frozenset(b.models), b.pool, b.weight, roles[b.pool], b.hints.prefill_tokens_per_s,
+                        b.hints.decode_tokens_per_s, b.hints.kv_capacity_tokens) for b in cfg.backends]
+
+
+def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
+    """``routing.canaries`` as the decision core takes them."""
+    return {c.model: (c.stable_pool, c.canary_pool, c.canary_weight) for c in cfg.routing.canaries}
+
+
+def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str = "unknown") -> GatewayState:
+    """A new gateway's state for ``cfg`` (no client yet: :func:`connect` makes them
+    inside the running loop). Raises ``ValueError`` on duplicate backend names."""
+    r, st = cfg.routing, cfg.state
+    store = StoreSettings(st.url, st.namespace, st.staleness_s, st.lease_s, st.timeout_s, st.prefix_stream_maxlen,
+                          st.cluster) if st.url else None
+    core = DecisionCore([], r.policy, block_tokens=r.block_tokens, prefix_ttl_s=r.prefix_ttl_s,
+                        prefix_index_max_blocks=r.prefix_index_max_blocks, store=store)
+    metrics = GatewayMetrics(core.fleet, core.store, core.index)
+    metrics.build_info.labels(version, r.policy).set(1)
+    state = GatewayState(cfg, core, metrics, Limiter(), AdmissionControl(cfg.admission, core.fleet),
+                         config_path=config_path)
+    configure(state, cfg)
+    metrics.registry.register(HardeningCollector(state))
+    return state
+
+
+def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
+    """Apply ``cfg`` to ``state`` in one synchronous step: backends kept by name keep
+    their live state, removed ones leave routing and finish what they carry. Returns
+    the clients replaced or removed (their pools take no new request; close their
+    sessions once their requests are done). Raises ``ValueError`` on duplicate
+    backend names."""
+    core = state.core
+    core.apply(backend_specs(cfg), cfg.routing.policy, canary_splits(cfg))
+    b = cfg.breaker
+    for backend in core.fleet.backends.values():
+        backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)
+    state.retry = RetryPolicy.from_config(cfg.retries)
+    state.keyring = KeyRing(cfg.auth)
+    state.limiter.configure(cfg.auth.keys)
+    state.admin_digest = cfg.admin.digest()
+    state.admission.configure(cfg.admission, core.fleet)
+    retired = _connect(state, cfg) if state.clients else []
+    if state.health is not None:
+        _configure_health(state.health, state, cfg)
+    if state.scraper is not None:
+        state.scraper.interval_s = cfg.routing.scrape_interval_s or state.scraper.interval_s
+        for backend in core.fleet.backends.values():
+            backend.load.metrics_max_age_s = 3 * state.scraper.interval_s
+    state.cfg = cfg
+    return retired
+
+
+def _session(cfg: GatewayConfig, b: Backend) -> aiohttp.ClientSession:
+    """The aiohttp session of ``b``'s health checks and metric scraping."""
+    t = cfg.timeouts_for(b)
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s),
+        skip_auto_headers=("User-Agent", "Accept-Encoding"), auto_decompress=False)
+
+
+def _connect(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
+    """Make a client for every backend of ``cfg``, keeping each one whose URL,
+    timeouts and key are unchanged; returns the others, retired."""
+    clients: dict[str, BackendClient] = {}
+    retired: list[BackendClient] = []
+    for b in cfg.backends:
+        backend = state.core.fleet.backends[b.name]
+        url = state.urls.get(b.name) or b.url or ""
+        t = cfg.timeouts_for(b)
+        auth = f"Bearer {os.environ[b.api_key_env]}" if b.api_key_env else None
+        prev = state.clients.get(b.name)
+        if prev is not None and prev.base_url == url and prev.timeouts == t and prev.auth_header == auth:
+            prev.state = backend
+            clients[b.name] = prev
+            continue
+        session = _session(cfg, b)
+        state.sessions.append(session)
+        clients[b.name] = BackendClient(backend, url, session, t, auth)
+        if prev is not None:
+            retired.append(prev)
+    retired += [c for name, c in state.clients.items() if name not in clients]
+    for c in retired:
+        c.pool.retire()
+    state.clients.clear()
+    state.clients.update(clients)
+    return retired
+
+
+def _configure_health(h: HealthChecker, state: GatewayState, cfg: GatewayConfig) -> None:
+    h.cfg = cfg.health
+    h.clients = list(state.clients.values())
+    h.paths = {b.name: b.health_path or cfg.health.path for b in cfg.backends}
+
+
+def connect(state: GatewayState, urls: dict[str, str]) -> None:
+    """Inside the running loop: the backends' clients (``urls`` overrides backends'
+    base URLs by name), their health checker and, when configured, the scraper."""
+    state.urls = dict(urls)
+    cfg = state.cfg
+    _connect(state, cfg)
+    state.health = HealthChecker(cfg.health, state.clients.values(), {}, on_recovered=state.core.backend_recovered)
+    _configure_health(state.health, state, cfg)
+    if cfg.routing.scrape_interval_s > 0:
+        state.scraper = MetricsScraper(state.core, state.clients, cfg.routing.scrape_interval_s)
+
+
+def limiter_sync(state: GatewayState) -> LimiterSync | None:
+    """The Redis sync of the per-key limits when ``state.url`` is set (not started)."""
+    st = state.cfg.state
+    if not st.url:
+        return None
+    return LimiterSync(state.limiter, st.url, namespace=st.namespace, interval_s=st.staleness_s / 2,
+                       lease_s=st.lease_s, timeout_s=st.timeout_s, cluster=st.cluster)
