@@ -60,7 +60,7 @@ class Exchange:
     """
 
     __slots__ = ("conn", "status", "headers", "_head", "_waiter", "_chunks", "_size", "_limit", "_sink",
-                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at", "_error", "_timer", "_on_ready")
+                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at", "_error", "_timer", "_on_ready", "_finished")
 
     def __init__(self, conn: _Connection) -> None:
         self.conn = conn
@@ -79,6 +79,7 @@ class Exchange:
         self._error: BaseException | None = None  # the first failure, raised by every later wait
         self._timer: asyncio.TimerHandle | None = None
         self._on_ready: Callable[[Exchange], None] | None = None  # see UpstreamPool.request
+        self._finished = False
 
     # ---- called by the connection (inside data_received) ------------------------
 
@@ -90,30 +91,14 @@ class Exchange:
     def _on_complete(self, keep_alive: bool) -> None:
         self._complete, self._keep_alive = True, keep_alive
 
-    def _flush(self, at: float) -> None:
-        """After each read from the socket (at loop time ``at``): hand the body bytes
-        of that read to the relay sink as one chunk (the response's last bytes stay
-        for :meth:`take`), or wake the waiting owner."""
-        chunks = self._chunks
-        if chunks:
-            self.last_data_at = at
-            sink = self._sink
-            if sink is not None and not self._complete:
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                sink(data)
-                return
-        if self._complete or self._size >= self._limit or (self._wake_on_data and chunks):
-            self._wake()
-
     def _on_error(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
         _fail(self._head, self._error)
         _fail(self._waiter, self._error)
 
-    def set_deadline(self, at: float | None, error: UpstreamError | None = None) -> None:
-        """Fail every wait of this exchange with ``error`` at loop time ``at``
+    def set_deadline(self, at: float | None, error: Callable[[], UpstreamError] | None = None) -> None:
+        """Fail every wait of this exchange with ``error()`` at loop time ``at``
         (``None``: no deadline) and drop the connection; replaces an earlier deadline."""
         self.clear_deadline()
         if at is not None:
@@ -124,10 +109,10 @@ class Exchange:
             self._timer.cancel()
             self._timer = None
 
-    def _expire(self, error: UpstreamError | None) -> None:
+    def _expire(self, error: Callable[[], UpstreamError] | None) -> None:
         self._timer = None
         if not self._complete:
-            self._on_error(error or TimeoutError())
+            self._on_error(error() if error is not None else TimeoutError())
             self.conn.exchange = None
             self.conn.close()
 
@@ -224,7 +209,10 @@ class Exchange:
     def finish(self) -> None:
         """Hand the connection back: into the pool after a complete keep-alive
         response that was read whole, closed otherwise (the backend then sees the
-        client go away and aborts the generation)."""
+        client go away and aborts the generation). Later calls do nothing."""
+        if self._finished:
+            return
+        self._finished = True
         self.clear_deadline()
         conn = self.conn
         if conn.exchange is self:
@@ -303,7 +291,19 @@ class _Connection(asyncio.Protocol):
         if ex._on_ready is not None and ex.status and (ex._chunks or ex._complete):
             on_ready, ex._on_ready = ex._on_ready, None
             on_ready(ex)  # the status, headers and first body bytes arrived before the owner resumed
-        ex._flush(at)
+        # hand this read's body bytes to the relay sink as one chunk (the response's last
+        # bytes stay for Exchange.take), or wake the waiting owner
+        chunks = ex._chunks
+        if chunks:
+            ex.last_data_at = at
+            sink = ex._sink
+            if sink is not None and not ex._complete:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                sink(data)
+                return
+        if ex._complete or ex._size >= ex._limit or (ex._wake_on_data and chunks):
+            ex._wake()
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
@@ -320,7 +320,7 @@ class _Connection(asyncio.Protocol):
             if exc is None and ex.status and "content-length" not in h and \
                     "chunked" not in h.get("transfer-encoding", "").lower():
                 ex._on_complete(False)  # a body delimited by the close (RFC 9112 6.3): this is its end
-                ex._flush(self.loop.time())
+                ex._wake()
             else:
                 name = self.pool.name
                 when = "mid-response" if ex._size else "before the first body byte" if ex.status else "before answering"
@@ -510,7 +510,7 @@ class UpstreamPool:
 
     async def request(self, path: str, headers: bytes, body: bytes, deadline: float | None = None,
                       on_ready: Callable[[Exchange], None] | None = None, batched: bool = False,
-                      deadline_error: UpstreamError | None = None) -> Exchange:
+                      deadline_error: Callable[[], UpstreamError] | None = None) -> Exchange:
         """Send ``POST prefix+path`` with the extra header lines ``headers`` (CRLF
         terminated, no Host/Content-Length) and ``body``; return the exchange once the
         status line and headers arrived.
@@ -519,7 +519,7 @@ class UpstreamPool:
         retried once on a new connection (the backend never saw the request).
         ``deadline`` (loop time, or ``None``) bounds the connect and every wait of the
         returned exchange until :meth:`Exchange.clear_deadline` or :meth:`Exchange.finish`:
-        past it they raise ``deadline_error`` (``TimeoutError`` when ``None``) and the
+        past it they raise ``deadline_error()`` (``TimeoutError`` when ``None``) and the
         connection is dropped.
         ``on_ready(exchange)``, when given, is called at most once, inside the
         connection's read callback, if the status line, the headers and body bytes
@@ -529,7 +529,7 @@ class UpstreamPool:
         ``batched``: the request is sent with this loop turn's other non-urgent sends
         (:mod:`gateway.sends`), not at once; for requests whose latency is not a TTFT.
         Raises :class:`~gateway.errors.ConnectFailed`, :class:`~gateway.errors.ConnectTimeout`,
-        :class:`~gateway.errors.Disconnected` and ``deadline_error``.
+        :class:`~gateway.errors.Disconnected` and ``deadline_error()``.
         """
         head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
             self.prefix.encode(), path.encode(), self.host_header, len(body), headers)
@@ -546,7 +546,7 @@ class UpstreamPool:
                     except TimeoutError:
                         if deadline_error is None:
                             raise
-                        raise deadline_error from None
+                        raise deadline_error() from None
             ex = Exchange(conn)
             ex._on_ready = on_ready
             ex.set_deadline(deadline, deadline_error)

@@ -78,10 +78,10 @@ class BatchGate:
             return False
         return self.in_flight == 0 or self.kv_in_flight + kv_tokens <= self.kv_capacity(model)
 
-    @asynccontextmanager
-    async def admit(self, parsed: ParsedRequest) -> AsyncIterator[None]:
-        """Hold one admission for the duration of the block; raises a 429
-        :class:`ClientError` (``batch_deferred``) when not admitted in time."""
+    async def enter(self, parsed: ParsedRequest) -> float:
+        """Wait for admission of one line; returns its KV charge, to give back with
+        :meth:`leave` once the line is done. Raises a 429 :class:`ClientError`
+        (``batch_deferred``) when not admitted in time."""
         loop = asyncio.get_running_loop()
         est, _ = self.state.core.request(parsed.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt)
         kv = float(est.prompt_tokens + est.output_tokens)
@@ -101,12 +101,22 @@ class BatchGate:
         self.in_flight += 1
         self.kv_in_flight += kv
         self.admitted_total += 1
+        return kv
+
+    def leave(self, kv: float) -> None:
+        """A line admitted by :meth:`enter` with charge ``kv`` is done."""
+        self.in_flight -= 1
+        self.kv_in_flight = max(self.kv_in_flight - kv, 0.0) if self.in_flight else 0.0
+        self._changed.set()
+
+    @asynccontextmanager
+    async def admit(self, parsed: ParsedRequest) -> AsyncIterator[None]:
+        """Hold one admission (:meth:`enter`, :meth:`leave`) for the duration of the block."""
+        kv = await self.enter(parsed)
         try:
             yield
         finally:
-            self.in_flight -= 1
-            self.kv_in_flight = max(self.kv_in_flight - kv, 0.0) if self.in_flight else 0.0
-            self._changed.set()
+            self.leave(kv)
 
 
 class GateCollector:

@@ -76,23 +76,17 @@ class Deadlines:
                                          f"{self.timeouts.idle_s} s between chunks")
 
 
-async def _send(client: BackendClient, path: str, headers: bytes, body: bytes, deadlines: Deadlines,
-                on_ready=None, batched: bool = False) -> Upstream:
-    """Send one request and wait for its head; a status other than 200 is raised as
-    :class:`BackendStatus` with the start of its body."""
-    up = await client.pool.request(path, headers, body, deadlines.first_byte_at, on_ready, batched,
-                                   deadlines.first_byte_error())
-    if up.status != 200:
-        try:
-            err_body = await up.read(_MAX_ERROR_BODY_BYTES)
-        except Disconnected:
-            err_body = b""
-        finally:
-            up.finish()
-        ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        raise BackendStatus(client.state.name, up.status, err_body, ctype,
-                            parse_retry_after(up.headers.get("retry-after")))
-    return up
+async def _raise_status(client: BackendClient, up: Upstream) -> None:
+    """Raise the answer ``up`` (status other than 200) as :class:`BackendStatus`, with
+    the start of its body."""
+    try:
+        body = await up.read(_MAX_ERROR_BODY_BYTES)
+    except Disconnected:
+        body = b""
+    finally:
+        up.finish()  # the caller may finish it again: a no-op
+    ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    raise BackendStatus(client.state.name, up.status, body, ctype, parse_retry_after(up.headers.get("retry-after")))
 
 
 def _request_headers(client: BackendClient, request_id: str, stream: bool) -> bytes:
@@ -113,8 +107,11 @@ async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservat
     early = relay.EarlyAnswer(state, ex, reservation, deadlines) if parsed.stream and not ex.down.may_wait else None
     up: Upstream | None = None
     try:
-        up = await _send(client, PATHS[parsed.endpoint], _request_headers(client, ex.request_id, parsed.stream),
-                         ex.body, deadlines, early, batched=not parsed.stream)
+        up = await client.pool.request(PATHS[parsed.endpoint], _request_headers(client, ex.request_id, parsed.stream),
+                                       ex.body, deadlines.first_byte_at, early, not parsed.stream,
+                                       deadlines.first_byte_error)
+        if up.status != 200:
+            await _raise_status(client, up)
         if early is not None and early.opened:
             opened = early.opened[0]
             if isinstance(opened, BaseException):
@@ -143,7 +140,10 @@ async def fetch(client: BackendClient, path: str, body: bytes, request_id: str) 
     response body (the prefill leg of a disaggregated request). Raises an
     :class:`~gateway.errors.UpstreamError`."""
     deadlines = Deadlines(client.state.name, client.timeouts, asyncio.get_running_loop().time())
-    up = await _send(client, path, _request_headers(client, request_id, False), body, deadlines)
+    up = await client.pool.request(path, _request_headers(client, request_id, False), body, deadlines.first_byte_at,
+                                   deadline_error=deadlines.first_byte_error)
+    if up.status != 200:
+        await _raise_status(client, up)
     try:
         return await up.read()
     finally:

@@ -2,9 +2,9 @@
 
 :func:`handle` is the front door that both server stacks (the lean protocol of
 :mod:`gateway.server` and the aiohttp routes of :mod:`gateway.app`) call: authenticate,
-read and parse the body, then :func:`complete`; every :class:`ClientError` becomes an
-OpenAI error answer here and nowhere else. :func:`complete` admits the request (the
-batch gate, the caller's limits, the admission queue) and :func:`forward` carries it:
+read and parse the body, admit the request (the batch gate, the caller's limits, the
+admission queue) and hand it to :func:`forward`; every :class:`ClientError` becomes an
+OpenAI error answer here and nowhere else. :func:`forward` carries it:
 
     estimate -> plan (pools) -> [prefill leg] -> route -> attempt (retry) -> relay -> settle
 
@@ -63,16 +63,31 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
                  down: Downstream, arrival: float, request_id: str) -> None:
     """Serve one completion request (``endpoint``: ``chat`` or ``completions``) whose
     head was read: ``headers`` (case-insensitive mapping), ``body`` the body bytes or a
-    coroutine function reading them (raising :class:`ClientError` 400/413). The answer,
+    coroutine function reading them (raising :class:`ClientError` 400/413). Admit it
+    (the batch gate for ``x-turbo-priority: batch``, the caller's limits, the
+    admission queue; 429/503 :class:`ClientError`) and :func:`forward` it. The answer,
     or the OpenAI error, goes to ``down``. Raises ``CancelledError`` when the client
     left."""
+    gate = kv = permit = None
+    ex: Exchange
     try:
         caller = state.keyring.authenticate(headers)
         check_json_content_type(headers.get("Content-Type"))
         if not isinstance(body, bytes):
             body = await body()
         parsed = parse_completion_request(endpoint, body, parse_json_object(body))
-        await complete(state, parsed, caller, request_id, down, arrival, headers.get(PRIORITY_HEADER) == "batch")
+        check_model(state, parsed.model)
+        if state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch":
+            kv = await state.batch_gate.enter(parsed)
+            gate = state.batch_gate  # entered: left in the finally below
+        key = caller.key
+        charge = 0.0
+        if key is not None and key.tokens_per_minute is not None:
+            charge = state.core.prompt_tokens(parsed.model, parsed.prompt_text) + (parsed.max_tokens or 0)
+        ex = Exchange(down, parsed, request_id, arrival)
+        permit = state.limiter.acquire(key, charge)  # 429 when over a per-key limit
+        await state.admission.admit(parsed.model, caller.name, caller.priority)
+        await forward(state, ex)
     except ClientError as e:
         if not down.started:
             h = dict(e.headers or {})
@@ -86,6 +101,12 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         if not down.started:
             down.respond(500, error_body("The gateway hit an internal error.", 500, code="internal_error"),
                          {"Content-Type": "application/json", "x-request-id": request_id})
+    finally:
+        if permit is not None:
+            permit.release(ex.tokens, dispatched=bool(ex.attempts))
+            state.admission.pump()
+        if gate is not None:
+            gate.leave(kv)
 
 
 def check_model(state: GatewayState, model: str) -> None:
@@ -94,34 +115,6 @@ def check_model(state: GatewayState, model: str) -> None:
         state.core.fleet.candidates(model)
     except UnknownModel as e:
         raise ClientError(404, str(e), param="model", code="model_not_found") from None
-
-
-async def complete(state: GatewayState, parsed: ParsedRequest, caller: Any, request_id: str, down: Downstream,
-                   arrival: float, batch: bool = False) -> None:
-    """Admit a parsed request and forward it. Raises :class:`ClientError` (4xx, or 429
-    and 503 from the limits, the batch gate and the admission queue) before any byte
-    was sent."""
-    check_model(state, parsed.model)
-    if batch and state.batch_gate is not None:
-        async with state.batch_gate.admit(parsed):
-            return await _admitted(state, parsed, caller, request_id, down, arrival)
-    await _admitted(state, parsed, caller, request_id, down, arrival)
-
-
-async def _admitted(state: GatewayState, parsed: ParsedRequest, caller: Any, request_id: str, down: Downstream,
-                    arrival: float) -> None:
-    key = caller.key
-    charge = 0.0
-    if key is not None and key.tokens_per_minute is not None:
-        charge = state.core.prompt_tokens(parsed.model, parsed.prompt_text) + (parsed.max_tokens or 0)
-    permit = state.limiter.acquire(key, charge)  # 429 when over a per-key limit
-    ex = Exchange(down, parsed, request_id, arrival)
-    try:
-        await state.admission.admit(parsed.model, caller.name, caller.priority)
-        await forward(state, ex)
-    finally:
-        permit.release(ex.tokens, dispatched=bool(ex.attempts))
-        state.admission.pump()
 
 
 async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: str) -> tuple[int, dict[str, str], bytes]:
