@@ -18,6 +18,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
+import pytest
 import uvloop
 
 from gateway.app import STATE, create_app
@@ -361,3 +362,32 @@ async def test_batched_sends_keep_order_and_close_after_their_bytes() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.fixed_bug(reason="a 502 answer finished twice put its connection in the idle pool twice: "
+                              "two later requests shared it and one got the other's answer")
+async def test_an_exchange_finished_twice_returns_its_connection_once() -> None:
+    answers = iter([b"first", b"second", b"third"])
+
+    async def script(reader, writer):
+        while await read_request(reader):
+            body = next(answers)
+            writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async with raw_backend(script) as url:
+        pool = UpstreamPool(url, 5.0)
+        try:
+            ex = await pool.request("/v1/chat/completions", b"", b"{}")
+            assert (ex.status, await ex.read()) == (502, b"first")
+            ex.finish()
+            ex.finish()
+            assert pool.idle == 1  # once, not twice
+            a, b = await asyncio.gather(pool.request("/v1/chat/completions", b"", b"{}"),
+                                        pool.request("/v1/chat/completions", b"", b"{}"))
+            assert sorted([await a.read(), await b.read()]) == [b"second", b"third"]  # each its own answer
+            assert a.conn is not b.conn
+            a.finish()
+            b.finish()
+        finally:
+            pool.close()
