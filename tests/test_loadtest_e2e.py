@@ -195,12 +195,12 @@ async def test_cli_run_and_overhead_as_processes(tmp_path):
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest", "overhead", "--backend", "zero", "--concurrency", "1", "4",
-        "--requests", "10", "--reps", "1", "--out", str(tmp_path / "ov"), "--quiet",
+        "--requests", "100", "--reps", "1", "--out", str(tmp_path / "ov"), "--quiet",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 180)
     assert proc.returncode == 0, err.decode()
     text = out.decode()
-    assert "| zero | 1 | 10 |" in text and "| zero | 4 | 10 |" in text
+    assert "| zero | 1 | 100 |" in text and "| zero | 4 | 100 |" in text
     ov = json.loads((tmp_path / "ov" / "results.json").read_text())["overhead"]
     assert [r["concurrency"] for r in ov] == [1, 4]
     assert all(r["gateway_errors"] == 0 and r["gateway_cpu_s_per_1k"] > 0 for r in ov)
