@@ -25,7 +25,6 @@ from typing import Any, Iterator, Literal
 import annotated_types as at
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from gateway.config import GatewayConfig
 

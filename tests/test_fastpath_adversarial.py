@@ -842,7 +842,7 @@ async def test_an_event_stream_labelled_in_another_case_is_still_streamed(fast):
 
 
 @pytest.mark.fixed_bug(reason=(
-    "trailer fields are merged into the response headers (_Connection.on_header writes into the dict that "
+    "trailer fields are merged into the response headers (gateway/exchange.py Connection.on_header writes into the dict that "
     "is Exchange.headers), so a trailer overrides the header section: a chunked JSON answer with a "
     "'Content-Type: text/html' trailer reaches the client as text/html; RFC 9110 6.5.1 forbids the merge, "
     "aiohttp.ClientSession ignores trailers"))

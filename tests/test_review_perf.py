@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.server import _head
+from gateway.lean import _head
 from gateway.reload import apply_config
 from routing import BackendSpec, Fleet
 from routing.estimate import TokenEstimator, _chain_seed_cached

@@ -28,7 +28,7 @@ from gateway.pipeline import relay, settle
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.retry import parse_retry_after
 from gateway.transport import BackendClient, header_value
-from gateway.transport import Exchange as Upstream
+from gateway.exchange import Exchange as Upstream
 from routing.core import Reservation
 
 if TYPE_CHECKING:

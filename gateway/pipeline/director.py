@@ -143,7 +143,8 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
 async def forward(state: GatewayState, ex: Exchange) -> None:
     """Estimate, plan, route, attempt and retry; the answer goes to ``ex.down``. Never
     raises an :class:`UpstreamError`; raises :class:`ClientGone` (or
-    ``CancelledError``) when the client left."""
+    ``CancelledError``) when the client left. One function on purpose: the retry loop
+    is the request's story and reads top to bottom."""
     loop = asyncio.get_running_loop()
     core, policy, m = state.core, state.retry, state.metrics
     parsed = ex.parsed

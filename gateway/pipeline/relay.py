@@ -1,7 +1,7 @@
 """Relaying an answer to the client: whole responses, and streams chunk by chunk.
 
 A stream is relayed byte for byte from inside the backend connection's read callback
-(:meth:`gateway.transport.Exchange.relay`): each read is scanned (:class:`StreamScan`:
+(:meth:`gateway.exchange.Exchange.relay`): each read is scanned (:class:`StreamScan`:
 events, the final ``usage``, ``data: [DONE]``), its gap since the last one observed as
 ITL, and written with HTTP/1.1 chunk framing straight to the client's transport. The
 stream's last bytes go out together with the end of the chunked response. When the
@@ -20,7 +20,7 @@ import orjson
 from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, Disconnected
 from gateway.pipeline import settle
 from gateway.pipeline.downstream import ClientGone, Downstream
-from gateway.transport import Exchange as Upstream
+from gateway.exchange import Exchange as Upstream
 from routing.core import Decision, Reservation
 
 if TYPE_CHECKING:

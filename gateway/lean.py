@@ -1,0 +1,365 @@
+"""The lean HTTP/1.1 protocol of the listening socket: completion requests served
+without aiohttp's server (see :mod:`gateway.server` for what it serves and what it
+hands over), and :class:`LeanDownstream`, where their answers go. A request it serves
+goes to :func:`gateway.pipeline.director.handle`, the front door the aiohttp routes use
+too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import zlib
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from multidict import CIMultiDict
+
+from gateway import eager
+from gateway.errors import REQUEST_ID_HEADER, ClientError, request_id
+from gateway.pipeline import director
+from gateway.pipeline.downstream import ClientGone
+from gateway.sends import Sends
+
+if TYPE_CHECKING:
+    from gateway.server import DataPlaneServer
+
+_HOT = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
+# the header fields after the request line: each a token (RFC 9110, 5.6.2), a colon and
+# a value, CRLF between them (control characters, bare CR and LF are refused before)
+_FIELDS = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*(?:\r\n|\Z))*")
+_MAX_HEAD_BYTES = 16 * 1024  # a longer head goes to aiohttp, which applies its own limits
+# what aiohttp's parser refuses with a 400 is handed to it: its limits (max_field_size,
+# max_headers), its singleton headers, field values with control characters
+# (RFC 9110 5.5), a missing Host (RFC 9112 3.2)
+_MAX_LINE_BYTES = 8190
+_MAX_HEADERS = 128
+_SINGLETONS = {"authorization", "content-length", "content-location", "content-range", "content-type",
+               "etag", "host", "max-forwards", "server", "transfer-encoding", "user-agent"}
+_CONTROL = bytes([*range(0, 9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')  # starts with a literal: re scans for it at C speed
+_MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
+# headers whose requests aiohttp serves: codings and protocol switches it implements
+_HANDED_OVER = {"transfer-encoding", "expect", "upgrade"}
+# request body codings decoded here (zlib); others (br, several codings) go to aiohttp
+_CODINGS = {"identity", "gzip", "x-gzip", "deflate"}
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default: a connection with no request started for this long is closed
+
+
+class _Date:
+    """The ``Date`` header value, formatted at most once a second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def get(cls) -> bytes:
+        now = int(time.time())
+        if now != cls.second:
+            cls.second, cls.value = now, formatdate(now, usegmt=True).encode()
+        return cls.value
+
+
+def _head(status: int, headers: dict[str, str], tail: bytes) -> bytes:
+    """The response head; CR, LF and NUL are dropped from header values (no injected lines)."""
+    block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
+    n = len(headers)
+    if block.count(b"\r") != n or block.count(b"\n") != n or b"\x00" in block:
+        block = b"".join([b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1", "replace").translate(None, b"\r\n\x00"))
+                          for k, v in headers.items()])
+    return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\nServer: turbo-gateway\r\n%s\r\n" % (
+        status, _REASONS.get(status, b"Unknown"), block, _Date.get(), tail)
+
+
+class LeanDownstream:
+    """Answers one request of a :class:`DataPlaneProtocol` connection (the interface:
+    :class:`gateway.pipeline.downstream.Downstream`)."""
+
+    __slots__ = ("proto", "request_id", "started", "finished")
+    chunked = True
+    may_wait = False
+
+    def __init__(self, proto: DataPlaneProtocol, request_id: str) -> None:
+        self.proto = proto
+        self.request_id = request_id
+        self.started = False
+        self.finished = False
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.proto.transport
+
+    def _write(self, data: bytes) -> None:
+        t = self.proto.transport
+        if t is None or t.is_closing():
+            raise ClientGone()
+        t.write(data)
+
+    def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        if self.finished:
+            return
+        headers.setdefault(REQUEST_ID_HEADER, self.request_id)
+        tail = b"Content-Length: %d\r\n" % len(body)
+        if not self.proto.keep_alive:
+            tail += b"Connection: close\r\n"
+        self.started = self.finished = True
+        t = self.proto.transport
+        if t is not None and not t.is_closing():  # a whole response: sent with this turn's others (gateway/sends.py)
+            Sends.of(self.proto.loop).send(t, _head(status, headers, tail) + body)
+
+    async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        self.start_stream_now(headers, first, end)
+
+    def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        tail = b"Transfer-Encoding: chunked\r\n"
+        if not self.proto.keep_alive:
+            tail += b"Connection: close\r\n"
+        self.started = True
+        data = _head(200, headers, tail)
+        if first:
+            data += b"%x\r\n%b\r\n" % (len(first), first)
+        if end:
+            data += b"0\r\n\r\n"
+            self.finished = True
+        self._write(data)
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self._write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def end_stream(self, last: bytes = b"") -> None:
+        self.finished = True
+        self._write((b"%x\r\n%b\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
+
+
+class DataPlaneProtocol(asyncio.Protocol):
+    """One client connection (see the module doc)."""
+
+    def __init__(self, server: DataPlaneServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.task: asyncio.Task | None = None
+        self.keep_alive = True
+        self.paused = False
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
+        self.write_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.conns.add(self)
+        self._arm_idle()
+
+    def _arm_idle(self) -> None:
+        """Close the connection unless a request starts (fully arrives) within
+        :data:`KEEPALIVE_TIMEOUT_S`: idle keep-alive and slowly trickling heads alike.
+        One timer per connection, re-armed lazily when it fires."""
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()
+        if self.idle_timer is None:
+            self.idle_timer = loop.call_at(self.idle_since + KEEPALIVE_TIMEOUT_S, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self.idle_timer = None
+        if self.transport is None:
+            return
+        if self.task is not None:  # busy: look again a full period after it is idle again
+            self.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_TIMEOUT_S, self._idle_check)
+            return
+        due = self.idle_since + KEEPALIVE_TIMEOUT_S
+        if asyncio.get_running_loop().time() >= due:
+            self.transport.close()
+        else:
+            self.idle_timer = asyncio.get_running_loop().call_at(due, self._idle_check)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.server.conns.discard(self)
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        if self.task is not None:
+            self.task.cancel()  # the client left: stop the request (and the backend's generation)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True  # the client reads slower than we answer: start no new request
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.task is None and self.transport is not None:
+            self._next()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.task is None:
+            self._next()
+        elif len(self.buf) > _MAX_BUFFERED_BYTES and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    # eof_received: the default (close) as aiohttp does: a client that shuts its side
+    # down mid-request has gone, and its request is cancelled in connection_lost
+
+    def _next(self) -> None:
+        """Start the next buffered request, wait for more bytes, or hand over. One pass
+        over the head, in one function: each check decides between serving here and
+        handing the connection to aiohttp, in the order the bytes are read."""
+        buf = self.buf
+        if not buf or self.transport is None or self.server.closing or self.write_paused:
+            if buf and self.write_paused and len(buf) > _MAX_BUFFERED_BYTES and not self.paused and self.transport:
+                self.paused = True
+                self.transport.pause_reading()
+            return
+        n = len(buf)
+        if not (buf.startswith(_PREFIXES[0]) or buf.startswith(_PREFIXES[1])):
+            if any(p.startswith(bytes(buf)) for p in _PREFIXES):
+                return  # the request line is still arriving
+            return self._hand_over()
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if n > _MAX_HEAD_BYTES:
+                self._hand_over()
+            return
+        if end > _MAX_HEAD_BYTES:
+            return self._hand_over()
+        head = bytes(buf[:end])
+        crlf = head.count(b"\r\n")  # control characters, a bare CR or LF: aiohttp's 400
+        if len(head.translate(None, _CONTROL)) != len(head) or head.count(b"\r") != crlf or head.count(b"\n") != crlf:
+            return self._hand_over()
+        text = head.decode("latin-1")  # one decode; header names and values are latin-1 strings from here
+        lines = text.split("\r\n")
+        if len(lines) > _MAX_HEADERS + 1 or _FIELDS.fullmatch(text, len(lines[0]) + 2) is None or \
+                max(map(len, lines)) > _MAX_LINE_BYTES:  # also obs-fold, "Name :"
+            return self._hand_over()
+        path = lines[0].split(" ", 2)[1]
+        pairs: list[tuple[str, str]] = []
+        length = -1
+        keep_alive = True
+        coding = "identity"
+        seen: set[str] = set()
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            lname = name.lower()
+            value = value.strip(" \t")
+            if lname in _SINGLETONS:
+                if lname in seen:
+                    return self._hand_over()
+                seen.add(lname)
+            if lname == "content-length":
+                # more than 18 digits: aiohttp answers it (int() refuses over 4,300 digits)
+                if not value.isdigit() or not value.isascii() or len(value) > 18:
+                    return self._hand_over()
+                length = int(value)
+            elif lname in _HANDED_OVER:
+                return self._hand_over()
+            elif lname == "content-encoding":
+                coding = value.lower()
+                if coding not in _CODINGS:
+                    return self._hand_over()
+            elif lname == "connection":
+                v = value.lower()
+                if "upgrade" in v:
+                    return self._hand_over()
+                if "close" in v:
+                    keep_alive = False
+            pairs.append((name, value))
+        if length < 0 or length > self.server.max_body_bytes() or "host" not in seen:
+            return self._hand_over()
+        need = end + 4 + length
+        if n < need:
+            return
+        body = bytes(buf[end + 4:need])
+        del buf[:need]
+        self.keep_alive = keep_alive
+        loop = asyncio.get_running_loop()
+        serve = self._serve(_HOT[path], CIMultiDict(pairs), body, coding)
+        if _STREAM_TRUE.search(body) is not None:
+            # a stream's first step (parse, route, send upstream) runs now, in this read's
+            # callback, not after every other callback of this loop turn (gateway/eager.py):
+            # its TTFT is what the client waits on. An eager start costs one task step
+            # more, so a whole response starts as a plain task. The test is on the raw
+            # bytes, before parsing (a compressed body is never eager); a false match
+            # costs only the eager start it did not need.
+            self.task, run_first_step = eager.create(loop, serve)
+            run_first_step()
+        else:
+            self.task = loop.create_task(serve)
+
+    def _hand_over(self) -> None:
+        """Give the connection, with the bytes read so far, to aiohttp."""
+        transport = self.transport
+        assert transport is not None
+        Sends.of(self.loop).flush()  # our queued answers on it go out before aiohttp's
+        handler = self.server.aiohttp_server()
+        self.server.conns.discard(self)
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        self.transport = None
+        data = bytes(self.buf)
+        self.buf.clear()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.paused:
+            transport.resume_reading()
+        if data:
+            handler.data_received(data)
+
+    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: str = "identity") -> None:
+        server = self.server
+        rid = request_id(headers)
+        down = LeanDownstream(self, rid)
+        arrival = asyncio.get_running_loop().time()
+        if coding != "identity":
+            raw, limit = body, server.max_body_bytes()
+
+            async def body() -> bytes:  # type: ignore[misc]
+                return _decode(raw, coding, limit)
+        try:
+            await director.handle(server.state, endpoint, headers, body, down, arrival, rid)
+        except (asyncio.CancelledError, ClientGone):
+            down.finished = False  # the client left: close
+        finally:
+            self.task = None
+            self._after(down)
+
+    def _after(self, down: LeanDownstream) -> None:
+        t = self.transport
+        if t is None:
+            return
+        if not down.finished or not self.keep_alive or self.server.closing:
+            Sends.of(self.loop).close(t)  # after the response queued for this turn
+            return
+        if self.paused:
+            self.paused = False
+            t.resume_reading()
+        self._arm_idle()
+        self._next()
+
+
+def _decode(body: bytes, coding: str, limit: int) -> bytes:
+    """A ``gzip`` or ``deflate`` request body, decompressed (zlib), at most ``limit``
+    bytes. Raises :class:`ClientError` 400 (not a valid stream of that coding) or 413."""
+    modes = (16 + zlib.MAX_WBITS,) if coding in ("gzip", "x-gzip") else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    why = ""
+    for wbits in modes:  # "deflate" is the zlib format (RFC 9110); some clients send raw deflate
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(body, limit + 1)
+        except zlib.error as e:
+            why = str(e)
+            continue
+        if len(out) > limit:
+            raise ClientError(413, f"Request body exceeds the limit of {limit} bytes once decompressed.",
+                              code="request_too_large")
+        if d.eof and not d.unused_data:
+            return out
+        why = "the compressed stream is truncated or followed by other bytes"
+    raise ClientError(400, f"The request body could not be read (Content-Encoding: {coding}): "
+                           f"{why}", code="invalid_body")
