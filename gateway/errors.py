@@ -72,8 +72,18 @@ class ClientError(Exception):
         self.param = param
         self.headers = headers
 
+    def answer(self, request_id: str | None = None) -> tuple[int, bytes, dict[str, str]]:
+        """The client's answer: status, OpenAI error body, headers (with
+        ``x-request-id`` when given)."""
+        h = dict(self.headers or {})
+        h["Content-Type"] = "application/json"
+        if request_id is not None:
+            h.setdefault(REQUEST_ID_HEADER, request_id)
+        return self.status, error_body(self.message, self.status, code=self.code, param=self.param), h
+
     def response(self) -> web.Response:
-        return error_response(self.message, self.status, code=self.code, param=self.param, headers=self.headers)
+        status, body, headers = self.answer()
+        return web.Response(status=status, body=body, headers=headers)
 
 
 class UpstreamError(Exception):

@@ -28,12 +28,12 @@ called in it in first-call order. An entry into file F is a Python call into F (
 function call, or a coroutine or generator resumed) from a frame that is not in F:
 another file of the project, a library, or no Python frame at all (the event loop
 resuming a coroutine from C). Calls within a file are not entries, nor are returns: a
-coroutine of proxy.py that calls routing/router.py twice and is resumed by the event loop
-three times adds 2 entries to router.py and 3 to proxy.py. Then the sequence of all
+coroutine of director.py that calls routing/router.py twice and is resumed by the event loop
+three times adds 2 entries to router.py and 3 to director.py. Then the sequence of all
 entries, in order. The counts of the files that relay the stream vary from run to run:
-they follow how the backend's events happen to be grouped into reads (at commit fb333ff,
-18 files every time; 81 entries when the whole stream came in the read that brought its
-head, 90 to 96 when it came in two and went through the relay loop: 3 runs of 11).
+they follow how the backend's events happen to be grouped into reads (whether the whole
+stream came in the read that brought its head, or went through the relay loop).
+Measured walks: loadtest/README.md.
 
 It relies only on ``python -m gateway --config X --port P`` and the OpenAI HTTP API, so
 it runs on any version of the code (run it from a checkout: the gateway is imported from

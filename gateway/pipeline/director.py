@@ -90,10 +90,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         await forward(state, ex)
     except ClientError as e:
         if not down.started:
-            h = dict(e.headers or {})
-            h["Content-Type"] = "application/json"
-            h.setdefault("x-request-id", request_id)
-            down.respond(e.status, error_body(e.message, e.status, code=e.code, param=e.param), h)
+            down.respond(*e.answer(request_id))
     except ClientGone:
         pass
     except Exception:
@@ -132,9 +129,8 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
             async with gate.admit(parsed):
                 await forward(state, ex)
     except ClientError as e:
-        h = dict(e.headers or {})
-        h["Content-Type"] = "application/json"
-        return e.status, h, error_body(e.message, e.status, code=e.code, param=e.param)
+        status, body, headers = e.answer()
+        return status, headers, body
     headers = dict(down.headers)
     headers.setdefault("x-request-id", request_id)
     return down.status, headers, down.body
