@@ -11,10 +11,12 @@ and back. Read :mod:`~gateway.pipeline.director` first; it calls the others in o
 | :mod:`~gateway.pipeline.prefill` | the prefill leg of a disaggregated request |
 | :mod:`~gateway.pipeline.downstream` | where answers go: one interface, three kinds |
 
-Around it: :mod:`gateway.server` (the listening socket: the lean HTTP/1.1 protocol, and
-aiohttp through :mod:`gateway.app`), :mod:`gateway.transport` (the one upstream HTTP
-client), :mod:`gateway.errors` (the error body and the one upstream exception
-hierarchy), :mod:`gateway.state` (what a running gateway holds) and the decision core,
-:mod:`routing.core`, the only door into ``routing/``. No module here imports
-``gateway.app`` or ``gateway.server``.
+Around it: :mod:`gateway.server` (the listening socket) with :mod:`gateway.lean` (the
+lean HTTP/1.1 protocol) and :mod:`gateway.app` (aiohttp, for everything else), which
+both call :func:`~gateway.pipeline.director.handle`; :mod:`gateway.transport` and
+:mod:`gateway.exchange` (the one upstream HTTP client); :mod:`gateway.errors` (the
+error body and the one upstream exception hierarchy); :mod:`gateway.state` (what a
+running gateway holds) and the decision core, :mod:`routing.core`, the only door into
+``routing/``. No module here imports ``gateway.app``, ``gateway.server`` or
+``gateway.lean``.
 """
