@@ -160,7 +160,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         """Close the connection unless a request starts (fully arrives) within
         :data:`KEEPALIVE_TIMEOUT_S`: idle keep-alive and slowly trickling heads alike.
         One timer per connection, re-armed lazily when it fires."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.idle_since = loop.time()
         if self.idle_timer is None:
             self.idle_timer = loop.call_at(self.idle_since + KEEPALIVE_TIMEOUT_S, self._idle_check)
@@ -170,13 +170,13 @@ class DataPlaneProtocol(asyncio.Protocol):
         if self.transport is None:
             return
         if self.task is not None:  # busy: look again a full period after it is idle again
-            self.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_TIMEOUT_S, self._idle_check)
+            self.idle_timer = self.loop.call_later(KEEPALIVE_TIMEOUT_S, self._idle_check)
             return
         due = self.idle_since + KEEPALIVE_TIMEOUT_S
-        if asyncio.get_running_loop().time() >= due:
+        if self.loop.time() >= due:
             self.transport.close()
         else:
-            self.idle_timer = asyncio.get_running_loop().call_at(due, self._idle_check)
+            self.idle_timer = self.loop.call_at(due, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -277,7 +277,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         body = bytes(buf[end + 4:need])
         del buf[:need]
         self.keep_alive = keep_alive
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         serve = self._serve(_HOT[path], CIMultiDict(pairs), body, coding)
         if _STREAM_TRUE.search(body) is not None:
             # a stream's first step (parse, route, send upstream) runs now, in this read's
@@ -315,7 +315,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         server = self.server
         rid = request_id(headers)
         down = LeanDownstream(self, rid)
-        arrival = asyncio.get_running_loop().time()
+        arrival = self.loop.time()
         if coding != "identity":
             raw, limit = body, server.max_body_bytes()
 

@@ -58,6 +58,7 @@ class GatewayState:
     sessions: list[aiohttp.ClientSession] = field(default_factory=list)  # the clients' aiohttp sessions, to close
     tasks: list[asyncio.Task] = field(default_factory=list)  # background tasks, cancelled at shutdown
     created: int = field(default_factory=lambda: int(time.time()))
+    loop: asyncio.AbstractEventLoop = field(init=False)  # the loop serving requests, set by connect()
 
     @property
     def fleet(self) -> Fleet:
@@ -174,6 +175,7 @@ def _configure_health(h: HealthChecker, state: GatewayState, cfg: GatewayConfig)
 def connect(state: GatewayState, urls: dict[str, str]) -> None:
     """Inside the running loop: the backends' clients (``urls`` overrides backends'
     base URLs by name), their health checker and, when configured, the scraper."""
+    state.loop = asyncio.get_running_loop()
     state.urls = dict(urls)
     cfg = state.cfg
     _connect(state, cfg)

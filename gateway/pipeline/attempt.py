@@ -103,7 +103,7 @@ async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservat
     """
     parsed = ex.parsed
     name = client.state.name
-    deadlines = Deadlines(name, client.timeouts, asyncio.get_running_loop().time())
+    deadlines = Deadlines(name, client.timeouts, state.loop.time())
     early = relay.EarlyAnswer(state, ex, reservation, deadlines) if parsed.stream and not ex.down.may_wait else None
     up: Upstream | None = None
     try:
@@ -139,7 +139,7 @@ async def fetch(client: BackendClient, path: str, body: bytes, request_id: str) 
     """Send a non-streamed request to ``client``'s backend and return the whole 200
     response body (the prefill leg of a disaggregated request). Raises an
     :class:`~gateway.errors.UpstreamError`."""
-    deadlines = Deadlines(client.state.name, client.timeouts, asyncio.get_running_loop().time())
+    deadlines = Deadlines(client.state.name, client.timeouts, client.pool.loop.time())
     up = await client.pool.request(path, _request_headers(client, request_id, False), body, deadlines.first_byte_at,
                                    deadline_error=deadlines.first_byte_error)
     if up.status != 200:

@@ -122,7 +122,7 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
         parsed = parse_completion_request(endpoint, body, parse_json_object(body))
         check_model(state, parsed.model)
         gate = state.batch_gate
-        ex = Exchange(down, parsed, request_id, asyncio.get_running_loop().time())
+        ex = Exchange(down, parsed, request_id, state.loop.time())
         if gate is None:
             await forward(state, ex)
         else:
@@ -141,7 +141,7 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
     raises an :class:`UpstreamError`; raises :class:`ClientGone` (or
     ``CancelledError``) when the client left. One function on purpose: the retry loop
     is the request's story and reads top to bottom."""
-    loop = asyncio.get_running_loop()
+    loop = state.loop
     core, policy, m = state.core, state.retry, state.metrics
     parsed = ex.parsed
     t0 = loop.time()

@@ -45,7 +45,7 @@ async def run(state: GatewayState, ex: Exchange, base: RouteRequest) -> dict[str
     leg must carry, or ``None`` when the leg failed (the caller falls back to a backend
     that computes the prompt itself). A client that goes away cancels the leg with the
     request (its connection is closed, the engine aborts)."""
-    loop = asyncio.get_running_loop()
+    loop = state.loop
     policy = state.retry
     parsed = ex.parsed
     body = _prefill_body(parsed.data)

@@ -220,7 +220,7 @@ def whole(state: GatewayState, ex: Exchange, up: Upstream, data: bytes, reservat
             usage = obj.get("usage") if isinstance(obj, dict) else None
         except orjson.JSONDecodeError:
             pass
-    settle.first_byte(state, ex, None, asyncio.get_running_loop().time())
+    settle.first_byte(state, ex, None, state.loop.time())
     settle.completed(state, ex, reservation, usage, 0, whole=True)
     settle.finish(state, ex, 200)
     ex.down.respond(200, data, _answer_headers(ex, up, "application/json"))
@@ -229,7 +229,7 @@ def whole(state: GatewayState, ex: Exchange, up: Upstream, data: bytes, reservat
 def _start(state: GatewayState, ex: Exchange, reservation: Reservation, chunk: bytes) -> tuple[float, StreamScan]:
     """The stream's first bytes are going to the client now: record the first token
     and scan them."""
-    first_at = asyncio.get_running_loop().time()
+    first_at = state.loop.time()
     settle.first_byte(state, ex, reservation, first_at)
     scan = ex.scan = StreamScan()
     scan.feed(chunk)
@@ -239,7 +239,7 @@ def _start(state: GatewayState, ex: Exchange, reservation: Reservation, chunk: b
 def _relay(state: GatewayState, ex: Exchange, up: Upstream, scan: StreamScan, first_at: float,
            deadlines: Deadlines) -> tuple[StreamRelay, asyncio.Future[None]]:
     m = state.metrics
-    relay = StreamRelay(asyncio.get_running_loop(), up, ex.down, scan, m.child(m.itl, ex.parsed.model), first_at,
+    relay = StreamRelay(state.loop, up, ex.down, scan, m.child(m.itl, ex.parsed.model), first_at,
                         deadlines)
     return relay, relay.run()
 

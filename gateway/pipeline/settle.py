@@ -10,7 +10,6 @@ idempotent (:class:`routing.core.Reservation`), so every exit path may call it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +109,7 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
     est = ex.estimate
     if est is not None:
         state.core.learn_usage(model, est.size_bytes, prompt, completion)
-    now = asyncio.get_running_loop().time()
+    now = state.loop.time()
     reservation.outcome(True, now)
     ex.tokens = int(prompt if prompt is not None else (est.prompt_tokens if est else 0)) + (completion or 0)
     reservation.release(now, None if whole else completion)
@@ -122,7 +121,7 @@ def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: 
     its faults), the reservation is released, the failure counted, and the backend
     kept out of routing for as long as it asked (``Retry-After``) or, when it refused
     the connection, ``retries.failed_backend_cooldown_s``."""
-    now = asyncio.get_running_loop().time()
+    now = state.loop.time()
     reservation.outcome(isinstance(err, BackendStatus) and err.status < 500, now)
     reservation.release(now)
     m = state.metrics
@@ -139,7 +138,7 @@ def finish(state: GatewayState, ex: Exchange, status: int) -> None:
         s = ex.served or served(state, ex)
         s.ok.inc()
         s.pool_ok.inc()
-        s.e2e.observe(asyncio.get_running_loop().time() - ex.arrival)
+        s.e2e.observe(state.loop.time() - ex.arrival)
         return
     m = state.metrics
     m.child(m.requests, ex.parsed.model, ex.backend or "none", str(status)).inc()
