@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from gateway.config import Admission as AdmissionConfig
-from gateway.errors import ClientError
+from gateway.errors import ClientError, retry_later_headers
 from routing.core import Fleet
 
 RECHECK_S = 0.05
@@ -77,7 +77,7 @@ class AdmissionControl:
         if self.sizes.get(priority, 0) >= self.cfg.queue_size:
             self.rejected["queue_full"] += 1
             raise ClientError(503, "The fleet is saturated and the admission queue is full; retry later.",
-                              code="fleet_saturated", headers={"Retry-After": "1"})
+                              code="fleet_saturated", headers=retry_later_headers(1.0))
         w = _Waiter(model, key, loop.create_future())
         self.queues.setdefault(priority, OrderedDict()).setdefault(key, deque()).append(w)
         self.sizes[priority] = self.sizes.get(priority, 0) + 1
@@ -95,7 +95,7 @@ class AdmissionControl:
                 raise
             self.rejected["queue_timeout"] += 1
             raise ClientError(503, f"The fleet is saturated; no backend had room within {self.cfg.queue_timeout_s} s.",
-                              code="fleet_saturated", headers={"Retry-After": "1"}) from None
+                              code="fleet_saturated", headers=retry_later_headers(1.0)) from None
         self.granted -= 1
         self.admitted_after_wait += 1
 

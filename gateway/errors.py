@@ -13,6 +13,7 @@ and the timeouts its deadline was armed with); the retry policy reads ``retryabl
 
 from __future__ import annotations
 
+import math
 import random
 
 import orjson
@@ -20,7 +21,19 @@ from aiohttp import web
 
 REQUEST_ID_HEADER = "x-request-id"
 BACKEND_HEADER = "x-turbo-backend"
+# the openai SDKs retry 408, 409, 429 and 5xx by themselves unless the answer says
+# otherwise: "false" where the gateway has retried already (or retrying cannot help),
+# "true" with the wait where a retry by the client is the right thing
+SHOULD_RETRY_HEADER = "x-should-retry"
 _ids = random.Random()  # request ids: unique, not secret (uuid4's os.urandom is a syscall per request)
+
+
+def retry_later_headers(wait_s: float) -> dict[str, str]:
+    """The headers of an answer the client should retry after ``wait_s`` seconds:
+    ``Retry-After`` (whole seconds, at least 1), ``retry-after-ms`` and
+    ``x-should-retry: true``, which the openai SDKs all honour."""
+    return {"Retry-After": str(max(1, math.ceil(wait_s))), "retry-after-ms": str(max(1, math.ceil(wait_s * 1000))),
+            SHOULD_RETRY_HEADER: "true"}
 
 
 def request_id(headers) -> str:
@@ -180,8 +193,10 @@ def failure_answer(err: UpstreamError | None, no_backend_message: str | None = N
     """The client's answer (status, OpenAI error body, headers) to a request that
     failed for good: ``err`` the last attempt's failure, or, with ``err`` ``None``, no
     backend could be tried (``no_backend_message``, and the wait until one may be).
-    A backend's own error answer is relayed as it sent it when it is a JSON object."""
-    headers = {"Content-Type": "application/json"}
+    A backend's own error answer is relayed as it sent it when it is a JSON object.
+    The gateway has retried already, or found that retrying cannot help: the answer
+    says ``x-should-retry: false`` (a ``Retry-After`` it carries is the backend's)."""
+    headers = {"Content-Type": "application/json", SHOULD_RETRY_HEADER: "false"}
     if isinstance(err, BackendStatus):
         if err.retry_after_s is not None:
             headers["Retry-After"] = _retry_after_header(err.retry_after_s)

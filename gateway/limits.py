@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 import time
@@ -39,7 +38,7 @@ from typing import Any, Callable
 import orjson
 
 from gateway.config import ClientKey
-from gateway.errors import ClientError
+from gateway.errors import ClientError, retry_later_headers
 
 log = logging.getLogger("gateway.limits")
 
@@ -187,8 +186,7 @@ class Limiter:
     def _reject(self, key: ClientKey, limit: str, wait_s: float, message: str) -> None:
         k = (key.name, limit)
         self.rejected[k] = self.rejected.get(k, 0) + 1
-        retry = max(1, math.ceil(wait_s))
-        raise ClientError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+        raise ClientError(429, message, code="rate_limit_exceeded", headers=retry_later_headers(wait_s))
 
     def in_flight(self) -> int:
         """This replica's requests holding a slot (every key)."""

@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from gateway.config import Batch
-from gateway.errors import ClientError
+from gateway.errors import ClientError, retry_later_headers
 from gateway.openai_api import ParsedRequest
 from gateway.pipeline.director import PRIORITY_HEADER
 from routing.core import RouteRequest, estimate_ttft
@@ -91,7 +91,7 @@ class BatchGate:
             if left <= 0:
                 self.deferred_total += 1
                 raise ClientError(429, "The fleet has no spare capacity for batch work now; retry later.",
-                                  code=DEFERRED_CODE, headers={"Retry-After": "1"})
+                                  code=DEFERRED_CODE, headers=retry_later_headers(1.0))
             self._changed.clear()
             try:
                 async with asyncio.timeout(min(_POLL_S, left)):
