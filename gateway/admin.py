@@ -28,11 +28,10 @@ import logging
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.auth import CALLER, check_admin
 from gateway.errors import ClientError
+from gateway.openai_api import UNREADABLE_BODY, unreadable_body
 from gateway.state import STATE
 
 _COMPLETIONS = frozenset({"/v1/chat/completions", "/v1/completions"})  # the pipeline authenticates these
@@ -48,15 +47,12 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     the outer middleware turns into an OpenAI error). Also turns a request body that
     cannot be read as its ``Content-Encoding`` says (found by tests/test_fuzz.py: it was
     a 500) into a 400."""
-    if request.path.startswith("/v1/") and request.path not in _COMPLETIONS:
+    if request.path.startswith("/v1/") and not (request.method == "POST" and request.path in _COMPLETIONS):
         request[CALLER] = _state(request).keyring.authenticate(request.headers)
     try:
         return await handler(request)
-    except (RequestPayloadError, ContentEncodingError) as e:
-        enc = request.headers.get("Content-Encoding", "identity")
-        raise ClientError(400, f"The request body could not be read (Content-Encoding: {enc[:40]}): "
-                               f"{getattr(e, 'message', None) or type(e).__name__}",
-                          code="invalid_body") from None
+    except UNREADABLE_BODY as e:
+        raise unreadable_body(request, e) from None
 
 
 def _json(obj, status: int = 200) -> web.Response:

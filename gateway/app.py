@@ -25,7 +25,7 @@ from gateway.openai_api import models_list, read_body
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.reload import watch_config
-from gateway.state import STATE, build_state, connect, limiter_sync
+from gateway.state import OWN_MIDDLEWARES, STATE, build_state, connect, limiter_sync
 
 log = logging.getLogger("gateway")
 
@@ -52,6 +52,7 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     reloading it (SIGHUP, file watch, ``POST /admin/reload``).
     """
     app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[_middleware, auth_middleware])
+    app[OWN_MIDDLEWARES] = tuple(app.middlewares)
     app[STATE] = build_state(cfg, config_path, _version())
     app.cleanup_ctx.append(_lifecycle(backend_urls or {}))
     app.router.add_post("/v1/chat/completions", _chat)

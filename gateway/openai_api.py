@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.errors import ClientError
 from routing.core import canonical_prompt
@@ -45,9 +47,20 @@ def _is_json_type(content_type: str) -> bool:
     return ct == "application/json" or (ct.startswith("application/") and ct.endswith("+json"))
 
 
+UNREADABLE_BODY = (RequestPayloadError, ContentEncodingError)  # aiohttp: a body its Content-Encoding does not decode
+
+
+def unreadable_body(request: web.Request, e: Exception) -> ClientError:
+    """The 400 for a request body that cannot be read as its ``Content-Encoding``
+    says (one of :data:`UNREADABLE_BODY`)."""
+    enc = request.headers.get("Content-Encoding", "identity")
+    return ClientError(400, f"The request body could not be read (Content-Encoding: {enc[:40]}): "
+                            f"{getattr(e, 'message', None) or type(e).__name__}", code="invalid_body")
+
+
 async def read_body(request: web.Request, max_bytes: int) -> bytes:
     """Read an aiohttp request's body. Raises :class:`ClientError` 413 (over
-    ``max_bytes`` bytes)."""
+    ``max_bytes`` bytes) or 400 (not readable as its ``Content-Encoding`` says)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise ClientError(413, f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.",
                           code="request_too_large")
@@ -55,6 +68,8 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large") from None
+    except UNREADABLE_BODY as e:
+        raise unreadable_body(request, e) from None
     if len(body) > max_bytes:
         raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large")
     return body

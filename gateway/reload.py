@@ -85,8 +85,7 @@ async def _close_when_idle(retired: list[BackendClient], state: GatewayState, wa
         else:
             idle_since = None
         await asyncio.sleep(0.5)
-    for c in retired:
-        c.pool.close()
+    for c in retired:  # their pools were retired: busy connections close when their requests end
         if c.session in state.sessions:
             state.sessions.remove(c.session)
         await c.session.close()

@@ -31,7 +31,7 @@ from aiohttp import web
 from gateway import eager
 from gateway.lean import DataPlaneProtocol
 from gateway.sends import Sends
-from gateway.state import STATE, GatewayState
+from gateway.state import OWN_MIDDLEWARES, STATE, GatewayState
 
 log = logging.getLogger("gateway.server")
 
@@ -182,9 +182,16 @@ async def listen(app: web.Application, host: str, port: int, *, reuse_port: bool
     """Set the app up and listen on ``host:port`` (port 0: any free port, see
     ``.addresses``); with ``listen.fast_path`` (the default) through
     :class:`DataPlaneServer`. Stop it with ``await server.shutdown(drain_timeout_s)``.
-    Raises ``OSError`` when the address cannot be bound."""
+    Raises ``OSError`` when the address cannot be bound, and ``ValueError`` when the
+    lean protocol would bypass a middleware added to the app (which then needs
+    ``listen.fast_path: false``)."""
     cfg = app[STATE].cfg
     fast = cfg.listen.fast_path
+    extra = [m for m in app.middlewares if m not in app.get(OWN_MIDDLEWARES, ())]
+    if fast and extra:
+        raise ValueError("the lean protocol serves completions without aiohttp's middleware, and the app has "
+                         f"middleware it would bypass ({', '.join(getattr(m, '__qualname__', repr(m)) for m in extra)})"
+                         "; set listen.fast_path: false to serve every request through aiohttp")
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=cfg.lifecycle.drain_timeout_s)
     await runner.setup()

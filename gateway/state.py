@@ -30,6 +30,8 @@ from gateway.transport import BackendClient
 from routing.core import BackendSpec, DecisionCore, Fleet, StoreSettings
 
 STATE = web.AppKey("state", "GatewayState")
+# the app's own middleware: the lean protocol does for completions what they do
+OWN_MIDDLEWARES = web.AppKey("own_middlewares", tuple)
 
 
 @dataclass(eq=False)

@@ -183,5 +183,7 @@ class DecisionCore:
 
     def backend_recovered(self, backend: BackendState) -> None:
         """``backend`` came back after failing its health checks: it may have restarted
-        with an empty KV cache, so its prefix entries are dropped."""
+        with an empty KV cache, so its prefix entries are dropped (its KV capacity in
+        the index stays)."""
         self.index.forget_backend(backend.name)
+        self.index.set_capacity(backend.name, self.router.capacity_blocks(backend))

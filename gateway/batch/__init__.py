@@ -40,7 +40,7 @@ class BatchRuntime:
 
 def setup_batch(app: web.Application, cfg) -> None:
     """Add the Files/Batches routes, the batch gate (completion requests marked
-    ``x-turbo-priority: batch`` pass it: :func:`gateway.pipeline.director.complete`)
+    ``x-turbo-priority: batch`` pass it: :func:`gateway.pipeline.director.handle`)
     and the manager (plus ``batch.workers`` in-process consumers) to ``app`` when
     ``batch.enabled``."""
     b = cfg.batch

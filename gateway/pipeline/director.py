@@ -80,6 +80,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         if state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch":
             kv = await state.batch_gate.enter(parsed)
             gate = state.batch_gate  # entered: left in the finally below
+            arrival = state.loop.time()  # a batch line's TTFT starts once the gate let it in
         key = caller.key
         charge = 0.0
         if key is not None and key.tokens_per_minute is not None:
@@ -122,12 +123,11 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
         parsed = parse_completion_request(endpoint, body, parse_json_object(body))
         check_model(state, parsed.model)
         gate = state.batch_gate
-        ex = Exchange(down, parsed, request_id, state.loop.time())
         if gate is None:
-            await forward(state, ex)
+            await forward(state, Exchange(down, parsed, request_id, state.loop.time()))
         else:
-            async with gate.admit(parsed):
-                await forward(state, ex)
+            async with gate.admit(parsed):  # the line's TTFT starts once the gate let it in
+                await forward(state, Exchange(down, parsed, request_id, state.loop.time()))
     except ClientError as e:
         status, body, headers = e.answer()
         return status, headers, body
