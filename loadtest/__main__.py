@@ -158,6 +158,12 @@ def _print_runs(doc: dict[str, Any]) -> None:
         print(report.ratio_table(run, rts))
 
 
+def _print_written(paths: dict[str, Path], plots: bool) -> None:
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    if plots and not report.can_plot():
+        print(report.PLOTS_HINT)
+
+
 async def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 31)
     rates = args.rate or [None]
@@ -189,7 +195,7 @@ async def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     doc = report.build_document("run", report.machine_context(argv), _settings(args, opts, seed), runs, slo, pct)
     _print_runs(doc)
     paths = report.write_outputs(doc, args.out, plots=not args.no_plots)
-    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    _print_written(paths, plots=not args.no_plots)
     return 0
 
 
@@ -240,7 +246,7 @@ async def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
     _print_runs(doc)
     if args.out:
         paths = report.write_outputs(doc, args.out, plots=not args.no_plots)
-        print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+        _print_written(paths, plots=not args.no_plots)
     return 0
 
 

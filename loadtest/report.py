@@ -1,5 +1,6 @@
 """Results a person can read at a glance: the run's context, ``results.json`` (every
-per-request record), ``report.md``, and PNG plots (matplotlib, Agg backend).
+per-request record), ``report.md``, and PNG plots (matplotlib, Agg backend; the ``bench``
+extra installs it, and without it the rest is written all the same).
 
 Files written into the output folder:
 
@@ -378,17 +379,32 @@ def make_plots(doc: dict[str, Any], out_dir: Path) -> list[str]:
     return names
 
 
+PLOTS_HINT = "no plots: matplotlib is not installed (pip install -e '.[bench]' adds it)"
+
+
+def can_plot() -> bool:
+    """Whether matplotlib imports (it comes with the ``bench`` and ``test`` extras)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_outputs(doc: dict[str, Any], out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
-    """Write ``results.json``, the plots and ``report.md`` into ``out_dir`` (created);
-    returns ``{"json", "report", plot names...}`` -> paths."""
+    """Write ``results.json`` and ``report.md`` into ``out_dir`` (created), then the
+    plots, if asked and matplotlib is installed (``report.md`` is then rewritten to link
+    them): a failed plot never costs the results. Returns ``{"json", "report", plot
+    names...}`` -> paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {}
-    names = make_plots(doc, out) if plots else []
-    for n in names:
-        paths[n] = out / n
-    (out / "results.json").write_text(json.dumps(_clean(doc), indent=1, allow_nan=False))
-    paths["json"] = out / "results.json"
-    (out / "report.md").write_text(render_markdown(doc, names))
-    paths["report"] = out / "report.md"
+    paths: dict[str, Path] = {"json": out / "results.json", "report": out / "report.md"}
+    paths["json"].write_text(json.dumps(_clean(doc), indent=1, allow_nan=False))
+    paths["report"].write_text(render_markdown(doc, []))
+    if plots and can_plot():
+        names = make_plots(doc, out)
+        for n in names:
+            paths[n] = out / n
+        if names:
+            paths["report"].write_text(render_markdown(doc, names))
     return paths

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from contextlib import asynccontextmanager
 
@@ -204,3 +205,28 @@ async def test_cli_run_and_overhead_as_processes(tmp_path):
     ov = json.loads((tmp_path / "ov" / "results.json").read_text())["overhead"]
     assert [r["concurrency"] for r in ov] == [1, 4]
     assert all(r["gateway_errors"] == 0 and r["gateway_cpu_s_per_1k"] > 0 for r in ov)
+
+
+@pytest.mark.slow
+async def test_cli_run_without_matplotlib_writes_results_and_says_how_to_get_plots(tmp_path):
+    """A checkout installed without the ``bench`` extra: ``import matplotlib`` fails (a
+    package of that name that raises ImportError comes first on the child's path)."""
+    stub = tmp_path / "no_matplotlib" / "matplotlib"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub.parent), os.environ.get("PYTHONPATH", "")])}
+    async with sim_fleet(1) as urls:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "loadtest", "run", "--target", urls["sim-0"], "--workload", "fixed",
+            "--input-len", "8", "--output-len", "3", "--concurrency", "1", "2", "-n", "3", "--seed", "1",
+            "--out", str(tmp_path / "out"), "--quiet", env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    assert "Traceback" not in err.decode()
+    lines = out.decode().splitlines()
+    assert lines.count(report.PLOTS_HINT) == 1 and "pip install -e '.[bench]'" in report.PLOTS_HINT
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [len(r["lanes"][0]["records"]) for r in data["runs"]] == [3, 3]
+    assert "## concurrency=2" in (tmp_path / "out" / "report.md").read_text()
+    assert not list((tmp_path / "out").glob("*.png"))
