@@ -55,6 +55,7 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     app[OWN_MIDDLEWARES] = tuple(app.middlewares)
     app[STATE] = build_state(cfg, config_path, _version())
     app.cleanup_ctx.append(_lifecycle(backend_urls or {}))
+    app.on_response_prepare.append(_server_header)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
@@ -65,6 +66,11 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     setup_admin(app)
     setup_batch(app, cfg)
     return app
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # the name the lean protocol's responses carry (gateway/lean.py), not aiohttp's
+    response.headers["Server"] = "turbo-gateway"
 
 
 def _lifecycle(backend_urls: dict[str, str]):

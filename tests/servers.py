@@ -145,10 +145,28 @@ class RunningGateway:
         return v or 0.0
 
 
+AIOHTTP_MARK = "x-test-served-by-aiohttp"
+
+
+def mark_aiohttp_answers(app: web.Application) -> None:
+    """Test instrument: every answer aiohttp's server prepares for the app carries the
+    header :data:`AIOHTTP_MARK`, where the data plane's own answers do not (both say
+    ``Server: turbo-gateway``). What aiohttp's parser refuses (its 400 to a malformed
+    head) never reaches the app: that answer keeps aiohttp's ``Server`` header instead."""
+    async def mark(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[AIOHTTP_MARK] = "1"
+
+    app.on_response_prepare.append(mark)
+
+
 @asynccontextmanager
-async def running_gateway(cfg, backend_urls: dict[str, str] | None = None) -> AsyncIterator[RunningGateway]:
-    """The gateway app on a real loopback port, as ``python -m gateway`` runs it."""
+async def running_gateway(cfg, backend_urls: dict[str, str] | None = None, *,
+                          mark_aiohttp: bool = False) -> AsyncIterator[RunningGateway]:
+    """The gateway app on a real loopback port, as ``python -m gateway`` runs it;
+    ``mark_aiohttp``: see :func:`mark_aiohttp_answers`."""
     app = create_app(cfg, backend_urls)
+    if mark_aiohttp:
+        mark_aiohttp_answers(app)
     server = await listen(app, "127.0.0.1", 0)
     try:
         yield RunningGateway(f"http://127.0.0.1:{server.addresses[0][1]}", app)
