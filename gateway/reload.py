@@ -116,7 +116,7 @@ async def reload_from_file(app: web.Application, reason: str) -> tuple[bool, str
             log.error(msg)
             return False, msg
         state.reloads["ok"] += 1
-        log.warning("config reloaded (%s) from %s: %d backends", reason, path, len(new.backends))
+        log.info("config reloaded (%s) from %s: %d backends", reason, path, len(new.backends))
         if retired:
             total = new.timeouts.total_s or 3600.0
             state.tasks.append(asyncio.create_task(_close_when_idle(retired, state, total)))
