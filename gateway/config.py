@@ -206,8 +206,25 @@ class CanarySplit(_Strict):
         "`turbo_gateway_pool_ttft_seconds{pool}`.")
 
 
+FallbackTrigger = Literal["unavailable", "timeout", "first_token_timeout", "context_length"]
+
+
+class Fallback(_Strict):
+    """One fallback of a model: the model to try next, and the failures that send a
+    request there (only before its first byte reached the client)."""
+
+    model: str = Field(description="The model to try next; a backend must serve it.")
+    on: list[FallbackTrigger] = Field(
+        ["unavailable", "timeout", "first_token_timeout"], min_length=1,
+        description="The failures that trigger it: `unavailable` (no backend could take the request, or every "
+        "attempt failed to connect, was cut or answered 429/5xx), `timeout` (connect or total timeout), "
+        "`first_token_timeout` (no first byte within `timeouts.ttft_s`), `context_length` (the prompt is longer "
+        "than the model's context: a backend answered `context_length_exceeded`).")
+
+
 class Routing(_Strict):
-    """How a backend is chosen: the policy, the prefix index, pools and canaries."""
+    """How a backend is chosen: the policy, the prefix index, pools, canaries and
+    model fallbacks."""
 
     policy: str = Field(
         "estimated_ttft", description="The routing policy, one of: " + ", ".join(f"`{p}`" for p in sorted(POLICIES))
@@ -232,6 +249,14 @@ class Routing(_Strict):
         [], description="Canary (gray) releases: per model, a fraction of requests goes to a canary pool; a "
         "canary failure before the first byte is retried on the stable pool "
         "(`turbo_gateway_canary_fallbacks_total` counts them).")
+    fallbacks: dict[str, list[Fallback]] = Field(
+        {}, description="Model fallbacks: per model, an ordered list of other models to try when it cannot "
+        "serve a request (after its own retries, within the same `retries.budget_s`, and only before the "
+        "first byte reached the client); each fallback names the failures that trigger it. The request goes "
+        "to the first fallback of the requested model's list, not yet tried, whose triggers include the "
+        "failure (a fallback's own list is not followed). The answer is the "
+        "fallback model's own (its `model` field is not rewritten); `x-turbo-route` says `fallback=MODEL`; "
+        "`turbo_gateway_fallbacks_total{model,fallback,reason}` counts them.")
 
     @field_validator("policy")
     @classmethod
@@ -483,7 +508,8 @@ class GatewayConfig(_Strict):
         [Pool(name="mixed")], description="Named groups of backends with a role: `mixed`, `prefill` or "
         "`decode`. Every `backends[].pool` must name one.")
     routing: Routing = Field(
-        Routing(), description="How a backend is chosen: the policy, the prefix index, pools and canaries.")
+        Routing(), description="How a backend is chosen: the policy, the prefix index, pools, canaries and "
+        "model fallbacks.")
     timeouts: Timeouts = Field(
         Timeouts(), description="Timeouts of one upstream attempt, in seconds; `backends[].timeouts` overrides "
         "them per backend. A timeout that fires fails the attempt (retried while no byte reached the "
@@ -529,6 +555,13 @@ class GatewayConfig(_Strict):
             for pool in (c.stable_pool, c.canary_pool):
                 if not any(b.pool == pool and c.model in b.models for b in self.backends):
                     raise ValueError(f"canary split for model {c.model!r}: no backend in pool {pool!r} serves it")
+        served = {m for b in self.backends for m in b.models}
+        for model, chain in self.routing.fallbacks.items():
+            for f in chain:
+                if f.model == model:
+                    raise ValueError(f"routing.fallbacks: model {model!r} names itself as a fallback")
+                if f.model not in served:
+                    raise ValueError(f"routing.fallbacks: fallback {f.model!r} of model {model!r} is served by no backend")
         return self
 
     @model_validator(mode="after")

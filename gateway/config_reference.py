@@ -78,15 +78,23 @@ def _unwrap(annotation: Any) -> tuple[Any, list[Any], bool]:
     return annotation, metadata, nullable
 
 
-def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """(the model a field holds, whether it is a list of them) or ``(None, False)``."""
+def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, str]:
+    """(the model a field holds, what goes between the field's key and the model's
+    keys: ``.`` for one, ``[].`` for a list of them, ``.<model>[].`` for a mapping (by
+    model name) of lists of them) or ``(None, "")``."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
-    if typing.get_origin(annotation) is list:
+        return annotation, "."
+    origin = typing.get_origin(annotation)
+    if origin is list:
         (item,) = typing.get_args(annotation)
         if isinstance(item, type) and issubclass(item, BaseModel):
-            return item, True
-    return None, False
+            return item, "[]."
+    if origin is dict:
+        _, value = typing.get_args(annotation)
+        sub, between = _model_of(value)
+        if sub is not None:
+            return sub, ".<model>" + between
+    return None, ""
 
 
 _NAMES = {int: "integer", float: "number", str: "string", bool: "boolean"}
@@ -99,15 +107,18 @@ def _num(v: Any) -> str:
 
 
 def _type_text(annotation: Any, metadata: list[Any], nullable: bool) -> str:
-    model, is_list = _model_of(annotation)
+    model, between = _model_of(annotation)
     origin = typing.get_origin(annotation)
     if model is not None:
-        base = "list of objects" if is_list else "object"
+        base = {".": "object", "[].": "list of objects"}.get(between, "mapping of model names to lists of objects")
     elif origin is Literal:
         base = "one of " + ", ".join(f"`{v}`" for v in typing.get_args(annotation))
     elif origin is list:
         (item,) = typing.get_args(annotation)
-        base = f"list of {_NAMES.get(item, getattr(item, '__name__', str(item)))}s"
+        if typing.get_origin(item) is Literal:
+            base = "list of " + ", ".join(f"`{v}`" for v in typing.get_args(item))
+        else:
+            base = f"list of {_NAMES.get(item, getattr(item, '__name__', str(item)))}s"
     elif origin is dict:
         base = "mapping"
     else:
@@ -176,9 +187,9 @@ def rows(model: type[BaseModel], prefix: str = "") -> Iterator[Row]:
         metadata = [*field.metadata, *metadata]
         yield Row(key, _type_text(annotation, metadata, nullable), _default_text(name, field),
                   (field.description or "").strip())
-        sub, is_list = _model_of(annotation)
+        sub, between = _model_of(annotation)
         if sub is not None:
-            yield from rows(sub, key + ("[]." if is_list else "."))
+            yield from rows(sub, key + between)
 
 
 def _cell(text: str) -> str:
@@ -191,8 +202,8 @@ def render() -> str:
     sections = []
     for name, field in GatewayConfig.model_fields.items():
         annotation, _, _ = _unwrap(field.annotation)
-        sub, is_list = _model_of(annotation)
-        sections.append((name, field, sub, is_list))
+        sub, between = _model_of(annotation)
+        sections.append((name, field, sub, between == "[]."))
     out.append("| section | what |\n|---|---|")
     for name, field, _, _ in sections:
         first = (field.description or "").split(". ")[0].rstrip(".")

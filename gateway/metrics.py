@@ -248,6 +248,10 @@ class GatewayMetrics:
         self.canary_fallbacks = Counter("turbo_gateway_canary_fallbacks",
                                         "Canary requests retried on the stable pool, by the canary's failure",
                                         ["reason"], registry=r)
+        self.fallbacks = Counter("turbo_gateway_fallbacks",
+                                 "Requests sent to a fallback model (routing.fallbacks), by the model that could not "
+                                 "serve them, the fallback and the failure that triggered it",
+                                 ["model", "fallback", "reason"], registry=r)
         self.retries = Counter("turbo_gateway_retries", "Retries, by the failure that caused them", ["reason"], registry=r)
         self.upstream_errors = Counter("turbo_gateway_upstream_errors", "Failed upstream attempts",
                                        ["backend", "reason"], registry=r)

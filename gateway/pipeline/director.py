@@ -25,7 +25,18 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.errors import ClientError, UpstreamError, error_body
+from gateway.errors import (
+    BackendStatus,
+    ClientError,
+    ConnectFailed,
+    ConnectTimeout,
+    Disconnected,
+    FirstByteTimeout,
+    IdleTimeout,
+    TotalTimeout,
+    UpstreamError,
+    error_body,
+)
 from gateway.openai_api import ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
@@ -49,6 +60,9 @@ class Exchange:
     parsed: ParsedRequest
     request_id: str
     arrival: float  # loop time the request arrived
+    model: str = ""  # the model being served: the requested one, or a fallback (routing.fallbacks)
+    data: dict[str, Any] = field(default_factory=dict)  # the request object for ``model``
+    fallback_reason: str = ""  # why ``model`` is a fallback ("" when it is the requested model)
     backend: str = ""  # the backend of the current (or last) attempt
     estimate: PromptEstimate | None = None
     decision: Decision | None = None
@@ -137,28 +151,77 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
 
 
 async def forward(state: GatewayState, ex: Exchange) -> None:
-    """Estimate, plan, route, attempt and retry; the answer goes to ``ex.down``. Never
-    raises an :class:`UpstreamError`; raises :class:`ClientGone` (or
-    ``CancelledError``) when the client left. One function on purpose: the retry loop
-    is the request's story and reads top to bottom."""
+    """Serve ``ex`` on its model and, when a model cannot serve it, on the requested
+    model's fallbacks (``routing.fallbacks``: the first one of its chain not yet tried
+    whose triggers include the failure, while the retry budget lasts); the answer
+    goes to ``ex.down``. Never raises an :class:`UpstreamError`; raises :class:`ClientGone`
+    (or ``CancelledError``) when the client left."""
+    parsed = ex.parsed
+    t0 = state.loop.time()
+    ex.model, ex.data, ex.body = parsed.model, parsed.data, parsed.body
+    tried = [parsed.model]
+    while True:
+        failure = await _on_model(state, ex, t0)
+        if failure is None:  # answered (or a stream that failed after its first byte)
+            return
+        err, no_backend = failure
+        reason = fallback_trigger(err, no_backend)
+        chain = state.cfg.routing.fallbacks.get(parsed.model, ()) if reason is not None else ()
+        nxt = next((f.model for f in chain if reason in f.on and f.model not in tried), None)
+        if nxt is None or not state.retry.within_budget(t0, state.loop.time()):
+            return settle.failed(state, ex, err, no_backend)
+        m = state.metrics
+        m.child(m.fallbacks, ex.model, nxt, reason).inc()  # type: ignore[arg-type]
+        log.info("request %s: model %s failed (%s); falling back to %s", ex.request_id, ex.model, reason, nxt)
+        tried.append(nxt)
+        ex.model, ex.fallback_reason = nxt, reason
+        ex.data = {**parsed.data, "model": nxt}
+        ex.body = orjson.dumps(ex.data)
+
+
+def fallback_trigger(err: UpstreamError | None, no_backend: NoBackendAvailable | None) -> str | None:
+    """The ``routing.fallbacks`` trigger a final failure matches: ``unavailable``,
+    ``timeout``, ``first_token_timeout``, ``context_length``, or ``None`` for a
+    caller's error that another model would refuse too."""
+    if no_backend is not None or isinstance(err, (ConnectFailed, Disconnected)):
+        return "unavailable"
+    if isinstance(err, FirstByteTimeout):
+        return "first_token_timeout"
+    if isinstance(err, (ConnectTimeout, TotalTimeout, IdleTimeout)):
+        return "timeout"
+    if isinstance(err, BackendStatus):
+        if getattr(err, "code", None) == "context_length_exceeded":
+            return "context_length"
+        if err.backend_status >= 500 or err.backend_status == 429:
+            return "unavailable"
+    return None
+
+
+async def _on_model(state: GatewayState, ex: Exchange,
+                    t0: float) -> tuple[UpstreamError | None, NoBackendAvailable | None] | None:
+    """Estimate, plan, route, attempt and retry on ``ex.model``, within the retry
+    budget counted from ``t0``. Returns ``None`` once the client was answered (or its
+    stream ended with an error event after the first byte), else the final failure:
+    the last attempt's, or the reason no backend could be tried. One function on
+    purpose: the retry loop is the request's story and reads top to bottom."""
     loop = state.loop
     core, policy, m = state.core, state.retry, state.metrics
     parsed = ex.parsed
-    t0 = loop.time()
-    ex.estimate, req = core.request(parsed.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt)
-    ex.body = parsed.body
-    plan = core.plan(req, t0, state.cfg.routing.long_prompt_tokens)
-    roles, remote, now = plan.roles, False, t0  # the first route reuses the plan's prefix match
+    first = len(ex.attempts)  # the attempts on earlier models do not count against this one's
+    ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt)
+    now = loop.time()
+    plan = core.plan(req, now, state.cfg.routing.long_prompt_tokens)
+    roles, remote = plan.roles, False  # the first route reuses the plan's prefix match
     if plan.kind == "disaggregated":
         params = await prefill.run(state, ex, req)
         if params is not None:
-            ex.body = orjson.dumps({**parsed.data, "kv_transfer_params": params})
+            ex.body = orjson.dumps({**ex.data, "kv_transfer_params": params})
             roles, remote = DECODE, True
         else:  # the prefill leg failed: a decode or mixed backend computes the prompt itself
             roles = SERVING
         m.child(m.disaggregated, "ok" if remote else "fallback").inc()
         now = loop.time()
-    pools, stable_pools = core.canary_pools(parsed.model)
+    pools, stable_pools = core.canary_pools(ex.model)
     req.roles, req.remote_prefill = roles, remote
     excluded: set[str] = set()
     last: UpstreamError | None = None
@@ -173,26 +236,28 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
                 pools, stable_pools = stable_pools, None
                 m.child(m.canary_fallbacks, "no_canary_backend").inc()
                 continue
-            if e.retry_after_s is not None and policy.may_wait(e.retry_after_s, len(ex.attempts), t0, now):
+            if e.retry_after_s is not None and policy.may_wait(e.retry_after_s, len(ex.attempts) - first, t0, now):
                 await asyncio.sleep(e.retry_after_s)
                 now = loop.time()
                 continue
-            return settle.failed(state, ex, last, no_backend=e)
+            return (last, None) if last is not None else (None, e)
         m.child(m.decisions, decision.policy, decision.reason).inc()
         backend = decision.backend
         ex.backend, ex.decision = backend.name, decision
         ex.attempts.append((backend.name, now, "started"))
         try:
-            return await attempt.run(state, ex, state.clients[backend.name], reservation)
+            await attempt.run(state, ex, state.clients[backend.name], reservation)
+            return None
         except UpstreamError as err:
             settle.attempt_failed(state, backend, reservation, err)
             ex.attempts[-1] = (backend.name, now, err.reason)
             if ex.down.started:  # bytes already reached the client: end the stream
-                return await settle.stream_failed(state, ex, err)
+                await settle.stream_failed(state, ex, err)
+                return None
             last, now = err, loop.time()
-            delay = policy.after_failure(err, len(ex.attempts), t0, now)
+            delay = policy.after_failure(err, len(ex.attempts) - first, t0, now)
             if delay is None:
-                return settle.failed(state, ex, err)
+                return err, None
             excluded.add(backend.name)
             if stable_pools is not None:  # a canary failed: retry on the stable pool
                 pools, stable_pools = stable_pools, None

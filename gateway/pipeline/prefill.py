@@ -48,12 +48,12 @@ async def run(state: GatewayState, ex: Exchange, base: RouteRequest) -> dict[str
     loop = state.loop
     policy = state.retry
     parsed = ex.parsed
-    body = _prefill_body(parsed.data)
+    body = _prefill_body(ex.data)
     path = attempt.PATHS[parsed.endpoint]
     excluded: set[str] = set()
     started = loop.time()
     for attempts in range(1, policy.max_attempts + 1):
-        req = RouteRequest(parsed.model, frozenset(excluded), base.prompt_text, base.prompt_bytes, base.block_hashes,
+        req = RouteRequest(ex.model, frozenset(excluded), base.prompt_text, base.prompt_bytes, base.block_hashes,
                            base.prompt_tokens, 1, base.tokens_per_block, PREFILL)
         try:
             decision, reservation = state.core.route(req, loop.time())

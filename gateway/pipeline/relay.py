@@ -189,20 +189,24 @@ class StreamRelay:
             self.timer = self.loop.call_at(at, self._arm)
 
 
-def route_header(decision: Decision) -> str:
-    """The explanation header: policy, backend, reason, matched prefix tokens and the
-    estimate that decided (when the policy made one)."""
+def route_header(decision: Decision, fallback: str = "", fallback_reason: str = "") -> str:
+    """The explanation header: policy, backend, reason, matched prefix tokens, the
+    estimate that decided (when the policy made one) and, for a request served by a
+    fallback model, that model and the failure that sent it there."""
     d = decision.detail
     parts = [f"policy={decision.policy}", f"backend={decision.backend.name}", f"reason={decision.reason}",
              f"matched_tokens={int(d.get('matched_tokens', 0))}"]
     if "ttft_est_s" in d:
         parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
+    if fallback_reason:
+        parts.append(f"fallback={fallback}; fallback_reason={fallback_reason}")
     return "; ".join(parts)
 
 
 def _answer_headers(ex: Exchange, up: Upstream, content_type: str) -> dict[str, str]:
     return {"Content-Type": up.headers.get("content-type", content_type), BACKEND_HEADER: ex.backend,
-            REQUEST_ID_HEADER: ex.request_id, ROUTE_HEADER: route_header(ex.decision)}  # type: ignore[arg-type]
+            REQUEST_ID_HEADER: ex.request_id,
+            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}  # type: ignore[arg-type]
 
 
 def _stream_headers(ex: Exchange, up: Upstream) -> dict[str, str]:
@@ -239,7 +243,7 @@ def _start(state: GatewayState, ex: Exchange, reservation: Reservation, chunk: b
 def _relay(state: GatewayState, ex: Exchange, up: Upstream, scan: StreamScan, first_at: float,
            deadlines: Deadlines) -> tuple[StreamRelay, asyncio.Future[None]]:
     m = state.metrics
-    relay = StreamRelay(state.loop, up, ex.down, scan, m.child(m.itl, ex.parsed.model), first_at,
+    relay = StreamRelay(state.loop, up, ex.down, scan, m.child(m.itl, ex.model), first_at,
                         deadlines)
     return relay, relay.run()
 

@@ -63,7 +63,9 @@ class RetryPolicy:
         """The sleep before retry number ``retry`` (1-based), full jitter."""
         return self.rng.uniform(0.0, min(self.max_backoff_s, self.base_backoff_s * (2 ** (retry - 1))))
 
-    def _within_budget(self, started_at: float, at: float) -> bool:
+    def within_budget(self, started_at: float, at: float) -> bool:
+        """Whether an attempt starting at ``at`` is within the budget of a request
+        whose first attempt began at ``started_at``."""
         return self.budget_s is None or at - started_at <= self.budget_s
 
     def after_failure(self, err: UpstreamError, attempts: int, started_at: float, now: float) -> float | None:
@@ -74,10 +76,10 @@ class RetryPolicy:
         if not err.retryable or attempts >= self.max_attempts:
             return None
         delay = self.backoff_s(attempts)
-        return delay if self._within_budget(started_at, now + delay) else None
+        return delay if self.within_budget(started_at, now + delay) else None
 
     def may_wait(self, wait_s: float, attempts: int, started_at: float, now: float) -> bool:
         """Whether a request that no backend can take now may wait ``wait_s`` (a
         backend's ``Retry-After`` or cool-down) for one."""
         return attempts < self.max_attempts and wait_s <= self.max_retry_after_s and \
-            self._within_budget(started_at, now + wait_s)
+            self.within_budget(started_at, now + wait_s)

@@ -59,12 +59,12 @@ def _pool(state: GatewayState, ex: Exchange) -> str:
 def served(state: GatewayState, ex: Exchange) -> ServedMetrics:
     """The metric children of the backend that answered ``ex`` (cached per model and
     backend, made anew when a reload moved the backend to another pool)."""
-    key = (ex.parsed.model, ex.backend)
+    key = (ex.model, ex.backend)
     pool = _pool(state, ex)
     cache = state.served_metrics
     s = cache.get(key)
     if s is None or s.pool != pool:
-        s = cache[key] = ServedMetrics(state.metrics, ex.parsed.model, ex.backend or "none", pool)
+        s = cache[key] = ServedMetrics(state.metrics, ex.model, ex.backend or "none", pool)
     ex.served = s
     return s
 
@@ -87,7 +87,7 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
     the reservation. ``whole``: a non-streamed answer, whose timing says nothing about
     the backend's TTFT or ITL."""
     m = state.metrics
-    model = ex.parsed.model
+    model = ex.model
     s = ex.served or served(state, ex)
     completion: int | None = events or None
     prompt: int | None = None
@@ -141,7 +141,7 @@ def finish(state: GatewayState, ex: Exchange, status: int) -> None:
         s.e2e.observe(state.loop.time() - ex.arrival)
         return
     m = state.metrics
-    m.child(m.requests, ex.parsed.model, ex.backend or "none", str(status)).inc()
+    m.child(m.requests, ex.model or ex.parsed.model, ex.backend or "none", str(status)).inc()
     m.child(m.pool_requests, _pool(state, ex), str(status)).inc()
 
 
