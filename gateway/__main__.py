@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
             return 2
+        except DemoFleetError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     try:
         run(serve(create_app(cfg, config_path=args.config), host, port))
     except OSError as e:

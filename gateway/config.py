@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from routing.core import POLICIES
 
@@ -102,7 +103,8 @@ class Backend(_Strict):
     environment variable holding the key sent to this backend as ``Authorization:
     Bearer``. Exactly one of ``url`` and ``simulate`` must be set: ``simulate`` holds
     the options of a demo backend that the gateway starts itself with
-    ``python -m loadtest.sim`` (validated there; see ``loadtest/README.md``).
+    ``python -m loadtest.sim`` (checked at load by the simulator's own rules; see
+    ``loadtest/README.md``).
     """
 
     name: str = Field(
@@ -132,8 +134,8 @@ class Backend(_Strict):
         "`h100-llama3-8b`, `a100-llama3-8b`, ...), `speed` (emulated GPU time runs this many times faster "
         "than real time), `eos_after` (natural answer length in tokens, or `[lo, hi]`), `role`, "
         "`max_tokens_default`, `profile_overrides`, `faults` (see `loadtest/README.md`, \"Backend spec "
-        "fields\"). Checked when the simulator starts, not at config load: a bad field makes start-up fail "
-        "(exit code 1). Adding or changing one needs a restart.")
+        "fields\"). Checked with the rest of the config by the simulator's own rules: a bad field is a config "
+        "error. Adding or changing one needs a restart.")
 
     @field_validator("url")
     @classmethod
@@ -143,6 +145,17 @@ class Backend(_Strict):
         if not (v.startswith("http://") or v.startswith("https://")):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")
+
+    @field_validator("simulate")
+    @classmethod
+    def _check_simulate(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        if v is None or "name" not in info.data or "models" not in info.data:
+            return v  # nothing to check, or the backend's own fields already failed
+        # The simulator's spec module is pure data (no sockets), imported only when a
+        # config has a demo backend: the data plane itself never depends on loadtest.
+        from loadtest.sim.spec import check_simulate
+        check_simulate(info.data["name"], info.data["models"], v)
+        return v
 
     @model_validator(mode="after")
     def _url_or_simulate(self) -> "Backend":

@@ -1,8 +1,9 @@
 """The demo fleet: simulated backends (``simulate:`` in ``backends.yaml``) that the
 gateway starts itself, as a ``python -m loadtest.sim`` child process.
 
-The gateway does not import ``loadtest`` (DESIGN.md section 2): it talks to the child
-over its standard streams and to the backends over HTTP. The child exits when the
+The gateway does not import ``loadtest`` to run them (DESIGN.md section 2; only the
+config loader checks ``simulate:`` sections with :mod:`loadtest.sim.spec`): it talks to
+the child over its standard streams and to the backends over HTTP. The child exits when the
 gateway closes its standard input, so a killed gateway leaves no orphans behind.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 
@@ -17,9 +19,20 @@ from gateway.config import Backend
 
 START_TIMEOUT_S = 30.0
 
+log = logging.getLogger("gateway.demo")
+
 
 class DemoFleetError(Exception):
     """The simulated fleet did not start; the message says why."""
+
+
+def _failed(stderr: bytes | None) -> DemoFleetError:
+    """The error of a child that did not start, with the end of what it said on its
+    standard error (its own message, or the last lines of a traceback)."""
+    lines = (stderr or b"").decode(errors="replace").strip().splitlines()
+    why = "\n".join(lines[-5:])
+    return DemoFleetError("the simulated demo fleet (python -m loadtest.sim) failed to start"
+                          + (f": {why}" if why else " and said nothing on its standard error"))
 
 
 def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, dict[str, str]]:
@@ -37,7 +50,9 @@ def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, di
     if not isinstance(urls, dict):
         proc.kill()
         proc.wait()
-        raise DemoFleetError("the simulated demo fleet (python -m loadtest.sim) failed to start")
+        # the child's standard error is this process's: its message is already printed
+        raise DemoFleetError("the simulated demo fleet (python -m loadtest.sim) failed to start "
+                             "(its message is above)")
     return proc, urls
 
 
@@ -47,6 +62,14 @@ class DemoFleet:
     def __init__(self, proc: asyncio.subprocess.Process, urls: dict[str, str]) -> None:
         self.proc = proc
         self.urls = urls
+        # Read the child's standard error for its whole life: an undrained pipe that
+        # fills up would block the simulator at its next write.
+        self._stderr_task = asyncio.get_running_loop().create_task(self._drain_stderr())
+
+    async def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        async for line in self.proc.stderr:
+            log.debug("demo fleet: %s", line.decode(errors="replace").rstrip())
 
     @classmethod
     async def start(cls, backends: list[Backend]) -> "DemoFleet":
@@ -63,24 +86,22 @@ class DemoFleet:
         except (asyncio.TimeoutError, ValueError):
             urls = None
         if not isinstance(urls, dict):
-            err = b""
+            # the child may have exited without being reaped yet: returncode says nothing
             if proc.returncode is None:
                 proc.kill()
-            else:
-                err = await proc.stderr.read()  # type: ignore[union-attr]
+            err = await proc.stderr.read()  # type: ignore[union-attr]
             await proc.wait()
-            raise DemoFleetError("the simulated demo fleet (python -m loadtest.sim) failed to start"
-                                 + (f": {err.decode(errors='replace').strip()[-500:]}" if err else ""))
+            raise _failed(err)
         return cls(proc, urls)
 
     async def stop(self) -> None:
         """Close the child's stdin (it exits), then wait; kill after 5 s."""
-        if self.proc.returncode is not None:
-            return
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 5.0)
-        except asyncio.TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
+        if self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5.0)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        await self._stderr_task  # ends at the pipe's end of file, once the child is gone

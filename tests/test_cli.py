@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,3 +52,49 @@ def test_shipped_config_serves_openai_sdk_stream():
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+def _gateway(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", "--config", str(config), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("simulate, says", [
+    ("{profile: demo, sped: 2.0}", "backend 'sim-a': unknown field(s) ['sped']; known: ['eos_after', 'faults'"),
+    ("{profile: tpu}", "backend 'sim-a': unknown profile 'tpu'; known: ['a100-llama3-8b'"),
+    ("{faults: {error_rate: 2}}", "faults.error_rate must be a number in [0, 1], got 2"),
+    ("{faults: 3}", "backend 'sim-a': `faults` must be a mapping of fault fields"),
+    ("{models: [other]}", "['models'] belong to the backend itself, not to its `simulate:` section"),
+])
+def test_a_bad_simulate_section_is_a_config_error_with_the_simulators_message(tmp_path, simulate, says):
+    conf = tmp_path / "backends.yaml"
+    conf.write_text(f"backends:\n  - name: sim-a\n    models: [demo-model]\n    simulate: {simulate}\n")
+    for args in ((), ("--workers", "2")):
+        r = _gateway(conf, *args)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(
+            f"error: {conf}: invalid config at `backends.0.simulate`: "), r.stderr
+        assert says in r.stderr
+
+
+@pytest.mark.slow
+def test_a_demo_fleet_that_cannot_start_shows_the_simulators_own_message(tmp_path):
+    """A valid ``simulate:`` section whose fixed port is taken: the simulator starts and
+    fails; its message reaches the user, whichever way the gateway runs it."""
+    conf = tmp_path / "backends.yaml"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        conf.write_text(f"backends:\n  - name: sim-a\n    models: [demo-model]\n    simulate: {{port: {port}}}\n")
+        for _ in range(3):  # the child may exit before or after the gateway reads its output
+            r = _gateway(conf, "--port", "0")
+            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+            assert ("error: the simulated demo fleet (python -m loadtest.sim) failed to start: "
+                    "python -m loadtest.sim: cannot listen: ") in r.stderr
+            assert f"('127.0.0.1', {port}): address already in use" in r.stderr
+        r = _gateway(conf, "--port", "0", "--workers", "2")  # started before the workers, child's stderr inherited
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "python -m loadtest.sim: cannot listen: " in r.stderr
+        assert "failed to start (its message is above)" in r.stderr

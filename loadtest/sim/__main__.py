@@ -7,7 +7,7 @@ Prints one JSON line ``{"sim-a": "http://127.0.0.1:PORT", ...}`` on standard out
 every backend listens (a human-readable table goes to standard error), then serves until
 SIGINT/SIGTERM, or until standard input closes when ``--exit-on-stdin-eof`` is given
 (how the gateway ties a demo fleet to its own life). ``--spec`` entries and fleet-file
-backends take the fields of :class:`loadtest.sim.server.SimBackendConfig`.
+backends take the fields of :class:`loadtest.sim.spec.SimBackendConfig`.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from loadtest.sim.server import ROLES, SimBackendConfig
+from loadtest.sim.spec import ROLES, SimBackendConfig
 
 _FLEET_KEYS = {"models", "speed", "host", "pools", "gateway", "backends"}
 _GATEWAY_ONLY = {"pool", "weight", "replicas", "hints"}

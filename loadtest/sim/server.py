@@ -37,12 +37,10 @@ Client disconnect aborts the request in the engine (its KV blocks are freed at o
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -52,153 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loadtest.sim import tokenizer
 from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, _Stat
-from loadtest.sim.profiles import Profile, get_profile
-
-ROLES = ("mixed", "prefill", "decode")
-
-
-# --- configuration --------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class FaultConfig:
-    """Faults injected into ``/v1/*completions`` requests (never into admin, metrics or
-    health). Rates are probabilities per request, drawn independently in this order:
-    ``stall_s`` (always, when > 0), then ``hang_rate``, ``error_rate``,
-    ``rate_limit_rate``. Times in seconds.
-
-    - ``stall_s``: wait this long before the first byte (before the status line).
-    - ``hang_rate``: accept the request and never answer (until the client goes away).
-    - ``error_rate`` / ``error_status``: answer with this HTTP status and an
-      OpenAI-shaped error body.
-    - ``rate_limit_rate`` / ``retry_after_s``: answer 429 with ``Retry-After``.
-    - ``close_after_chunks``: close the connection after this many SSE chunks of a
-      stream (no ``[DONE]``, truncated chunked body); a non-streamed request gets its
-      connection closed with no answer once that many tokens were generated.
-    - ``drip_s``: extra delay before every SSE chunk (a slow link); a non-streamed
-      answer is delayed by ``drip_s`` per token.
-    - ``crash_after_s`` / ``crash_down_s`` / ``crash_every_s``: crash (drop every
-      connection, stop listening, lose the engine's state) ``crash_after_s`` after the
-      faults are set, come back on the same port ``crash_down_s`` later with a cold
-      engine, and repeat every ``crash_every_s`` if set.
-    - ``seed``: seed of the fault draws (reproducible runs).
-    """
-
-    stall_s: float = 0.0
-    hang_rate: float = 0.0
-    error_rate: float = 0.0
-    error_status: int = 500
-    rate_limit_rate: float = 0.0
-    retry_after_s: float = 1.0
-    close_after_chunks: int | None = None
-    drip_s: float = 0.0
-    crash_after_s: float | None = None
-    crash_down_s: float = 1.0
-    crash_every_s: float | None = None
-    seed: int | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "FaultConfig":
-        """Validate ``d``; raises ValueError naming the bad field."""
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown fault field(s) {unknown}; known: {sorted(names)}")
-        fc = cls(**d)
-        for k in ("hang_rate", "error_rate", "rate_limit_rate"):
-            v = getattr(fc, k)
-            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
-                raise ValueError(f"faults.{k} must be a number in [0, 1], got {v!r}")
-        for k in ("stall_s", "drip_s", "retry_after_s", "crash_down_s"):
-            v = getattr(fc, k)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"faults.{k} must be a number >= 0, got {v!r}")
-        for k in ("crash_after_s", "crash_every_s"):
-            v = getattr(fc, k)
-            if v is not None and (not isinstance(v, (int, float)) or v < 0):
-                raise ValueError(f"faults.{k} must be null or a number >= 0, got {v!r}")
-        if not isinstance(fc.error_status, int) or not 400 <= fc.error_status <= 599:
-            raise ValueError(f"faults.error_status must be an HTTP error status, got {fc.error_status!r}")
-        if fc.close_after_chunks is not None and (not isinstance(fc.close_after_chunks, int)
-                                                  or fc.close_after_chunks < 0):
-            raise ValueError("faults.close_after_chunks must be null or an integer >= 0")
-        return fc
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(slots=True)
-class SimBackendConfig:
-    """One simulated backend (the ``--spec`` / fleet-file fields).
-
-    - ``name``, ``models``: served model ids (the first is the ``model_name`` label).
-    - ``profile``: a name from :data:`loadtest.sim.profiles.PROFILES`;
-      ``profile_overrides``: Profile fields to change (e.g. ``{"num_gpu_blocks": 256}``).
-    - ``speed``: run the emulated GPU this many times faster than real time.
-    - ``role``: ``mixed`` | ``prefill`` | ``decode`` (default: the profile's role).
-      ``prefill``/``mixed`` honour ``kv_transfer_params.do_remote_decode``,
-      ``decode``/``mixed`` honour ``do_remote_prefill``; other flags are ignored.
-    - ``eos_after``: natural output length in tokens when the request does not set
-      ``ignore_eos``: an int, or ``[lo, hi]`` for a per-prompt deterministic length in
-      that range; ``None`` (default) means generate up to ``max_tokens``.
-    - ``max_tokens_default``: ``max_tokens`` when the request gives none (default: the
-      rest of ``max_model_len``, as vLLM).
-    - ``faults``: a :class:`FaultConfig` (or its dict).
-    - ``host``, ``port``: where to listen (``port`` 0 picks a free port).
-    """
-
-    name: str
-    models: list[str] = field(default_factory=lambda: ["demo-model"])
-    profile: str = "demo"
-    profile_overrides: dict[str, Any] = field(default_factory=dict)
-    speed: float = 1.0
-    role: str | None = None
-    eos_after: int | list[int] | None = None
-    max_tokens_default: int | None = None
-    faults: FaultConfig | dict[str, Any] = field(default_factory=FaultConfig)
-    host: str = "127.0.0.1"
-    port: int = 0
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SimBackendConfig":
-        """Validate one spec entry; raises ValueError naming the bad field."""
-        if not isinstance(d, dict):
-            raise ValueError(f"a backend spec must be an object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"backend {d.get('name')!r}: unknown field(s) {unknown}; known: {sorted(names)}")
-        if "name" not in d:
-            raise ValueError("a backend spec needs a `name`")
-        cfg = cls(**d)
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        if isinstance(self.faults, dict):
-            self.faults = FaultConfig.from_dict(self.faults)
-        if not self.models or not all(isinstance(m, str) for m in self.models):
-            raise ValueError(f"backend {self.name!r}: `models` must be a non-empty list of strings")
-        if not isinstance(self.speed, (int, float)) or self.speed <= 0:
-            raise ValueError(f"backend {self.name!r}: `speed` must be > 0")
-        if self.role is not None and self.role not in ROLES:
-            raise ValueError(f"backend {self.name!r}: `role` must be one of {ROLES}")
-        e = self.eos_after
-        if e is not None and not (isinstance(e, int) and e >= 1) and not (
-                isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) and x >= 1 for x in e)
-                and e[0] <= e[1]):
-            raise ValueError(f"backend {self.name!r}: `eos_after` must be null, an int >= 1 or [lo, hi]")
-        self.build_profile()  # raises KeyError/TypeError for a bad profile
-
-    def build_profile(self) -> Profile:
-        try:
-            return get_profile(self.profile, **self.profile_overrides)
-        except KeyError as e:
-            raise ValueError(f"backend {self.name!r}: {e.args[0]}") from None
-        except TypeError as e:
-            raise ValueError(f"backend {self.name!r}: bad profile_overrides: {e}") from None
+from loadtest.sim.spec import FaultConfig, SimBackendConfig
 
 
 # --- prompt rendering -----------------------------------------------------------------
