@@ -167,12 +167,21 @@ class BackendStatus(UpstreamError):
     """The backend answered with a status other than 200. 429, 502, 503 and 504 are
     retryable; other 4xx and 5xx are relayed to the client as the backend sent them; a
     non-error status (204, 3xx: no completion) becomes a 502 (``backend_status`` keeps
-    the backend's)."""
+    the backend's).
+
+    ``openai``: the engine's caller error in OpenAI's terms, ``(status, body, code)``
+    from :func:`gateway.engine_errors.classify`. The answer then carries that status
+    (400, or 404 for ``model_not_found``) and OpenAI error body, ``code`` is the OpenAI
+    code (``context_length_exceeded``, ``invalid_value``,
+    ``invalid_function_parameters``, ``model_not_found``; ``None`` when not
+    classified) and it is not retryable: another backend of the model would fail the
+    same way. ``reason`` stays ``status_<the backend's status>``."""
 
     RETRYABLE = frozenset({429, 502, 503, 504})
+    code: str | None = None
 
     def __init__(self, backend: str, status: int, body: bytes, content_type: str,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, openai: tuple[int, bytes, str] | None = None) -> None:
         super().__init__(backend, f"backend {backend} answered HTTP {status}", retry_after_s=retry_after_s)
         self.backend_status = status
         self.status = status
@@ -182,6 +191,10 @@ class BackendStatus(UpstreamError):
         self.content_type = content_type
         self.retryable = status in self.RETRYABLE
         self.reason = f"status_{status}"
+        if openai is not None:
+            self.status, self.body, self.code = openai
+            self.content_type = "application/json"
+            self.retryable = False
 
 
 def _retry_after_header(seconds: float) -> str:

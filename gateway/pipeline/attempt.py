@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from gateway import engine_errors
 from gateway.config import Timeouts
 from gateway.errors import (
     REQUEST_ID_HEADER,
@@ -76,9 +77,10 @@ class Deadlines:
                                          f"{self.timeouts.idle_s} s between chunks")
 
 
-async def _raise_status(client: BackendClient, up: Upstream) -> None:
-    """Raise the answer ``up`` (status other than 200) as :class:`BackendStatus`, with
-    the start of its body."""
+async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:
+    """Raise the answer ``up`` (status other than 200) to a request for ``path`` as
+    :class:`BackendStatus`, with the start of its body; an engine's caller error is
+    classified in OpenAI's terms (:func:`gateway.engine_errors.classify`)."""
     try:
         body = await up.read(_MAX_ERROR_BODY_BYTES)
     except Disconnected:
@@ -86,7 +88,9 @@ async def _raise_status(client: BackendClient, up: Upstream) -> None:
     finally:
         up.finish()  # the caller may finish it again: a no-op
     ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    raise BackendStatus(client.state.name, up.status, body, ctype, parse_retry_after(up.headers.get("retry-after")))
+    openai = engine_errors.classify(up.status, body, "completions" if path == PATHS["completions"] else "chat")
+    raise BackendStatus(client.state.name, up.status, body, ctype, parse_retry_after(up.headers.get("retry-after")),
+                        openai)
 
 
 def _request_headers(client: BackendClient, request_id: str, stream: bool) -> bytes:
@@ -111,7 +115,7 @@ async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservat
                                        ex.body, deadlines.first_byte_at, early, not parsed.stream,
                                        deadlines.first_byte_error)
         if up.status != 200:
-            await _raise_status(client, up)
+            await _raise_status(client, up, PATHS[parsed.endpoint])
         if early is not None and early.opened:
             opened = early.opened[0]
             if isinstance(opened, BaseException):
@@ -143,7 +147,7 @@ async def fetch(client: BackendClient, path: str, body: bytes, request_id: str) 
     up = await client.pool.request(path, _request_headers(client, request_id, False), body, deadlines.first_byte_at,
                                    deadline_error=deadlines.first_byte_error)
     if up.status != 200:
-        await _raise_status(client, up)
+        await _raise_status(client, up, path)
     try:
         return await up.read()
     finally:
