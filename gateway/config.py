@@ -359,6 +359,11 @@ class Batch(_Strict):
     visibility_timeout_s: float = Field(
         60.0, gt=0, description="A line claimed by a consumer that stopped heartbeating (killed) is "
         "reclaimed by another consumer after this long.")
+    drain_timeout_s: float = Field(
+        20.0, ge=0, description="A consumer that stops (`python -m gateway.batch` on SIGTERM/SIGINT, "
+        "`workers` at gateway shutdown, after the HTTP drain) takes no new line and gives the lines in "
+        "flight this long to finish, then hands the rest back for other consumers to take at once. Keep it "
+        "below the supervisor's kill timeout (Kubernetes 30 s, `docker stop` 10 s).")
     max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="Largest file upload accepted.")
 
     @field_validator("redis_url")

@@ -1,6 +1,7 @@
 """Batch API and queue consumers (gateway/batch/): the openai SDK end to end, crash
-safety with a SIGKILLed consumer, retries and the error file, cancel, expiry, malformed
-lines, the local ``run`` mode and the admission gate. Real valkey-server, simulated or
+safety with a SIGKILLed consumer, the drain and hand-back of a SIGTERMed one (and of
+in-process consumers at gateway shutdown), retries and the error file, cancel, expiry,
+malformed lines, the local ``run`` mode and the admission gate. Real valkey-server, simulated or
 scripted backends on loopback ports."""
 
 from __future__ import annotations
@@ -368,6 +369,147 @@ async def test_sigkill_one_of_two_consumers_loses_and_duplicates_nothing(redis, 
         for be in backends:
             await be.cleanup()
 
+
+
+VISIBILITY_S = 600.0  # no line comes back by its visibility timeout within these tests: only a hand-back
+DRAIN_S = 2.0
+
+
+class HeldBackend:
+    """A scripted backend whose lines answer when the test says: ``slow ...`` lines when
+    ``release_slow`` is set, ``quick ...`` lines when ``release_quick`` is, any other at
+    once. Counts each line's arrivals and the requests it holds now."""
+
+    def __init__(self) -> None:
+        self.release_slow = asyncio.Event()
+        self.release_quick = asyncio.Event()
+        self.arrivals: dict[str, int] = {}
+        self.held: dict[str, int] = {}
+
+    async def handler(self, backend, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        text = body["messages"][0]["content"]
+        self.arrivals[text] = self.arrivals.get(text, 0) + 1
+        gate = {"slow": self.release_slow, "quick": self.release_quick}.get(text.split()[0])
+        if gate is not None:
+            self.held[text] = self.held.get(text, 0) + 1
+            try:
+                await gate.wait()
+            finally:
+                self.held[text] -= 1
+        return web.json_response(completion_body(f"answer to {text}", model="demo-model"))
+
+    def holding(self) -> int:
+        return sum(self.held.values())
+
+
+async def wait_exit(proc: subprocess.Popen, timeout_s: float) -> int:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while proc.poll() is None:
+        assert asyncio.get_running_loop().time() < deadline, f"consumer still running after {timeout_s} s"
+        await asyncio.sleep(0.02)
+    return proc.returncode
+
+
+@pytest.mark.slow
+async def test_sigterm_drains_hands_back_and_no_line_waits_for_the_visibility_timeout(redis, tmp_path):
+    """Consumer A holds 8 lines; SIGTERM: the 4 ``quick`` ones finish within the drain, the
+    4 ``slow`` ones are cut and handed back, A exits 0 after the drain. Consumer B,
+    started afterwards, finishes the batch far inside the 600 s visibility timeout, which
+    only the hand-back explains (A's entries would otherwise stay A's for 600 s)."""
+    be = HeldBackend()
+    n = 40
+    texts = [f"slow {i}" if i < 4 else f"quick {i}" if i < 8 else f"free {i}" for i in range(n)]
+    procs: list[subprocess.Popen] = []
+    logs = [tmp_path / "consumer-a.log", tmp_path / "consumer-b.log"]
+    async with ScriptedBackend(handler=be.handler).running() as backend:
+        cfg = batch_config([{"name": "b", "url": backend.url, "models": ["demo-model"]}], redis, tmp_path,
+                           visibility_timeout_s=VISIBILITY_S, drain_timeout_s=DRAIN_S)
+        try:
+            async with running_gateway(cfg) as gw, sdk(gw) as client:
+                path = tmp_path / "batch.yaml"
+                data = cfg.model_dump(mode="json", exclude_none=True)
+                data["batch"]["gateway_url"] = gw.url
+                path.write_text(yaml.safe_dump(data))
+
+                def consumer(log: Path) -> subprocess.Popen:
+                    return subprocess.Popen([sys.executable, "-m", "gateway.batch", "--config", str(path),
+                                             "--workers", "8"], stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+                                            cwd=os.getcwd())
+
+                procs.append(consumer(logs[0]))
+                b = await submit(client, jsonl([line(i, t) for i, t in enumerate(texts)]))
+                # A's 8 slots all hold slow or quick lines: it takes nothing more until a slot frees
+                await wait_until(lambda: be.holding() == 8, timeout_s=30)
+                taken = dict(be.arrivals)
+                terminated = asyncio.get_running_loop().time()
+                procs[0].send_signal(signal.SIGTERM)
+                await wait_until(lambda: b"draining" in logs[0].read_bytes(), timeout_s=10)
+                be.release_quick.set()  # in flight at SIGTERM, answered within the drain
+                assert await wait_exit(procs[0], DRAIN_S + 15) == 0, logs[0].read_text()
+                stopped_s = asyncio.get_running_loop().time() - terminated
+                assert DRAIN_S <= stopped_s < DRAIN_S + 10, stopped_s  # waited the drain out for the slow ones
+                assert be.arrivals == taken  # no line taken after SIGTERM
+                log_a = logs[0].read_text()
+                assert "handed back 4 unfinished" in log_a, log_a
+                name_a = log_a.split("batch consumer ")[1].split(":")[0]
+
+                r = aioredis.from_url(redis)
+                queue = gw.app[BATCH].store.queue
+                pend = await r.xpending_range(queue, "consumers", min="-", max="+", count=100, consumername=name_a)
+                await r.aclose()
+                assert len(pend) == 4  # the slow lines, still A's but claimable now
+                assert all(p["time_since_delivered"] > VISIBILITY_S * 1000 for p in pend), pend
+                mid = await client.batches.retrieve(b.id)
+                quick_done = sum(1 for t, k in taken.items() if not t.startswith("slow"))
+                assert mid.request_counts.completed == quick_done  # the drain recorded the quick lines
+
+                be.release_slow.set()
+                started = asyncio.get_running_loop().time()
+                procs.append(consumer(logs[1]))
+                done = await wait_batch(client, b.id, {"completed"}, timeout_s=60)
+                took_s = asyncio.get_running_loop().time() - started
+                assert took_s < VISIBILITY_S / 10, took_s
+                out = await content_lines(client, done.output_file_id)
+                ids = [o["custom_id"] for o in out]
+                assert sorted(ids) == sorted(f"req-{i}" for i in range(n))  # each exactly once
+                assert done.request_counts.completed == n and done.request_counts.failed == 0
+                for o in out:
+                    i = int(o["custom_id"].split("-")[1])
+                    assert o["response"]["body"]["choices"][0]["message"]["content"] == f"answer to {texts[i]}"
+                assert b"reclaimed" in logs[1].read_bytes()
+                # a slow line ran twice (A's attempt cut, no result kept; B's recorded), the rest once
+                assert {t: be.arrivals[t] for t in texts} == {t: 2 if t.startswith("slow") else 1 for t in texts}
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(30)
+
+
+async def test_in_process_consumers_hand_back_at_gateway_shutdown(redis, tmp_path):
+    """A gateway's ``batch.workers`` hold 4 lines the backend does not answer; the gateway
+    shuts down, they are handed back after the drain, and a second gateway finishes the
+    batch without waiting for the 600 s visibility timeout."""
+    be = HeldBackend()
+    n = 12
+    texts = [f"slow {i}" if i < 4 else f"free {i}" for i in range(n)]
+    async with ScriptedBackend(handler=be.handler).running() as backend:
+        cfg = batch_config([{"name": "b", "url": backend.url, "models": ["demo-model"]}], redis, tmp_path,
+                           workers=4, visibility_timeout_s=VISIBILITY_S, drain_timeout_s=0.5)
+        async with running_gateway(cfg) as gw, sdk(gw) as client:
+            b = await submit(client, jsonl([line(i, t) for i, t in enumerate(texts)]))
+            await wait_until(lambda: be.holding() == 4, timeout_s=30)
+            rt = gw.app[BATCH]
+        assert rt.consumer.handed_back == 4 and rt.consumer.processed == 0
+        await wait_until(lambda: be.holding() == 0)  # the cut requests left the backend too
+        be.release_slow.set()
+        async with running_gateway(cfg) as gw, sdk(gw) as client:
+            done = await wait_batch(client, b.id, {"completed"}, timeout_s=30)
+            out = await content_lines(client, done.output_file_id)
+            assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(n))
+            assert done.request_counts.completed == n and done.request_counts.failed == 0
+            assert gw.app[BATCH].consumer.reclaimed == 4
+        assert {t: be.arrivals[t] for t in texts} == {t: 2 if t.startswith("slow") else 1 for t in texts}
 
 
 # ---- admin: every caller's batches -----------------------------------------------

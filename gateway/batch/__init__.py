@@ -81,15 +81,22 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        # Stop flags first, then cancel: a cancel alone can be swallowed by a Redis call
-        # (routing.state.raise_if_cancel_swallowed), and a loop that missed it would keep
-        # this gather, and so the gateway's shutdown, waiting forever.
+        # Stop flags first: the consumer then drains on its own (its lines in flight get
+        # batch.drain_timeout_s, the rest is handed back to other consumers). Then cancel,
+        # after a bound that covers the drain and the hand-back: a cancel alone can be
+        # swallowed by a Redis call (routing.state.raise_if_cancel_swallowed), and a loop
+        # that missed it would keep this gather, and so the gateway's shutdown, waiting forever.
         stop.set()
         rt.manager.stop()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await rt.store.close()
+        try:
+            consumers = [t for t in tasks if t.get_name() == "batch-consumer"]
+            if consumers:
+                await asyncio.wait(consumers, timeout=rt.cfg.drain_timeout_s + 15.0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await rt.store.close()
 
 
 async def _consume_forever(consumer, stop: asyncio.Event) -> None:

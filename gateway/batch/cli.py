@@ -4,8 +4,10 @@
     A consumer process: drains the batch queue named by the config (``batch.redis_url``
     or ``state.url``) with N lines in flight, sending each to the gateway
     (``--gateway``, else ``batch.gateway_url``, else the ``listen`` address) with the
-    batch priority class. Run as many as you like on any machine; SIGTERM/SIGINT stop
-    it (lines in flight are reclaimed by the others after ``visibility_timeout_s``).
+    batch priority class. Run as many as you like on any machine. SIGTERM/SIGINT stop
+    it: it takes no new line, gives the lines in flight ``batch.drain_timeout_s`` to
+    finish, hands the rest back to the other consumers (who take them at once, not
+    after ``visibility_timeout_s``) and exits 0; a second signal hands back at once.
     ``--no-priority`` sends lines as ordinary interactive requests (for comparison).
 
 ``python -m gateway.batch run input.jsonl --target URL -o output.jsonl [--concurrency 8]``
@@ -75,16 +77,29 @@ def _consumer_main(argv: list[str]) -> int:
                             api_key=os.environ.get("TURBO_GATEWAY_API_KEY"))
         consumer = Consumer(store, sender, cfg.batch, concurrency=args.workers)
         stop = asyncio.Event()
+        hurry = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():
+                print(f"batch consumer {consumer.name}: second signal: handing back the lines in flight now",
+                      file=sys.stderr, flush=True)
+                hurry.set()
+                return
+            print(f"batch consumer {consumer.name}: draining: no new lines; {len(consumer.held)} in flight get up "
+                  f"to {cfg.batch.drain_timeout_s:g} s, then the rest is handed back", file=sys.stderr, flush=True)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         print(f"batch consumer {consumer.name}: {args.workers} workers -> {gateway}", file=sys.stderr, flush=True)
         try:
-            await consumer.run(stop)
+            await consumer.run(stop, hurry=hurry)
         finally:
             await sender.close()
             await store.close()
-        print(f"batch consumer {consumer.name}: stopped after {consumer.processed} lines", file=sys.stderr)
+        print(f"batch consumer {consumer.name}: stopped after {consumer.processed} lines; handed back "
+              f"{consumer.handed_back} unfinished", file=sys.stderr, flush=True)
 
     asyncio.run(main())
     return 0

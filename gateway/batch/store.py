@@ -22,6 +22,15 @@ wrote) and moves the batch to ``finalizing`` when every line has a result. A lin
 twice (a reclaimed entry whose first consumer was slow, not dead) writes once. The
 output and error files are assembled from that hash at the end, ordered by line.
 
+A consumer that stops (SIGTERM, gateway shutdown) hands back the entries it could not
+finish instead of leaving them to the visibility timeout: one script moves each entry
+that is still pending *with that consumer* to a delivery time at the epoch, so the next
+``XAUTOCLAIM`` of any consumer takes it (``BatchStore.hand_back``). The entry keeps its
+id and its place in the queue. An entry another consumer already reclaimed, or whose
+result was recorded (``_RECORD`` acknowledged it), is left alone, and a line whose
+request was cut mid-way has no result to leave behind: its output is written only by
+``_RECORD``, whole, and at most once, whoever runs the line again.
+
 Keys (all under the ``{namespace}`` hash tag, so the scripts stay on one Cluster slot)::
 
     tg:{ns}:batch:queue            stream of lines, group ``consumers``
@@ -84,6 +93,21 @@ if status == 'in_progress' and st[3] and redis.call('HLEN', KEYS[2]) >= tonumber
   redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[6])
 end
 return 1
+"""
+
+# Hand entries back: each one still pending with this consumer becomes claimable at once
+# (delivery time the epoch, so it is idle longer than any visibility timeout); the
+# consumer stays its owner until another's XAUTOCLAIM takes it. KEYS: queue.
+# ARGV: group, consumer, entry ids. Returns how many were handed back.
+_HAND_BACK = """
+local n = 0
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'TIME', 0, 'JUSTID')
+    n = n + 1
+  end
+end
+return n
 """
 
 # validating -> in_progress once the file is parsed. KEYS: batch, results. ARGV: total, now.
@@ -161,6 +185,7 @@ class BatchStore:
         self._start = redis.register_script(_START)
         self._cancel = redis.register_script(_CANCEL)
         self._close = redis.register_script(_CLOSE)
+        self._hand_back = redis.register_script(_HAND_BACK)
 
     @classmethod
     def from_url(cls, url: str, namespace: str, files_dir: str | os.PathLike[str]) -> "BatchStore":
@@ -371,6 +396,13 @@ class BatchStore:
             p.xack(self.queue, GROUP, entry_id)
             p.xdel(self.queue, entry_id)
             await p.execute()
+
+    async def hand_back(self, consumer: str, entry_ids: list[str]) -> int:
+        """Make ``consumer``'s unfinished entries claimable by any consumer now (see
+        ``_HAND_BACK``); returns how many were still its own."""
+        if not entry_ids:
+            return 0
+        return int(await self._hand_back(keys=[self.queue], args=[GROUP, consumer, *entry_ids]))
 
     async def mark_in_flight(self, batch_id: str, index: int, lease_s: float) -> None:
         await self.r.zadd(self.key("fly", batch_id), {str(index): time.time() + lease_s})

@@ -4,7 +4,10 @@ A :class:`Consumer` (one per process, ``concurrency`` lines at a time) reads ent
 with ``XREADGROUP``, takes over entries a dead consumer left pending longer than
 ``visibility_timeout_s`` with ``XAUTOCLAIM``, and heartbeats the entries it holds
 (``XCLAIM ... JUSTID`` resets their idle time) so that a long line is never taken from a
-live consumer. Why streams, and how exactly-once output follows: :mod:`gateway.batch.store`.
+live consumer. A consumer told to stop takes no new line, gives the lines in flight
+``drain_timeout_s`` to finish, then cancels the rest and hands their entries back, so that
+another consumer takes them at once rather than after the visibility timeout. Why
+streams, and how exactly-once output follows: :mod:`gateway.batch.store`.
 
 Each line is sent by a *sender*: :class:`HttpSender` posts it to a gateway with
 ``x-turbo-priority: batch`` (``python -m gateway.batch`` on any machine);
@@ -130,62 +133,126 @@ class Consumer:
         self._status: dict[str, tuple[float, tuple[str | None, str | None, float | None]]] = {}
         self.processed = 0
         self.reclaimed = 0
+        self.handed_back = 0
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Consume until ``stop`` is set; lines still in flight then are cancelled and
-        stay pending, for another consumer to reclaim."""
+    async def run(self, stop: asyncio.Event, *, hurry: asyncio.Event | None = None) -> None:
+        """Consume until ``stop`` is set, then drain: take no new line, give the lines in
+        flight up to ``drain_timeout_s`` to finish (none once ``hurry`` is set), cancel
+        the rest and hand their entries back (:meth:`BatchStore.hand_back`) so that
+        another consumer takes them at once. On an error or a cancel of this task the
+        lines are cancelled and handed back without a drain."""
+        await self.store.ensure_group()
+        hb_stop = asyncio.Event()
+        hb = asyncio.create_task(self._heartbeat(hb_stop))
+        unstarted: list[str] = []  # entries read after stop was set
+        try:
+            await self._take_lines(stop, unstarted)
+            await self._drain(hurry)
+        finally:
+            await self._release(hb, hb_stop, unstarted)
+
+    async def _take_lines(self, stop: asyncio.Event, unstarted: list[str]) -> None:
         import redis.exceptions
 
-        await self.store.ensure_group()
-        hb = asyncio.create_task(self._heartbeat(stop))
         vis_ms = int(self.cfg.visibility_timeout_s * 1000)
         next_claim = 0.0
         errors = 0
+        while not stop.is_set():
+            raise_if_cancel_swallowed()
+            free = self.concurrency - len(self.held)
+            if free <= 0:
+                self._slot.clear()
+                await _wait_any(self._slot, stop, 1.0)
+                continue
+            try:
+                entries: list[tuple[bytes, dict]] = []
+                now = time.monotonic()
+                if now >= next_claim:
+                    next_claim = now + min(self.cfg.visibility_timeout_s / 2, 5.0)
+                    res = await self.store.r.xautoclaim(self.store.queue, GROUP, self.name, vis_ms,
+                                                        start_id="0-0", count=free)
+                    claimed = [e for e in res[1] if e and e[1]]
+                    self.reclaimed += len(claimed)
+                    if claimed:
+                        log.info("consumer %s reclaimed %d lines (handed back by a stopping consumer, or left "
+                                 "by a dead one)", self.name, len(claimed))
+                        next_claim = now  # there may be more
+                    entries += claimed
+                if len(entries) < free:
+                    got = await self.store.r.xreadgroup(GROUP, self.name, {self.store.queue: ">"},
+                                                        count=free - len(entries), block=500)
+                    for _stream, items in got or []:
+                        entries += [e for e in items if e and e[1]]
+                errors = 0
+            except (redis.exceptions.RedisError, OSError) as e:
+                errors += 1
+                log.warning("consumer %s: Redis error (%s); retrying", self.name, e)
+                await _wait_any(stop, None, min(0.2 * 2 ** min(errors, 5), 5.0))
+                continue
+            for eid, fields in entries:
+                eid = eid.decode() if isinstance(eid, bytes) else eid
+                if stop.is_set():  # read while stopping: not started, handed back with the rest
+                    unstarted.append(eid)
+                    continue
+                if eid in self.held:
+                    continue
+                t = asyncio.create_task(self._line(eid, fields))
+                self.held[eid] = t
+                t.add_done_callback(lambda _t, eid=eid: self._done(eid))
+
+    async def _drain(self, hurry: asyncio.Event | None) -> None:
+        """Wait up to ``drain_timeout_s`` (or until ``hurry`` is set) for the lines in flight."""
+        tasks = set(self.held.values())
+        if not tasks or self.cfg.drain_timeout_s <= 0 or (hurry is not None and hurry.is_set()):
+            return
+        log.info("consumer %s: stopping; %d lines in flight get up to %.0f s to finish", self.name, len(tasks),
+                 self.cfg.drain_timeout_s)
+        waits: set[asyncio.Future] = set(tasks)
+        hurried = asyncio.ensure_future(hurry.wait()) if hurry is not None else None
+        if hurried is not None:
+            waits.add(hurried)
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
         try:
-            while not stop.is_set():
-                raise_if_cancel_swallowed()
-                free = self.concurrency - len(self.held)
-                if free <= 0:
-                    self._slot.clear()
-                    await _wait_any(self._slot, stop, 1.0)
-                    continue
-                try:
-                    entries: list[tuple[bytes, dict]] = []
-                    now = time.monotonic()
-                    if now >= next_claim:
-                        next_claim = now + min(self.cfg.visibility_timeout_s / 2, 5.0)
-                        res = await self.store.r.xautoclaim(self.store.queue, GROUP, self.name, vis_ms,
-                                                            start_id="0-0", count=free)
-                        claimed = [e for e in res[1] if e and e[1]]
-                        self.reclaimed += len(claimed)
-                        if claimed:
-                            log.info("consumer %s reclaimed %d lines from dead consumers", self.name, len(claimed))
-                            next_claim = now  # there may be more
-                        entries += claimed
-                    if len(entries) < free:
-                        got = await self.store.r.xreadgroup(GROUP, self.name, {self.store.queue: ">"},
-                                                            count=free - len(entries), block=500)
-                        for _stream, items in got or []:
-                            entries += [e for e in items if e and e[1]]
-                    errors = 0
-                except (redis.exceptions.RedisError, OSError) as e:
-                    errors += 1
-                    log.warning("consumer %s: Redis error (%s); retrying", self.name, e)
-                    await _wait_any(stop, None, min(0.2 * 2 ** min(errors, 5), 5.0))
-                    continue
-                for eid, fields in entries:
-                    eid = eid.decode() if isinstance(eid, bytes) else eid
-                    if eid in self.held:
-                        continue
-                    t = asyncio.create_task(self._line(eid, fields))
-                    self.held[eid] = t
-                    t.add_done_callback(lambda _t, eid=eid: self._done(eid))
+            while tasks and time.monotonic() < deadline:
+                done, _ = await asyncio.wait(waits, timeout=deadline - time.monotonic(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if hurried is not None and hurried in done:
+                    return
+                tasks -= done
+                waits -= done
         finally:
-            hb.cancel()
-            tasks = list(self.held.values())
+            if hurried is not None:
+                hurried.cancel()
+
+    async def _release(self, hb: asyncio.Task, hb_stop: asyncio.Event, unstarted: list[str]) -> None:
+        """Cancel the lines still running, stop the heartbeat, hand their entries back."""
+        left = list(self.held) + unstarted
+        tasks = list(self.held.values())
+        deadline = time.monotonic() + 5.0
+        while tasks and time.monotonic() < deadline:
+            # repeated: a Redis call inside a line can swallow one cancel (raise_if_cancel_swallowed)
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(hb, *tasks, return_exceptions=True)
+            await asyncio.wait(tasks, timeout=0.2)
+            tasks = [t for t in tasks if not t.done()]
+        # The heartbeat finishes its round (an XCLAIM landing after the hand-back would
+        # make the entries idle-fresh again); only a stuck one is cancelled.
+        hb_stop.set()
+        await asyncio.wait({hb}, timeout=2.0)
+        hb.cancel()
+        await asyncio.gather(hb, return_exceptions=True)
+        if not left:
+            return
+        try:
+            async with asyncio.timeout(5.0):
+                n = await self.store.hand_back(self.name, left)
+        except Exception as e:
+            log.warning("consumer %s: could not hand back %d unfinished lines (%s); other consumers take them "
+                        "after visibility_timeout_s", self.name, len(left), e)
+            return
+        self.handed_back += n
+        if n:
+            log.info("consumer %s: handed back %d unfinished lines for other consumers", self.name, n)
 
     def _done(self, eid: str) -> None:
         self.held.pop(eid, None)
@@ -193,11 +260,15 @@ class Consumer:
         self._slot.set()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
+        """Every third of the visibility timeout, until ``stop`` is set: reset the idle
+        time of the entries held and renew the in-flight leases of the lines being sent."""
         import redis.exceptions
 
         every = self.cfg.visibility_timeout_s / 3
-        while not stop.is_set():
-            await asyncio.sleep(every)
+        while True:
+            await _wait_any(stop, None, every)
+            if stop.is_set():
+                return
             ids = list(self.held)
             if not ids:
                 continue
@@ -252,8 +323,8 @@ class Consumer:
             await self.store.record(batch_id, index, data, ok, eid)
             self.processed += 1
         except asyncio.CancelledError:
-            # stopping: the entry stays pending (another consumer reclaims it); stop
-            # counting it as in flight so that a cancel does not wait for it
+            # stopping: nothing was recorded, and run() hands the entry back; stop
+            # counting the line as in flight so that a cancel does not wait for it
             try:
                 await asyncio.wait_for(self.store.r.zrem(self.store.key("fly", batch_id), str(index)), 1.0)
             except Exception:
@@ -299,8 +370,10 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
     deferrals = 0
     while True:
         raise_if_cancel_swallowed()  # a cancelled line stops even if a Redis call swallowed the cancel
-        if before_send is not None and not await before_send():
-            return None
+        if before_send is not None:
+            if not await before_send():
+                return None
+            raise_if_cancel_swallowed()  # before_send calls Redis: a cancel lost there must not send
         rid = f"{request_id}-{attempts}-{deferrals}"
         status: int | None = None
         headers: dict[str, str] = {}
