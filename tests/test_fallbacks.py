@@ -177,3 +177,22 @@ def test_a_fallback_must_be_served_and_not_the_model_itself():
         parse_config({"backends": backends, "routing": {"fallbacks": {"big": [{"model": "big"}]}}})
     with pytest.raises(ConfigError, match="routing.fallbacks"):
         parse_config({"backends": backends, "routing": {"fallbacks": {"big": [{"model": "big", "on": ["slow"]}]}}})
+
+
+async def test_a_prompt_too_long_for_the_model_goes_to_its_long_context_fallback():
+    async def too_long(b, request, body):  # vLLM's answer (serving_engine: _validate_input)
+        return web.json_response({"error": {
+            "message": "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens "
+                       "(8000 in the messages, 1000 in the completion). Please reduce the length of the messages "
+                       "or completion.", "type": "BadRequestError", "param": None, "code": 400}}, status=400)
+
+    async with ScriptedBackend(handler=too_long).running() as big, ScriptedBackend().running() as small:
+        async with running_gateway(_cfg(big.url, small.url, ["context_length"])) as gw:
+            status, headers, body = await _post(gw.url, {"model": "big", "messages": MESSAGES})
+            assert status == 200 and headers["x-turbo-backend"] == "small-1"
+            assert "fallback_reason=context_length" in headers["x-turbo-route"]
+            assert len(big.attempt_times) == 1  # a caller's error: never retried on the same model
+        async with running_gateway(_cfg(big.url, small.url, ["unavailable"])) as gw:
+            status, _, body = await _post(gw.url, {"model": "big", "messages": MESSAGES})
+            err = orjson.loads(body)["error"]
+            assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
