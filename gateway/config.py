@@ -385,6 +385,28 @@ class Lifecycle(_Strict):
         "reloaded like SIGHUP (0: no watch).")
 
 
+class Streaming(_Strict):
+    """Streamed answers whose first token is long in coming.
+
+    Proxies and load balancers in front of a gateway commonly cut a connection that
+    carries no byte for 60 s, and a reasoning model can think longer than that before
+    its first token. Once ``keepalive_after_s`` has passed since a streamed request
+    arrived with no first byte from the backend, the gateway commits the answer: it
+    sends the 200 head and an SSE comment (``: keep-alive``, which SSE clients and the
+    openai SDKs skip), then another every ``keepalive_every_s`` until the first event.
+    The trade-off: once committed, the answer can no longer be retried, sent to a
+    fallback model or turned into an error status; a later failure ends the stream with
+    an error event."""
+
+    keepalive_after_s: float | None = Field(
+        30.0, gt=0, description="Seconds after a streamed request's arrival, with no first byte from the "
+        "backend yet, at which the gateway sends the 200 head and a `: keep-alive` SSE comment (failures before "
+        "it are still retried invisibly, after it they end the stream with an error event). Unset: never; the "
+        "head waits for the first byte.")
+    keepalive_every_s: float = Field(
+        15.0, gt=0, description="Interval between `: keep-alive` comments until the first event.")
+
+
 class ClientKey(_Strict):
     """One client API key and its limits. The key itself is never stored: give its
     SHA-256 (``key_sha256``, 64 hex digits) or the name of an environment variable
@@ -545,6 +567,9 @@ class GatewayConfig(_Strict):
         HealthChecks(), description="Active health checks: `GET {url}{path}` of every backend, periodically; "
         "a probe fails on a non-2xx answer or none within `timeout_s`.")
     lifecycle: Lifecycle = Field(Lifecycle(), description="Shutdown (SIGTERM drain) and config reload.")
+    streaming: Streaming = Field(
+        Streaming(), description="Streamed answers whose first token is long in coming: keep-alive comments "
+        "for the proxies in front.")
     auth: Auth = Field(
         Auth(), description="Client API keys (`Authorization: Bearer`) and their per-key limits.")
     admin: Admin = Field(

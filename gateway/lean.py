@@ -82,6 +82,7 @@ class LeanDownstream:
     __slots__ = ("proto", "request_id", "started", "finished")
     chunked = True
     may_wait = False
+    keepalive = True
 
     def __init__(self, proto: DataPlaneProtocol, request_id: str) -> None:
         self.proto = proto
@@ -115,11 +116,14 @@ class LeanDownstream:
         self.start_stream_now(headers, first, end)
 
     def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
-        tail = b"Transfer-Encoding: chunked\r\n"
-        if not self.proto.keep_alive:
-            tail += b"Connection: close\r\n"
-        self.started = True
-        data = _head(200, headers, tail)
+        if self.started:  # the head went out already (a keep-alive commit): the body goes on
+            data = b""
+        else:
+            tail = b"Transfer-Encoding: chunked\r\n"
+            if not self.proto.keep_alive:
+                tail += b"Connection: close\r\n"
+            self.started = True
+            data = _head(200, headers, tail)
         if first:
             data += b"%x\r\n%b\r\n" % (len(first), first)
         if end:

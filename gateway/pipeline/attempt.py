@@ -122,6 +122,8 @@ async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservat
                 raise opened
             return await relay.stream(state, ex, client, up, b"", reservation, deadlines, opened)
         if not parsed.stream or not up.headers.get("content-type", "").lower().startswith("text/event-stream"):
+            if ex.down.started:  # keep-alive comments went out: the answer must be a stream
+                raise UpstreamError(name, f"backend {name} answered a streamed request with a whole response")
             return relay.whole(state, ex, up, await up.read(), reservation)
         # a stream: wait for its first bytes before answering the client, so that
         # everything up to here can still be retried elsewhere

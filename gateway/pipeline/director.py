@@ -40,7 +40,7 @@ from gateway.errors import (
 from gateway.openai_api import ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
-from gateway.pipeline.relay import StreamScan
+from gateway.pipeline.relay import KeepAlive, StreamScan
 from gateway.pipeline.settle import ServedMetrics
 from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, UnknownModel
 
@@ -63,6 +63,7 @@ class Exchange:
     model: str = ""  # the model being served: the requested one, or a fallback (routing.fallbacks)
     data: dict[str, Any] = field(default_factory=dict)  # the request object for ``model``
     fallback_reason: str = ""  # why ``model`` is a fallback ("" when it is the requested model)
+    keepalive: KeepAlive | None = None  # comments while a stream's first event is long in coming
     backend: str = ""  # the backend of the current (or last) attempt
     estimate: PromptEstimate | None = None
     decision: Decision | None = None
@@ -154,29 +155,37 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
     """Serve ``ex`` on its model and, when a model cannot serve it, on the requested
     model's fallbacks (``routing.fallbacks``: the first one of its chain not yet tried
     whose triggers include the failure, while the retry budget lasts); the answer
-    goes to ``ex.down``. Never raises an :class:`UpstreamError`; raises :class:`ClientGone`
-    (or ``CancelledError``) when the client left."""
+    goes to ``ex.down``. A stream whose first event is long in coming gets keep-alive
+    comments meanwhile (``streaming``). Never raises an :class:`UpstreamError`; raises
+    :class:`ClientGone` (or ``CancelledError``) when the client left."""
     parsed = ex.parsed
     t0 = state.loop.time()
     ex.model, ex.data, ex.body = parsed.model, parsed.data, parsed.body
+    ka = state.cfg.streaming
+    if parsed.stream and ka.keepalive_after_s is not None and ex.down.keepalive:
+        ex.keepalive = KeepAlive(ex, state.loop, ex.arrival + ka.keepalive_after_s, ka.keepalive_every_s)
     tried = [parsed.model]
-    while True:
-        failure = await _on_model(state, ex, t0)
-        if failure is None:  # answered (or a stream that failed after its first byte)
-            return
-        err, no_backend = failure
-        reason = fallback_trigger(err, no_backend)
-        chain = state.cfg.routing.fallbacks.get(parsed.model, ()) if reason is not None else ()
-        nxt = next((f.model for f in chain if reason in f.on and f.model not in tried), None)
-        if nxt is None or not state.retry.within_budget(t0, state.loop.time()):
-            return settle.failed(state, ex, err, no_backend)
-        m = state.metrics
-        m.child(m.fallbacks, ex.model, nxt, reason).inc()  # type: ignore[arg-type]
-        log.info("request %s: model %s failed (%s); falling back to %s", ex.request_id, ex.model, reason, nxt)
-        tried.append(nxt)
-        ex.model, ex.fallback_reason = nxt, reason
-        ex.data = {**parsed.data, "model": nxt}
-        ex.body = orjson.dumps(ex.data)
+    try:
+        while True:
+            failure = await _on_model(state, ex, t0)
+            if failure is None:  # answered (or a stream that failed after its first byte)
+                return
+            err, no_backend = failure
+            reason = fallback_trigger(err, no_backend)
+            chain = state.cfg.routing.fallbacks.get(parsed.model, ()) if reason is not None else ()
+            nxt = next((f.model for f in chain if reason in f.on and f.model not in tried), None)
+            if nxt is None or not state.retry.within_budget(t0, state.loop.time()):
+                return await settle.failed(state, ex, err, no_backend)
+            m = state.metrics
+            m.child(m.fallbacks, ex.model, nxt, reason).inc()  # type: ignore[arg-type]
+            log.info("request %s: model %s failed (%s); falling back to %s", ex.request_id, ex.model, reason, nxt)
+            tried.append(nxt)
+            ex.model, ex.fallback_reason = nxt, reason
+            ex.data = {**parsed.data, "model": nxt}
+            ex.body = orjson.dumps(ex.data)
+    finally:
+        if ex.keepalive is not None:
+            ex.keepalive.close()
 
 
 def fallback_trigger(err: UpstreamError | None, no_backend: NoBackendAvailable | None) -> str | None:
@@ -251,7 +260,7 @@ async def _on_model(state: GatewayState, ex: Exchange,
         except UpstreamError as err:
             settle.attempt_failed(state, backend, reservation, err)
             ex.attempts[-1] = (backend.name, now, err.reason)
-            if ex.down.started:  # bytes already reached the client: end the stream
+            if ex.scan is not None:  # the backend's bytes already reached the client: end the stream
                 await settle.stream_failed(state, ex, err)
                 return None
             last, now = err, loop.time()

@@ -6,7 +6,10 @@
 
 - :meth:`respond` answers at once with a whole body (bytes) and headers;
 - :meth:`start_stream` sends status 200, the headers and the first chunk of a chunked
-  stream (``end=True``: also its end); :meth:`write` and :meth:`end_stream` go on;
+  stream (``end=True``: also its end), or only the chunk when the stream was started
+  already (a keep-alive comment went first); :meth:`write` and :meth:`end_stream` go on;
+- ``keepalive``: whether the answer may start with keep-alive comments before the
+  first event (a client on the other end of a connection);
 - ``transport`` is what the SSE relay writes each relayed read to directly (HTTP/1.1
   chunks when ``chunked``): the client's socket, or ``None`` once it is gone;
   ``started`` tells whether any byte was committed to the client; ``may_wait`` whether
@@ -36,6 +39,7 @@ class Downstream(Protocol):
     started: bool
     chunked: bool
     may_wait: bool
+    keepalive: bool
 
     @property
     def transport(self) -> asyncio.Transport | None: ...
@@ -60,6 +64,7 @@ class AiohttpDownstream:
 
     __slots__ = ("request", "response", "started", "chunked")
     may_wait = True  # start_stream may wait for a slow client (aiohttp's drain)
+    keepalive = True
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
@@ -78,6 +83,9 @@ class AiohttpDownstream:
         raise NotImplementedError("aiohttp's response is started with `await start_stream`")  # may_wait
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        if self.started:  # the head went out already (a keep-alive commit): the body goes on
+            await (self.end_stream(first) if end else self.write(first))
+            return
         out = web.StreamResponse(status=200, headers=headers)
         if self.chunked:
             out.enable_chunked_encoding()
@@ -133,6 +141,7 @@ class CollectDownstream:
     __slots__ = ("status", "headers", "body", "started", "transport")
     chunked = False
     may_wait = False
+    keepalive = False
 
     def __init__(self) -> None:
         self.status = 0

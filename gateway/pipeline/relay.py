@@ -212,7 +212,75 @@ def _answer_headers(ex: Exchange, up: Upstream, content_type: str) -> dict[str, 
 def _stream_headers(ex: Exchange, up: Upstream) -> dict[str, str]:
     h = _answer_headers(ex, up, "text/event-stream")
     h["Cache-Control"] = "no-cache"
+    h["X-Accel-Buffering"] = "no"  # an nginx in front passes the events on as they come
     return h
+
+
+class KeepAlive:
+    """A streamed request's answer while its first token is long in coming
+    (``streaming`` in the config): at loop time ``at`` (its arrival plus
+    ``keepalive_after_s``), if no event reached the client yet, the 200 head and a
+    ``: keep-alive`` SSE comment go out, then another comment every ``every_s``
+    seconds until :meth:`stop`. Attempts go on behind the comments as before (retries,
+    fallbacks); only a final failure can no longer be a status, and ends the stream
+    with an error event. Comments are not events: no TTFT, ITL or token is counted."""
+
+    __slots__ = ("ex", "loop", "every_s", "timer", "task")
+    COMMENT = b": keep-alive\n\n"
+
+    def __init__(self, ex: Exchange, loop: asyncio.AbstractEventLoop, at: float, every_s: float) -> None:
+        self.ex, self.loop, self.every_s = ex, loop, every_s
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = loop.call_at(at, self._tick)
+
+    def _headers(self) -> dict[str, str]:
+        ex = self.ex
+        h = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+             REQUEST_ID_HEADER: ex.request_id}
+        if ex.decision is not None:
+            h[BACKEND_HEADER] = ex.backend
+            h[ROUTE_HEADER] = route_header(ex.decision, ex.model, ex.fallback_reason)
+        return h
+
+    def _tick(self) -> None:
+        down = self.ex.down
+        if down.may_wait:  # aiohttp: its writes are awaited, one at a time
+            if self.task is None or self.task.done():
+                self.task = self.loop.create_task(down.start_stream(self._headers(), self.COMMENT))
+        else:
+            try:
+                down.start_stream_now(self._headers(), self.COMMENT)
+            except ClientGone:
+                self.timer = None
+                return  # the request's own path sees the client go
+        self.timer = self.loop.call_later(self.every_s, self._tick)
+
+    def stop_now(self) -> None:
+        """No more comments (from a read callback: a downstream that never waits)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def close(self) -> None:
+        """The request is over: no more comments, none left in flight."""
+        self.stop_now()
+        task, self.task = self.task, None
+        if task is not None:
+            if task.done():
+                if not task.cancelled():
+                    task.exception()  # retrieved: a comment the client never read is no error
+            else:
+                task.cancel()
+
+    async def stop(self) -> None:
+        """No more comments; a comment being written is finished first (so that the
+        stream's first event goes out after it). Raises :class:`ClientGone`."""
+        self.stop_now()
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            await task
+        elif task is not None and not task.cancelled() and task.exception() is not None:
+            raise ClientGone() from task.exception()
 
 
 def whole(state: GatewayState, ex: Exchange, up: Upstream, data: bytes, reservation: Reservation) -> None:
@@ -255,6 +323,8 @@ def open_now(state: GatewayState, ex: Exchange, up: Upstream, chunk: bytes, rese
     relay; what :func:`stream` does first, callable from inside a read callback.
     Returns the relay and its future. Raises :class:`ClientGone`."""
     up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
+    if ex.keepalive is not None:
+        ex.keepalive.stop_now()
     first_at, scan = _start(state, ex, reservation, chunk)
     ex.down.start_stream_now(_stream_headers(ex, up), chunk)
     return _relay(state, ex, up, scan, first_at, deadlines)
@@ -307,6 +377,8 @@ async def stream(state: GatewayState, ex: Exchange, client: BackendClient, up: U
         last = await _relayed(up, ex.scan, *opened)
         return await _end(state, ex, name, ex.scan, last, reservation)
     up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
+    if ex.keepalive is not None:
+        await ex.keepalive.stop()
     first_at, scan = _start(state, ex, reservation, chunk)
     headers = _stream_headers(ex, up)
     if up.complete and scan.done:  # the whole stream arrived at once: one write
@@ -323,7 +395,7 @@ async def stream(state: GatewayState, ex: Exchange, client: BackendClient, up: U
         if down.may_wait:
             up.resume_reading()
         last = await _relayed(up, scan, relay, fut)
-    elif not down.started:
+    else:  # the response ended with this read, without [DONE]: _end says so
         await down.start_stream(headers, chunk)
     return await _end(state, ex, name, scan, last, reservation)
 

@@ -151,11 +151,18 @@ def client_left(state: GatewayState, ex: Exchange, backend: str) -> None:
     finish(state, ex, 499)
 
 
-def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
-           no_backend: NoBackendAvailable | None = None) -> None:
-    """The request failed for good before any byte reached the client: answer it
-    with the last attempt's failure ``err``, or with ``no_backend`` when no backend
-    could be tried (:func:`gateway.errors.failure_answer`)."""
+async def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
+                 no_backend: NoBackendAvailable | None = None) -> None:
+    """The request failed for good before any backend byte reached the client: answer
+    it with the last attempt's failure ``err``, or with ``no_backend`` when no backend
+    could be tried (:func:`gateway.errors.failure_answer`). A stream whose head went
+    out already (keep-alive comments) ends with an error event instead."""
+    if ex.down.started:
+        if err is None:
+            assert no_backend is not None
+            err = UpstreamError(ex.backend or "none", str(no_backend))
+            err.reason, err.status = "no_backend_available", 503
+        return await stream_failed(state, ex, err)
     if err is not None:
         status, body, headers = failure_answer(err)
     else:
@@ -169,8 +176,8 @@ def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
 
 
 async def stream_failed(state: GatewayState, ex: Exchange, err: UpstreamError) -> None:
-    """A stream failed after bytes reached the client: end it with an error event
-    (no ``[DONE]``) and count it."""
+    """A stream failed after bytes (its head, at least) reached the client: end it
+    with an error event (no ``[DONE]``) and count it."""
     state.metrics.child(state.metrics.stream_errors, err.backend, err.reason).inc()
     prefix = b"\n\n" if ex.scan is not None and ex.scan.tail else b""
     log.warning("stream %s from %s failed after the first byte: %s", ex.request_id, err.backend, err.message)
