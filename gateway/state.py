@@ -24,6 +24,7 @@ from gateway.config import Backend, GatewayConfig
 from gateway.health import HealthChecker
 from gateway.limits import Limiter, LimiterSync
 from gateway.metrics import GatewayMetrics, HardeningCollector
+from gateway.pipeline.relay import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
 from gateway.scraper import MetricsScraper
 from gateway.transport import BackendClient
@@ -61,6 +62,7 @@ class GatewayState:
     tasks: list[asyncio.Task] = field(default_factory=list)  # background tasks, cancelled at shutdown
     created: int = field(default_factory=lambda: int(time.time()))
     loop: asyncio.AbstractEventLoop = field(init=False)  # the loop serving requests, set by connect()
+    keepalives: KeepAlives = field(init=False)  # streams waiting for a first event, set by connect()
 
     @property
     def fleet(self) -> Fleet:
@@ -178,6 +180,7 @@ def connect(state: GatewayState, urls: dict[str, str]) -> None:
     """Inside the running loop: the backends' clients (``urls`` overrides backends'
     base URLs by name), their health checker and, when configured, the scraper."""
     state.loop = asyncio.get_running_loop()
+    state.keepalives = KeepAlives(state.loop)
     state.urls = dict(urls)
     cfg = state.cfg
     _connect(state, cfg)

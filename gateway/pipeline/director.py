@@ -40,7 +40,7 @@ from gateway.errors import (
 from gateway.openai_api import ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
-from gateway.pipeline.relay import KeepAlive, StreamScan
+from gateway.pipeline.relay import KeepAlives, StreamScan, close_comment
 from gateway.pipeline.settle import ServedMetrics
 from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, UnknownModel
 
@@ -61,9 +61,9 @@ class Exchange:
     request_id: str
     arrival: float  # loop time the request arrived
     model: str = ""  # the model being served: the requested one, or a fallback (routing.fallbacks)
-    data: dict[str, Any] = field(default_factory=dict)  # the request object for ``model``
+    data: dict[str, Any] | None = None  # the request object for ``model`` (set by forward)
     fallback_reason: str = ""  # why ``model`` is a fallback ("" when it is the requested model)
-    keepalive: KeepAlive | None = None  # comments while a stream's first event is long in coming
+    keepalive: KeepAlives | None = None  # where its keep-alive comments fall due, while its first event is awaited
     backend: str = ""  # the backend of the current (or last) attempt
     estimate: PromptEstimate | None = None
     decision: Decision | None = None
@@ -163,7 +163,8 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
     ex.model, ex.data, ex.body = parsed.model, parsed.data, parsed.body
     ka = state.cfg.streaming
     if parsed.stream and ka.keepalive_after_s is not None and ex.down.keepalive:
-        ex.keepalive = KeepAlive(ex, state.loop, ex.arrival + ka.keepalive_after_s, ka.keepalive_every_s)
+        ex.keepalive = state.keepalives
+        ex.keepalive.add(ex, ka.keepalive_after_s, ka.keepalive_every_s)
     tried = [parsed.model]
     try:
         while True:
@@ -185,7 +186,9 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
             ex.body = orjson.dumps(ex.data)
     finally:
         if ex.keepalive is not None:
-            ex.keepalive.close()
+            task = ex.keepalive.discard(ex)
+            if task is not None:
+                close_comment(task)
 
 
 def fallback_trigger(err: UpstreamError | None, no_backend: NoBackendAvailable | None) -> str | None:

@@ -216,25 +216,45 @@ def _stream_headers(ex: Exchange, up: Upstream) -> dict[str, str]:
     return h
 
 
-class KeepAlive:
-    """A streamed request's answer while its first token is long in coming
-    (``streaming`` in the config): at loop time ``at`` (its arrival plus
-    ``keepalive_after_s``), if no event reached the client yet, the 200 head and a
-    ``: keep-alive`` SSE comment go out, then another comment every ``every_s``
-    seconds until :meth:`stop`. Attempts go on behind the comments as before (retries,
-    fallbacks); only a final failure can no longer be a status, and ends the stream
-    with an error event. Comments are not events: no TTFT, ITL or token is counted."""
+class KeepAlives:
+    """The streamed requests of one event loop whose keep-alive comments may fall due
+    (``streaming`` in the config) while their first token is long in coming.
 
-    __slots__ = ("ex", "loop", "every_s", "timer", "task")
+    At its arrival plus ``keepalive_after_s``, if no event reached the client yet, a
+    request's 200 head and a ``: keep-alive`` SSE comment go out, then another comment
+    every ``keepalive_every_s`` until its first event (:meth:`discard`). One timer
+    ticks, a quarter of the shortest interval apart (at most a second), while any
+    request waits: a request costs a dict entry, not a timer of its own. Attempts go on
+    behind the comments as before (retries, fallbacks); only a final failure can no
+    longer be a status, and ends the stream with an error event. Comments are not
+    events: no TTFT, ITL or token is counted."""
+
+    __slots__ = ("loop", "waiting", "tick_s", "timer")
     COMMENT = b": keep-alive\n\n"
 
-    def __init__(self, ex: Exchange, loop: asyncio.AbstractEventLoop, at: float, every_s: float) -> None:
-        self.ex, self.loop, self.every_s = ex, loop, every_s
-        self.task: asyncio.Task | None = None
-        self.timer: asyncio.TimerHandle | None = loop.call_at(at, self._tick)
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.waiting: dict[int, list[Any]] = {}  # id(ex): [ex, due loop time, every_s, comment task or None]
+        self.tick_s = 1.0
+        self.timer: asyncio.TimerHandle | None = None
 
-    def _headers(self) -> dict[str, str]:
-        ex = self.ex
+    def add(self, ex: Exchange, after_s: float, every_s: float) -> None:
+        """``ex``'s first comment falls due ``after_s`` seconds after its arrival."""
+        self.waiting[id(ex)] = [ex, ex.arrival + after_s, every_s, None]
+        if self.timer is None:
+            tick = min(after_s, every_s) / 4
+            if tick < self.tick_s:
+                self.tick_s = tick
+            self.timer = self.loop.call_later(self.tick_s, self._tick)
+
+    def discard(self, ex: Exchange) -> asyncio.Task | None:
+        """No more comments for ``ex``; returns the comment being written to it, if
+        any (its first event must go out after it)."""
+        w = self.waiting.pop(id(ex), None)
+        return w[3] if w is not None else None
+
+    @staticmethod
+    def _headers(ex: Exchange) -> dict[str, str]:
         h = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
              REQUEST_ID_HEADER: ex.request_id}
         if ex.decision is not None:
@@ -243,44 +263,31 @@ class KeepAlive:
         return h
 
     def _tick(self) -> None:
-        down = self.ex.down
-        if down.may_wait:  # aiohttp: its writes are awaited, one at a time
-            if self.task is None or self.task.done():
-                self.task = self.loop.create_task(down.start_stream(self._headers(), self.COMMENT))
-        else:
-            try:
-                down.start_stream_now(self._headers(), self.COMMENT)
-            except ClientGone:
-                self.timer = None
-                return  # the request's own path sees the client go
-        self.timer = self.loop.call_later(self.every_s, self._tick)
-
-    def stop_now(self) -> None:
-        """No more comments (from a read callback: a downstream that never waits)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def close(self) -> None:
-        """The request is over: no more comments, none left in flight."""
-        self.stop_now()
-        task, self.task = self.task, None
-        if task is not None:
-            if task.done():
-                if not task.cancelled():
-                    task.exception()  # retrieved: a comment the client never read is no error
+        now = self.loop.time()
+        for key, w in list(self.waiting.items()):
+            ex, due, every_s, task = w
+            if due > now:
+                continue
+            w[1] = now + every_s
+            down = ex.down
+            if down.may_wait:  # aiohttp: its writes are awaited, one at a time
+                if task is None or task.done():
+                    w[3] = self.loop.create_task(down.start_stream(self._headers(ex), self.COMMENT))
             else:
-                task.cancel()
+                try:
+                    down.start_stream_now(self._headers(ex), self.COMMENT)
+                except ClientGone:
+                    del self.waiting[key]  # the request's own path sees the client go
+        self.timer = self.loop.call_later(self.tick_s, self._tick) if self.waiting else None
 
-    async def stop(self) -> None:
-        """No more comments; a comment being written is finished first (so that the
-        stream's first event goes out after it). Raises :class:`ClientGone`."""
-        self.stop_now()
-        task, self.task = self.task, None
-        if task is not None and not task.done():
-            await task
-        elif task is not None and not task.cancelled() and task.exception() is not None:
-            raise ClientGone() from task.exception()
+
+def close_comment(task: asyncio.Task) -> None:
+    """A keep-alive comment still in flight when its request ended: cancelled, or its
+    outcome retrieved (a comment the client never read is no error)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 def whole(state: GatewayState, ex: Exchange, up: Upstream, data: bytes, reservation: Reservation) -> None:
@@ -324,7 +331,7 @@ def open_now(state: GatewayState, ex: Exchange, up: Upstream, chunk: bytes, rese
     Returns the relay and its future. Raises :class:`ClientGone`."""
     up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
     if ex.keepalive is not None:
-        ex.keepalive.stop_now()
+        ex.keepalive.discard(ex)  # a downstream that never waits has no comment in flight
     first_at, scan = _start(state, ex, reservation, chunk)
     ex.down.start_stream_now(_stream_headers(ex, up), chunk)
     return _relay(state, ex, up, scan, first_at, deadlines)
@@ -377,8 +384,10 @@ async def stream(state: GatewayState, ex: Exchange, client: BackendClient, up: U
         last = await _relayed(up, ex.scan, *opened)
         return await _end(state, ex, name, ex.scan, last, reservation)
     up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
-    if ex.keepalive is not None:
-        await ex.keepalive.stop()
+    if ex.keepalive is not None:  # the first event: no more comments, one being written goes first
+        task = ex.keepalive.discard(ex)
+        if task is not None:
+            await task  # Downstream.start_stream: raises ClientGone
     first_at, scan = _start(state, ex, reservation, chunk)
     headers = _stream_headers(ex, up)
     if up.complete and scan.done:  # the whole stream arrived at once: one write
