@@ -14,13 +14,30 @@ are unique.
 
     python -m loadtest.replay --trace mooncake_conversation --requests 1500 --time-scale 0.5
     python -m loadtest.replay --all          # the routing-quality benchmark of loadtest/README.md
+
+Cache use (loadtest/README.md, "Oracle and ceiling"): the ``oracle`` row is
+``estimated_ttft`` with the engines' true cache contents in place of the prefix index's
+guess (:class:`OracleTTFT`, replay only: the gateway cannot import it); the ceiling row
+is the trace's hit ratio on one backend with an infinite KV cache, the pooled-KV row on
+one LRU cache as large as the fleet's KV (:func:`ceiling_hit_ratio`); every row's hit
+ratio is also given as a fraction of the oracle's and of the ceiling.
+``--scenario restart`` restarts one backend at the trace's midpoint (cache lost, down
+for a few seconds, the router told through the gateway's health hooks);
+``--scenario slow`` divides one backend's speed by 10 for a minute of virtual time.
+
+    python -m loadtest.replay --trace mooncake_conversation --requests 600 \
+        --policy estimated_ttft --policy cache_aware --policy oracle
+    python -m loadtest.replay --trace mooncake_conversation --requests 600 \
+        --policy estimated_ttft --policy oracle --scenario restart
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import heapq
+import inspect
 import json
 import math
 import os
@@ -31,17 +48,33 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
-from loadtest.sim.engine import Engine
+from loadtest.sim.engine import Engine, prompt_block_hashes
 from loadtest.sim.profiles import PROFILES, Profile
 from loadtest.traces import (BYTES_PER_TOKEN, MAX_INPUT_TOKENS, TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, TraceRequest,  # noqa: F401
                              load_trace, request_tokens_and_text, scale_time)
-from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
+from routing import POLICIES, BackendSpec, BackendState, NoBackendAvailable, RouteRequest
+from routing.core import DecisionCore
 from routing.estimate import TokenEstimator
 from routing.load import RemoteLoad
+from routing.policies.base import Decision
+from routing.policies.estimated_ttft import EstimatedTTFT
 
 BENCH_POLICIES = ("round_robin", "least_requests", "power_of_two", "prefix_hash", "cache_aware",
                   "cache_aware_min_load", "estimated_ttft")
+ORACLE = "oracle"  # replay only: estimated_ttft told the engines' true cache contents
+REPLAY_POLICIES = BENCH_POLICIES + (ORACLE,)
+SCENARIOS = ("none", "restart", "slow")
+RESTART_DOWN_S = 5.0  # a restarting backend is down this long (virtual seconds)
+SLOW_WINDOW_S = 60.0  # a slowed backend stays slow this long
+SLOWDOWN = 10.0  # ... at its speed divided by this
+# What the gateway does when an attempt fails before any byte reached the client
+# (gateway/config.py Retries defaults): retry on another backend after a full-jitter
+# backoff, at most 3 attempts in all; a refused connection keeps the backend out 1 s.
+MAX_ATTEMPTS = 3
+BASE_BACKOFF_S = 0.05
+FAILED_BACKEND_COOLDOWN_S = 1.0
 # Llama-3.1-8B serves 128k context; the stock profiles say 8k (Llama-3-8B). The replay
 # raises max_model_len and caps prompts at MAX_INPUT_TOKENS (a prefix of the trace's
 # hash_ids, so prefix sharing is kept) so that every prompt fits every backend's KV cache.
@@ -62,6 +95,7 @@ class Record:
     end: float | None = None
     generated: int = 0
     error: str | None = None
+    attempts: int = 1
 
 
 @dataclass
@@ -78,34 +112,212 @@ def make_fleet(profile_names: tuple[str, ...] = DEFAULT_FLEET) -> list[FleetMemb
             for i, p in enumerate(profile_names)]
 
 
+class OracleTTFT(EstimatedTTFT):
+    """``estimated_ttft`` with perfect cache information: the same cost model, tie rule
+    and everything else, but each candidate's prefix match is what its engine really
+    holds for the request at hand instead of what the prefix index guesses.
+
+    ``truth(backend name)`` gives the fraction (0..1) of the current request's prompt
+    that the backend holds: its engine's prefix cache now, extended by the prompts
+    already dispatched to it and not yet computed (the engine computes them before this
+    request, FCFS; the prefix index counts them from dispatch too, so the oracle is not
+    handicapped on bursts of siblings). The fraction is applied to the router's own
+    prompt-token estimate, so only the cache knowledge differs from ``estimated_ttft``.
+    The router then reserves load with the same truth (uncached tokens). Lives here, in
+    ``loadtest``: the gateway cannot import it (``make_policy("oracle")`` fails).
+    """
+
+    name = ORACLE
+
+    def __init__(self, truth: Callable[[str], float], rng: random.Random | None = None) -> None:
+        super().__init__(rng=rng)
+        self.truth = truth
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+        per_block = request.prompt_tokens / request.tokens_per_block if request.tokens_per_block else 0.0
+        matched: dict[str, float] = {}
+        for b in candidates:
+            f = self.truth(b.name)
+            if f > 0:
+                matched[b.name] = f * per_block
+        request.matched_blocks = matched  # type: ignore[assignment]  (fractional blocks: exact tokens)
+        decision = super().choose(request, candidates)
+        decision.policy = ORACLE
+        return decision
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """Something that happens to one backend during a replay.
+
+    - ``restart``: at ``start`` the backend's engine is lost (requests in flight there
+      fail: those without a first token are retried elsewhere as the gateway does, the
+      others are cut), the router hears "health down"; ``duration_s`` later a cold
+      engine is up, the router hears "health up" (``healthy = True`` and
+      :meth:`routing.core.DecisionCore.backend_recovered`, the gateway's hooks).
+    - ``slow``: from ``start`` for ``duration_s`` the backend's engine runs at its speed
+      divided by ``slowdown`` (a noisy neighbour); the router is told nothing.
+
+    Times are virtual seconds of the replayed (scaled) trace.
+    """
+
+    kind: str
+    backend: str
+    start: float
+    duration_s: float
+    slowdown: float = SLOWDOWN
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration_s
+
+    def describe(self) -> str:
+        if self.kind == "restart":
+            return (f"{self.backend} restarts at t={self.start:.1f} s (cache lost), down {self.duration_s:g} s, "
+                    f"back at t={self.end:.1f} s")
+        return (f"{self.backend} runs {self.slowdown:g}x slower from t={self.start:.1f} s to t={self.end:.1f} s "
+                f"({self.duration_s:g} s)")
+
+
+def make_scenario(kind: str, reqs: list[TraceRequest], fleet: list[FleetMember], *, backend: str | None = None,
+                  at: float = 0.5, duration_s: float | None = None, slowdown: float = SLOWDOWN) -> Scenario | None:
+    """The ``kind`` scenario (``none`` gives ``None``) on ``backend`` (default: the
+    fleet's first), starting at fraction ``at`` of the trace's arrival span (0.5: its
+    midpoint), lasting ``duration_s`` (default :data:`RESTART_DOWN_S` for a restart,
+    :data:`SLOW_WINDOW_S` for a slowdown). Raises ``ValueError`` on an unknown kind or
+    backend."""
+    if kind == "none":
+        return None
+    if kind not in SCENARIOS:
+        raise ValueError(f"unknown scenario {kind!r}; known: {', '.join(SCENARIOS)}")
+    names = [m.name for m in fleet]
+    backend = backend or names[0]
+    if backend not in names:
+        raise ValueError(f"unknown backend {backend!r}; the fleet has {', '.join(names)}")
+    t0, t1 = reqs[0].arrival_s, reqs[-1].arrival_s
+    if duration_s is None:
+        duration_s = RESTART_DOWN_S if kind == "restart" else SLOW_WINDOW_S
+    return Scenario(kind, backend, t0 + at * (t1 - t0), duration_s, slowdown)
+
+
+def ceiling_hit_ratio(reqs: list[TraceRequest], block_size: int = 16, capacity_blocks: int | None = None) -> float:
+    """The trace's best possible prefix-cache hit ratio: the replay on ONE backend with
+    an infinite KV cache and instant prefill (every earlier prompt is cached when a
+    request arrives). A request's hit is the longest run of its leading ``block_size``
+    blocks that an earlier prompt had, capped at ``prompt - 1`` tokens as the engine's
+    own lookup (:meth:`loadtest.sim.engine.Engine.cached_prefix_tokens`); the ratio is
+    hit tokens over prompt tokens. No fleet of any size can hit more: a backend's cache
+    only ever holds blocks of prompts that arrived earlier (generated tokens never
+    match a trace prompt).
+
+    With ``capacity_blocks`` the one cache is finite: an LRU of that many blocks, a
+    prompt's blocks touched last-first so that its tail is evicted before its prefix
+    (the engine's release order), generated tokens not stored. With the fleet's total
+    KV it says what the fleet's memory could hold if it were one pool (not a bound: LRU
+    is not optimal, and running requests pin blocks in a real engine)."""
+    seen: collections.OrderedDict[int, None] = collections.OrderedDict()
+    hit = total = 0
+    for i, r in enumerate(reqs):
+        tokens, _ = request_tokens_and_text(r, i)
+        hashes = prompt_block_hashes(tokens, block_size)
+        n = (len(tokens) - 1) // block_size
+        k = 0
+        while k < n and hashes[k] in seen:
+            k += 1
+        hit += k * block_size
+        total += len(tokens)
+        if capacity_blocks is None:
+            seen.update(dict.fromkeys(hashes))
+            continue
+        for h in reversed(hashes[:capacity_blocks]):
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > capacity_blocks:
+            seen.popitem(last=False)
+    return hit / total if total else 0.0
+
+
+def make_policy_seeded(name: str, rng: random.Random):
+    """The policy ``name`` of :data:`routing.policies.POLICIES`, given ``rng`` for its
+    random choices when its constructor takes one (replays then repeat exactly)."""
+    cls = POLICIES[name]
+    try:
+        takes_rng = "rng" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        takes_rng = False
+    return cls(rng=rng) if takes_rng else cls()
+
+
+Watch = Callable[[str, float, dict[str, Engine]], None]
+
+
 def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, seed: int = 0,
            block_tokens: int = 64, know_kv_capacity: bool = True, replicas: int = 1,
-           shared: bool = True, staleness_s: float = 0.05) -> list[Record]:
-    """Run ``reqs`` through ``policy`` on ``fleet`` in virtual time; return one
-    :class:`Record` per request. Speeds are not hinted: the router learns them.
+           shared: bool = True, staleness_s: float = 0.05, scenario: Scenario | None = None,
+           watch: Watch | None = None) -> list[Record]:
+    """Run ``reqs`` through ``policy`` (a name of :data:`REPLAY_POLICIES`) on ``fleet``
+    in virtual time; return one :class:`Record` per request. Speeds are not hinted: the
+    router learns them. Policies that take an ``rng`` get one seeded from ``seed``.
 
     With ``replicas`` > 1, request ``i`` goes to gateway replica ``i % replicas`` (an
     L4 balancer's round robin), each with its own router; with ``shared`` every
     replica sees the others' load and dispatched prefix blocks ``staleness_s`` late
     (what :class:`routing.state.RedisStore` gives at its default bound), otherwise
     never.
+
+    ``scenario`` (see :class:`Scenario`) restarts or slows one backend; ``watch(phase,
+    t, engines)`` is called at its transitions (``restart_before``, ``restart_down``,
+    ``restart_up``, ``slow_start``, ``slow_end``) with the live engines by name.
     """
     random.seed(seed)
+    if policy not in REPLAY_POLICIES:
+        raise KeyError(f"unknown replay policy {policy!r}; known: {', '.join(REPLAY_POLICIES)}")
+    oracle = policy == ORACLE
+    engines: dict[str, Engine] = {m.name: Engine(m.profile, engine_id=m.name) for m in fleet}
+    profiles = {m.name: m.profile for m in fleet}
+    down: set[str] = set()  # restarting backends: a connection to them is refused
+    # The oracle's view: per backend, block hashes of prompts dispatched there and not yet
+    # computed; the current request's engine block hashes, per block size.
+    pending_blocks: dict[str, collections.Counter[int]] = {m.name: collections.Counter() for m in fleet}
+    req_blocks: dict[int, tuple[str, list[int]]] = {}
+    current: dict[str, object] = {"hashes": {}, "tokens": 1}
 
-    def make_router() -> tuple[Router, TokenEstimator]:
+    def truth(name: str) -> float:
+        if name in down:
+            return 0.0
+        eng = engines[name]
+        hashes: list[int] = current["hashes"][eng.block_size]  # type: ignore[index]
+        n_max = (current["tokens"] - 1) // eng.block_size  # type: ignore[operator]
+        pend = pending_blocks[name]
+        n = 0
+        while True:
+            m = min(eng.cached_prefix_blocks(hashes, n), n_max)
+            while m < n_max and hashes[m] in pend:
+                m += 1
+            if m == n:
+                break
+            n = m
+        return n * eng.block_size / current["tokens"]  # type: ignore[operator]
+
+    def make_gateway(k: int) -> tuple[DecisionCore, TokenEstimator]:
         specs = [BackendSpec(m.name, frozenset({"m"}),
                              kv_capacity_tokens=m.profile.kv_capacity_tokens if know_kv_capacity else None)
                  for m in fleet]
-        return Router(Fleet(specs), make_policy(policy), block_tokens=block_tokens), TokenEstimator(block_tokens=block_tokens)
+        core = DecisionCore(specs, "estimated_ttft" if oracle else policy, block_tokens=block_tokens)
+        rng = random.Random(seed * 1000 + k)
+        core.router.policy = OracleTTFT(truth, rng=rng) if oracle else make_policy_seeded(policy, rng)
+        return core, core.estimator
 
-    gateways = [make_router() for _ in range(replicas)]
-    engines = {m.name: Engine(m.profile, engine_id=m.name) for m in fleet}
+    gateways = [make_gateway(k) for k in range(replicas)]
     busy = {m.name: False for m in fleet}
     records: list[Record] = [Record(r.arrival_s) for r in reqs]
     reservations: dict[str, tuple[object, TokenEstimator]] = {}
+    excluded: dict[int, set[str]] = {}
+    retry_rng = random.Random(seed)
     events: list[tuple[float, int, str, object]] = []
     blocks_in_flight: list[tuple[float, int, int, str, tuple[int, ...]]] = []  # (visible at, seq, from, backend, hashes)
     seq = 0
+    pending = len(reqs)
 
     def push(t: float, kind: str, payload: object) -> None:
         nonlocal seq
@@ -122,11 +334,11 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             busy[name] = False
             return
         busy[name] = True
-        push(t + dt, "step", (name, outs))
+        push(t + dt, "step", (name, eng, outs))
 
     def sync(t: float) -> None:
-        for k, (router, _) in enumerate(gateways):
-            for name, b in router.fleet.backends.items():
+        for k, (core, _) in enumerate(gateways):
+            for name, b in core.fleet.backends.items():
                 remote = RemoteLoad()
                 in_flight = 0
                 for j, (other, _) in enumerate(gateways):
@@ -149,12 +361,127 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                 if j != k:
                     other.index.record(name, hashes, t)
 
+    def forget_pending(i: int) -> None:
+        entry = req_blocks.pop(i, None)
+        if entry is None:
+            return
+        name, hashes = entry
+        pend = pending_blocks[name]
+        for h in hashes:
+            c = pend[h] - 1
+            if c > 0:
+                pend[h] = c
+            else:
+                del pend[h]
+
+    def fail(i: int, t: float, name: str, error: str, retry: bool) -> None:
+        """Attempt of request ``i`` on ``name`` failed at ``t``: retry it elsewhere (a
+        gateway retry: only before its first byte, at most MAX_ATTEMPTS in all) or give up."""
+        nonlocal pending
+        rec = records[i]
+        forget_pending(i)
+        if retry and rec.first_token is None and rec.attempts < MAX_ATTEMPTS:
+            excluded.setdefault(i, set()).add(name)
+            backoff = retry_rng.uniform(0.0, BASE_BACKOFF_S * 2 ** (rec.attempts - 1))
+            rec.attempts += 1
+            push(t + backoff, "arrival", i)
+            return
+        rec.error = error
+        pending -= 1
+
+    def dispatch(i: int, t: float) -> None:
+        nonlocal seq, pending
+        r = reqs[i]
+        rec = records[i]
+        k = i % replicas
+        core, estimator = gateways[k]
+        tokens, text = request_tokens_and_text(r, i)
+        est = estimator.estimate("m", text, r.output_tokens)
+        tpb = estimator.block_bytes / estimator.stats("m").bytes_per_token
+        if oracle:
+            current["hashes"] = {bs: prompt_block_hashes(tokens, bs) for bs in {e.block_size for e in engines.values()}}
+            current["tokens"] = len(tokens)
+        try:
+            decision, res = core.route(RouteRequest("m", exclude=frozenset(excluded.get(i, ())), prompt_text=text,
+                                                    prompt_bytes=est.size_bytes, block_hashes=est.hashes,
+                                                    prompt_tokens=est.prompt_tokens, output_tokens=est.output_tokens,
+                                                    tokens_per_block=tpb), t)
+        except NoBackendAvailable as e:
+            if e.retry_after_s is not None and rec.attempts < MAX_ATTEMPTS:
+                rec.attempts += 1
+                push(t + e.retry_after_s, "arrival", i)
+            else:
+                rec.error = "no backend available"
+                pending -= 1
+            return
+        name = decision.backend.name
+        if share:
+            seq += 1
+            heapq.heappush(blocks_in_flight, (t + staleness_s, seq, k, name, est.hashes))
+        rec.backend, rec.prompt_tokens, rec.output_tokens = name, len(tokens), r.output_tokens
+        rec.predicted_cached = decision.detail.get("matched_tokens", 0.0)
+        if name in down:  # the backend is restarting: the connection is refused
+            res.outcome(False, t)
+            res.release(t)
+            core.cool_down(decision.backend, t + FAILED_BACKEND_COOLDOWN_S)
+            fail(i, t, name, "connection refused", retry=True)
+            return
+        rid = f"r{i}"
+        try:
+            engines[name].add_request(rid, tokens, r.output_tokens, arrival_time=t, output_tokens=r.output_tokens)
+        except ValueError as e:
+            rec.error = str(e)
+            res.release(t)
+            pending -= 1
+            return
+        if oracle:
+            hashes = current["hashes"][engines[name].block_size]  # type: ignore[index]
+            req_blocks[i] = (name, hashes)
+            pending_blocks[name].update(hashes)
+        reservations[rid] = (res, estimator)
+        if not busy[name]:
+            start_step(name, t)
+
+    def restart(name: str, t: float) -> None:
+        if watch:
+            watch("restart_before", t, engines)
+        for rid, (res, _) in list(reservations.items()):
+            i = int(rid[1:])
+            if records[i].backend != name:
+                continue
+            del reservations[rid]
+            res.outcome(False, t)  # type: ignore[attr-defined]
+            res.release(t)  # type: ignore[attr-defined]
+            fail(i, t, name, "backend restarted mid-stream", retry=True)
+        engines[name] = Engine(profiles[name], engine_id=f"{name}-restarted")
+        pending_blocks[name].clear()
+        busy[name] = False
+        down.add(name)
+        for core, _ in gateways:  # the health checker marks it down (gateway/health.py)
+            core.fleet.backends[name].healthy = False
+        if watch:
+            watch("restart_down", t, engines)
+
+    def back_up(name: str, t: float) -> None:
+        down.discard(name)
+        for core, _ in gateways:  # ... and up again, with the gateway's on_recovered hook
+            b = core.fleet.backends[name]
+            b.healthy = True
+            core.backend_recovered(b)
+        if watch:
+            watch("restart_up", t, engines)
+
     for i, r in enumerate(reqs):
         push(r.arrival_s, "arrival", i)
+    if scenario is not None:
+        if scenario.backend not in engines:
+            raise ValueError(f"scenario backend {scenario.backend!r} is not in the fleet")
+        push(scenario.start, f"{scenario.kind}_start", scenario.backend)
+        push(scenario.end, f"{scenario.kind}_end", scenario.backend)
     share = shared and replicas > 1
     if share:
         push(0.0, "sync", None)
-    pending = len(reqs)
+    slow_speed: dict[str, float] = {}
 
     while events:
         t, _, kind, payload = heapq.heappop(events)
@@ -163,36 +490,11 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             if pending:
                 push(t + staleness_s, "sync", None)
         elif kind == "arrival":
-            i = payload  # type: ignore[assignment]
-            r = reqs[i]
-            rec = records[i]
-            k = i % replicas
-            router, estimator = gateways[k]
-            tokens, text = request_tokens_and_text(r, i)
-            est = estimator.estimate("m", text, r.output_tokens)
-            tpb = estimator.block_bytes / estimator.stats("m").bytes_per_token
-            decision, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=est.size_bytes,
-                                                      block_hashes=est.hashes, prompt_tokens=est.prompt_tokens,
-                                                      output_tokens=est.output_tokens, tokens_per_block=tpb), t)
-            name = decision.backend.name
-            if share:
-                seq += 1
-                heapq.heappush(blocks_in_flight, (t + staleness_s, seq, k, name, est.hashes))
-            rec.backend, rec.prompt_tokens, rec.output_tokens = name, len(tokens), r.output_tokens
-            rec.predicted_cached = decision.detail.get("matched_tokens", 0.0)
-            rid = f"r{i}"
-            try:
-                engines[name].add_request(rid, tokens, r.output_tokens, arrival_time=t, output_tokens=r.output_tokens)
-            except ValueError as e:
-                rec.error = str(e)
-                res.release(t)
-                pending -= 1
-                continue
-            reservations[rid] = (res, estimator)
-            if not busy[name]:
-                start_step(name, t)
-        else:
-            name, outs = payload  # type: ignore[misc]
+            dispatch(payload, t)  # type: ignore[arg-type]
+        elif kind == "step":
+            name, eng, outs = payload  # type: ignore[misc]
+            if engines[name] is not eng:
+                continue  # the engine restarted during this step: its outputs never arrive
             for out in outs:
                 i = int(out.req_id[1:])
                 rec = records[i]
@@ -201,16 +503,33 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                     if rec.first_token is None:
                         rec.first_token = t
                         rec.cached_tokens = out.num_cached_tokens
-                        res.first_token(t)
+                        res.first_token(t)  # type: ignore[attr-defined]
+                        forget_pending(i)
                     rec.generated += len(out.new_token_ids)
                 if out.finished:
                     rec.end = t
-                    res.release(t, rec.generated)
+                    res.outcome(True, t)  # type: ignore[attr-defined]
+                    res.release(t, rec.generated)  # type: ignore[attr-defined]
                     del reservations[out.req_id]
                     pending -= 1
+                    forget_pending(i)
                     estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN, rec.prompt_tokens,
                                             rec.generated)
             start_step(name, t)
+        elif kind == "restart_start":
+            restart(payload, t)  # type: ignore[arg-type]
+        elif kind == "restart_end":
+            back_up(payload, t)  # type: ignore[arg-type]
+        elif kind == "slow_start":
+            eng = engines[payload]  # type: ignore[index]
+            slow_speed[payload] = eng.speed  # type: ignore[index]
+            eng.speed = eng.speed / scenario.slowdown  # type: ignore[union-attr]
+            if watch:
+                watch("slow_start", t, engines)
+        elif kind == "slow_end":
+            engines[payload].speed = slow_speed.pop(payload)  # type: ignore[index]
+            if watch:
+                watch("slow_end", t, engines)
     return records
 
 
@@ -223,7 +542,8 @@ def _pct(xs: list[float], p: float) -> float:
 
 def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> dict[str, float]:
     """TTFT / TPOT / e2e statistics (vLLM benchmark definitions: TPOT = (e2e - TTFT) /
-    (output tokens - 1)), throughput, goodput at the SLO, prefix hit ratio, imbalance."""
+    (output tokens - 1)), throughput, goodput at the SLO, prefix hit ratio, imbalance,
+    and (not a float) ``share``: per backend, the fraction of requests it served last."""
     done = [r for r in records if r.end is not None and r.first_token is not None]
     ttft = [r.first_token - r.arrival for r in done]
     tpot = [(r.end - r.first_token) / (r.generated - 1) for r in done if r.generated > 1]
@@ -232,11 +552,14 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> di
     good = sum(1 for r in done if r.first_token - r.arrival <= ttft_slo_s and
                (r.generated <= 1 or (r.end - r.first_token) / (r.generated - 1) <= tpot_slo_s))
     by_backend: dict[str, int] = {}
+    count: dict[str, int] = {}
     for r in records:
         by_backend[r.backend] = by_backend.get(r.backend, 0) + r.prompt_tokens - r.cached_tokens
+        count[r.backend] = count.get(r.backend, 0) + 1
     prompt = sum(r.prompt_tokens for r in done)
     return {
         "requests": len(records), "completed": len(done), "errors": sum(1 for r in records if r.error),
+        "retried": sum(1 for r in records if r.attempts > 1),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"), "ttft_p50_s": _pct(ttft, 50),
         "ttft_p99_s": _pct(ttft, 99),
         "tpot_mean_s": statistics.fmean(tpot) if tpot else float("nan"), "tpot_p99_s": _pct(tpot, 99),
@@ -246,15 +569,67 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> di
         "hit_ratio": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
         "predicted_hit_ratio": sum(r.predicted_cached for r in done) / prompt if prompt else 0.0,
         "prefill_imbalance": max(by_backend.values()) / statistics.fmean(by_backend.values()),
+        "share": {k: v / len(records) for k, v in sorted(count.items())},  # type: ignore[dict-item]
     }
 
 
-def _job(args: tuple) -> tuple[str, str, dict[str, float], float]:
-    trace, policy, n, scale, fleet_names, ttft_slo, tpot_slo, seed = args
+def scenario_phases(records: list[Record], scenario: Scenario) -> dict[str, dict[str, float]]:
+    """Requests arriving before, during and after the scenario's window: how many, the
+    scenario backend's share of them, and their mean TTFT (completed ones)."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in ("before", "during", "after"):
+        rs = [r for r in records if (r.arrival < scenario.start if phase == "before" else
+                                     r.arrival >= scenario.end if phase == "after" else
+                                     scenario.start <= r.arrival < scenario.end)]
+        ttft = [r.first_token - r.arrival for r in rs if r.end is not None and r.first_token is not None]
+        mine = [r.first_token - r.arrival for r in rs
+                if r.backend == scenario.backend and r.end is not None and r.first_token is not None]
+        out[phase] = {"requests": len(rs),
+                      "share": sum(1 for r in rs if r.backend == scenario.backend) / len(rs) if rs else float("nan"),
+                      "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+                      "backend_ttft_mean_s": statistics.fmean(mine) if mine else float("nan")}
+    return out
+
+
+def format_phase_table(rows: list[tuple[str, dict]], scenario: Scenario) -> str:
+    """Per policy, the scenario backend's share and TTFT before, during, after the window."""
+    b = scenario.backend
+
+    def num(v: float, fmt: str) -> str:
+        return "-" if math.isnan(v) else format(v, fmt)
+
+    head = ["policy", *(f"{b} share {p} %" for p in ("before", "during", "after")),
+            *(f"TTFT {p} s (all / {b})" for p in ("before", "during", "after"))]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for policy, s in rows:
+        ph = s["phases"]
+        phases = [ph[p] for p in ("before", "during", "after")]
+        cells = [policy, *(num(x["share"] * 100, ".1f") for x in phases),
+                 *(f"{num(x['ttft_mean_s'], '.3f')} / {num(x['backend_ttft_mean_s'], '.3f')}" for x in phases)]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+CEILING = "ceiling"  # the job that computes ceiling_hit_ratio (not a policy)
+
+
+def _job(args: tuple) -> tuple[str, str, dict, float]:
+    trace, policy, n, scale, fleet_names, ttft_slo, tpot_slo, seed, scen = args
     reqs = scale_time(load_trace(trace, n), scale)
+    fleet = make_fleet(fleet_names)
     t0 = time.process_time()
-    recs = replay(reqs, policy, make_fleet(fleet_names), seed=seed)
-    return trace, policy, summarize(recs, ttft_slo, tpot_slo), time.process_time() - t0
+    if policy == CEILING:
+        bs = fleet[0].profile.block_size
+        pooled = sum(m.profile.num_gpu_blocks * m.profile.block_size for m in fleet) // bs
+        return trace, policy, {"hit_ratio": ceiling_hit_ratio(reqs, bs), "pooled_blocks": pooled,
+                               "pooled_hit_ratio": ceiling_hit_ratio(reqs, bs, pooled)}, time.process_time() - t0
+    scenario = make_scenario(scen[0], reqs, fleet, backend=scen[1], at=scen[2], duration_s=scen[3],
+                             slowdown=scen[4]) if scen else None
+    recs = replay(reqs, policy, fleet, seed=seed, scenario=scenario)
+    summary = summarize(recs, ttft_slo, tpot_slo)
+    if scenario is not None:
+        summary["phases"] = scenario_phases(recs, scenario)  # type: ignore[assignment]
+    return trace, policy, summary, time.process_time() - t0
 
 
 COLUMNS = [("ttft_mean_s", "TTFT mean s", 3), ("ttft_p50_s", "TTFT p50 s", 3), ("ttft_p99_s", "TTFT p99 s", 2),
@@ -280,6 +655,39 @@ def format_table(rows: list[tuple[str, dict[str, float]]]) -> str:
     return "\n".join(out)
 
 
+def format_cache_table(rows: list[tuple[str, dict]], backends: list[str], ceiling: float | None,
+                       pooled: tuple[int, float] | None = None) -> str:
+    """Per policy: TTFT mean/p50/p99, goodput, each backend's share of the requests,
+    failed and retried requests, hit ratio, and the hit ratio as a fraction of the
+    oracle row's and of the ceiling's; then the ceiling row, and ``pooled`` = (tokens,
+    hit ratio) of one LRU cache as large as the fleet's KV together."""
+    oracle = dict(rows).get(ORACLE)
+    head = ["policy", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "goodput req/s",
+            *(f"{b} %" for b in backends), "failed", "retried", "hit %", "hit / oracle", "hit / ceiling"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def frac(v: float, of: float | None) -> str:
+        return f"{v / of:.2f}" if of else "-"
+
+    for policy, s in rows:
+        share = s.get("share", {})
+        cells = [policy, f"{s['ttft_mean_s']:.3f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.2f}",
+                 f"{s['goodput_req_s']:.2f}", *(f"{share.get(b, 0.0) * 100:.1f}" for b in backends),
+                 str(s["errors"]), str(s["retried"]), f"{s['hit_ratio'] * 100:.1f}",
+                 frac(s["hit_ratio"], oracle["hit_ratio"] if oracle else None), frac(s["hit_ratio"], ceiling)]
+        out.append("| " + " | ".join(cells) + " |")
+    if pooled is not None:
+        tokens, ratio = pooled
+        cells = [f"pooled KV (1 backend, {tokens / 1e6:.2f}M tokens, LRU)"] + ["-"] * (len(head) - 4) + \
+                [f"{ratio * 100:.1f}", frac(ratio, oracle["hit_ratio"] if oracle else None), frac(ratio, ceiling)]
+        out.append("| " + " | ".join(cells) + " |")
+    if ceiling is not None:
+        cells = ["ceiling (1 backend, infinite KV)"] + ["-"] * (len(head) - 4) + \
+                [f"{ceiling * 100:.1f}", frac(ceiling, oracle["hit_ratio"] if oracle else None), "1.00"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 # The benchmark of the routing issue: per trace, how many requests and the time scale
 # (inter-arrival multiplier) that loads the 4-backend fleet so that round robin's mean
 # TTFT is well above its unloaded value; each row of the output says both.
@@ -294,12 +702,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.replay", description=__doc__.split("\n")[0])
     ap.add_argument("--trace", choices=sorted(TRACES), action="append")
     ap.add_argument("--all", action="store_true", help="the routing benchmark: every BENCH trace, every policy")
-    ap.add_argument("--policy", action="append", choices=sorted(BENCH_POLICIES))
+    ap.add_argument("--policy", action="append", choices=list(REPLAY_POLICIES),
+                    help=f"repeatable; default: {', '.join(BENCH_POLICIES)} ('{ORACLE}': estimated_ttft told "
+                         "the engines' true cache contents, replay only)")
     ap.add_argument("--requests", type=int, help="first N requests of the trace")
     ap.add_argument("--time-scale", type=float, help="multiply inter-arrival times (<1: more load)")
     ap.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="comma-separated profile names")
     ap.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
     ap.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT SLO for goodput, seconds")
+    ap.add_argument("--scenario", choices=SCENARIOS, default="none",
+                    help="restart: one backend restarts (cache lost, down --scenario-duration s, default "
+                         f"{RESTART_DOWN_S:g}); slow: one backend runs --slowdown times slower for "
+                         f"--scenario-duration s (default {SLOW_WINDOW_S:g})")
+    ap.add_argument("--scenario-backend", help="the backend it happens to (default: the first, b0-...)")
+    ap.add_argument("--scenario-at", type=float, default=0.5,
+                    help="when it starts, as a fraction of the trace's arrival span (default 0.5: the midpoint)")
+    ap.add_argument("--scenario-duration", type=float, help="virtual seconds down (restart) or slow (slow)")
+    ap.add_argument("--slowdown", type=float, default=SLOWDOWN, help="slow: speed divisor (default 10)")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip the ceiling and pooled-KV rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the summaries here")
@@ -307,38 +727,69 @@ def main(argv: list[str] | None = None) -> int:
     traces = list(BENCH) if args.all or not args.trace else args.trace
     policies = args.policy or list(BENCH_POLICIES)
     fleet_names = tuple(args.fleet.split(","))
+    fleet = make_fleet(fleet_names)
+    backends = [m.name for m in fleet]
+    if args.scenario_backend and args.scenario_backend not in backends:
+        ap.error(f"--scenario-backend: the fleet has {', '.join(backends)}")
+    scen = None if args.scenario == "none" else \
+        (args.scenario, args.scenario_backend, args.scenario_at, args.scenario_duration, args.slowdown)
     jobs = []
     for tr in traces:
         n, scale = BENCH.get(tr, (1000, 1.0))
         n = args.requests or n
         scale = args.time_scale or scale
-        jobs.append((tr, "unloaded", n, scale))
+        if "round_robin" in policies:
+            jobs.append((tr, "unloaded", n, scale))
+        if not args.no_ceiling:
+            jobs.append((tr, CEILING, n, scale))
         for p in policies:
             jobs.append((tr, p, n, scale))
     work = []
     for tr, p, n, scale in jobs:
-        if p == "unloaded":  # round robin at 1/20 of the load: the unloaded reference
-            work.append((tr, "round_robin", n // 4, scale * 20, fleet_names, args.ttft_slo, args.tpot_slo, args.seed))
+        if p == "unloaded":  # round robin at 1/20 of the load, no scenario: the unloaded reference
+            work.append((tr, "round_robin", n // 4, scale * 20, fleet_names, args.ttft_slo, args.tpot_slo, args.seed,
+                         None))
         else:
-            work.append((tr, p, n, scale, fleet_names, args.ttft_slo, args.tpot_slo, args.seed))
+            work.append((tr, p, n, scale, fleet_names, args.ttft_slo, args.tpot_slo, args.seed, scen))
     t0 = time.monotonic()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(_job, work))
     out: dict[str, dict] = {}
     for (tr, label, n, scale), (_, _, summary, cpu) in zip(jobs, results):
-        out.setdefault(tr, {"requests": n, "time_scale": scale, "fleet": list(fleet_names), "policies": {}})
-        out[tr]["policies"][label] = {**summary, "cpu_s": cpu}
+        block = out.setdefault(tr, {"requests": n, "time_scale": scale, "fleet": list(fleet_names),
+                                    "scenario": None, "policies": {}})
+        if label == CEILING:
+            block["ceiling_hit_ratio"] = summary["hit_ratio"]
+            block["pooled_kv_tokens"] = summary["pooled_blocks"] * fleet[0].profile.block_size
+            block["pooled_kv_hit_ratio"] = summary["pooled_hit_ratio"]
+        elif label == "unloaded":
+            block["unloaded_round_robin"] = {**summary, "cpu_s": cpu}
+        else:
+            block["policies"][label] = {**summary, "cpu_s": cpu}
     for tr, block in out.items():
         pol = block["policies"]
-        unloaded = pol.pop("unloaded")
+        unloaded = block.get("unloaded_round_robin")
         rr = pol.get("round_robin")
         print(f"\n### {tr}: first {block['requests']} requests, inter-arrival x{block['time_scale']}, "
               f"fleet {', '.join(fleet_names)}; SLO TTFT <= {args.ttft_slo} s, TPOT <= {args.tpot_slo * 1000:.0f} ms")
-        if rr:
+        if scen:
+            reqs = scale_time(load_trace(tr, block["requests"]), block["time_scale"])
+            scenario = make_scenario(scen[0], reqs, fleet, backend=scen[1], at=scen[2], duration_s=scen[3],
+                                     slowdown=scen[4])
+            block["scenario"] = dataclasses.asdict(scenario)
+            print(f"scenario {scenario.kind}: {scenario.describe()}")
+        if rr and unloaded:
             print(f"round robin mean TTFT {rr['ttft_mean_s']:.3f} s vs unloaded {unloaded['ttft_mean_s']:.3f} s "
-                  f"(x{rr['ttft_mean_s'] / unloaded['ttft_mean_s']:.1f})\n")
+                  f"(x{rr['ttft_mean_s'] / unloaded['ttft_mean_s']:.1f})")
+        print()
         print(format_table(list(pol.items())))
-        block["unloaded_round_robin"] = unloaded
+        print()
+        pooled = (block["pooled_kv_tokens"], block["pooled_kv_hit_ratio"]) if "pooled_kv_tokens" in block else None
+        print(format_cache_table(list(pol.items()), backends, block.get("ceiling_hit_ratio"), pooled))
+        if scen:
+            print(f"\nrequests by arrival before / during / after the {scenario.kind} window:\n")
+            print(format_phase_table(list(pol.items()), scenario))
+        print("\ncpu s per row: " + ", ".join(f"{p} {s['cpu_s']:.1f}" for p, s in pol.items()))
     print(f"\n(wall {time.monotonic() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -407,6 +407,32 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
 
+    # --- read-only queries of the prefix cache (the offline replay's oracle) ------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable in the prefix cache now (referenced or free but not evicted)."""
+        return len(self.kv.cached)
+
+    def cached_prefix_blocks(self, hashes: list[int], start: int = 0) -> int:
+        """The end of the run of cached blocks of ``hashes`` (chained block hashes as
+        :func:`prompt_block_hashes` gives them) beginning at index ``start``: the
+        cached prefix has ``cached_prefix_blocks(hashes)`` blocks. No state changes."""
+        cached = self.kv.cached
+        i, n = start, len(hashes)
+        while i < n and hashes[i] in cached:
+            i += 1
+        return i
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of a prompt ``token_ids`` that this engine would serve from its
+        prefix cache if the prompt were admitted now: whole blocks, at most
+        ``len(token_ids) - 1`` tokens (the last prompt token is always recomputed), as
+        the scheduler's own lookup counts a hit. No state changes."""
+        n = max(len(token_ids) - 1, 0) // self.block_size
+        return self.cached_prefix_blocks(prompt_block_hashes(token_ids[: n * self.block_size], self.block_size)) \
+            * self.block_size
+
     def stats(self) -> dict:
         """Snapshot of gauges and counters as plain numbers (for /metrics)."""
         return {
