@@ -394,15 +394,16 @@ class Streaming(_Strict):
     arrived with no first byte from the backend, the gateway commits the answer: it
     sends the 200 head and an SSE comment (``: keep-alive``, which SSE clients and the
     openai SDKs skip), then another every ``keepalive_every_s`` until the first event.
-    The trade-off: once committed, the answer can no longer be retried, sent to a
-    fallback model or turned into an error status; a later failure ends the stream with
-    an error event."""
+    The trade-off: attempts go on behind the comments (retries, fallbacks), but the
+    status and headers are committed: a final failure ends the stream with an error
+    event instead of an error status, and the headers describe the attempt under way
+    when the head went out."""
 
     keepalive_after_s: float | None = Field(
         30.0, gt=0, description="Seconds after a streamed request's arrival, with no first byte from the "
-        "backend yet, at which the gateway sends the 200 head and a `: keep-alive` SSE comment (failures before "
-        "it are still retried invisibly, after it they end the stream with an error event). Unset: never; the "
-        "head waits for the first byte.")
+        "backend yet, at which the gateway sends the 200 head and a `: keep-alive` SSE comment. Retries and "
+        "fallbacks go on behind the comments, but a final failure then ends the stream with an error event "
+        "instead of an error status. Unset: never; the head waits for the first byte.")
     keepalive_every_s: float = Field(
         15.0, gt=0, description="Interval between `: keep-alive` comments until the first event.")
 

@@ -196,3 +196,16 @@ async def test_a_prompt_too_long_for_the_model_goes_to_its_long_context_fallback
             status, _, body = await _post(gw.url, {"model": "big", "messages": MESSAGES})
             err = orjson.loads(body)["error"]
             assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
+
+
+async def test_a_fallback_with_no_backend_answers_under_its_own_name():
+    async with ScriptedBackend().running() as small:
+        cfg = gateway_config([{"name": "big-1", "url": f"http://127.0.0.1:{free_port()}", "models": ["big"]},
+                              {"name": "small-1", "url": small.url, "models": ["small"]}],
+                             routing={"fallbacks": {"big": [{"model": "small"}]}}, retries={"max_attempts": 1})
+        async with running_gateway(cfg) as gw:
+            gw.state.fleet.backends["small-1"].draining = True  # the fallback has no backend to take it
+            status, headers, _ = await _post(gw.url, {"model": "big", "messages": MESSAGES})
+            assert status == 503 and "x-turbo-backend" not in headers  # not big-1's: it did not answer this
+            assert await _metric(gw.url, "turbo_gateway_requests_total", model="small", backend="none",
+                                 status="503") == 1

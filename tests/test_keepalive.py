@@ -156,7 +156,7 @@ async def test_a_final_failure_behind_the_comments_is_an_error_event():
             assert status == 200 and body.startswith(b": keep-alive\n\n")
             last = [line for line in body.split(b"\n") if line.startswith(b"data: ")][-1]
             err = orjson.loads(last[6:])["error"]
-            assert err["code"] == "status_503" and b"[DONE]" not in body
+            assert err["message"] == "engine overloaded" and b"[DONE]" not in body  # the answer's own body
             assert len(be.attempt_times) == 2  # retried behind the comments first
 
 
@@ -168,3 +168,42 @@ async def test_a_fast_stream_and_a_whole_answer_get_no_comment():
             async with aiohttp.ClientSession() as s:
                 async with s.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}) as r:
                     assert r.status == 200 and b"keep-alive" not in await r.read()
+
+
+async def test_a_context_error_behind_the_comments_keeps_its_openai_form():
+    async def too_long(b, request, body):
+        await asyncio.sleep(0.5)
+        return web.json_response({"error": {
+            "message": "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens "
+                       "(8000 in the messages, 1000 in the completion).", "type": "BadRequestError", "param": None,
+            "code": 400}}, status=400)
+
+    async with ScriptedBackend(handler=too_long).running() as be:
+        async with running_gateway(_cfg(be.url, 0.2)) as gw:
+            status, _, body = await _raw_stream(gw.url)
+            assert status == 200 and body.startswith(b": keep-alive\n\n")
+            err = orjson.loads([line for line in body.split(b"\n") if line.startswith(b"data: ")][-1][6:])["error"]
+            assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
+
+
+async def test_a_whole_answer_arriving_while_a_comment_falls_due_is_never_a_second_response():
+    async def slow_json(b, request, body):  # the head at once, the body 1 s later
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = None
+        await resp.prepare(request)
+        await asyncio.sleep(1.0)
+        await resp.write(orjson.dumps({"id": "x", "object": "chat.completion", "choices": []}))
+        await resp.write_eof()
+        return resp
+
+    async with ScriptedBackend(handler=slow_json).running() as be:
+        async with running_gateway(_cfg(be.url, 0.3)) as gw:
+            port = int(gw.url.rsplit(":", 1)[1])
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            body = orjson.dumps({"model": "m", "messages": MESSAGES, "stream": True})
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await w.drain()
+            data = await asyncio.wait_for(r.read(), 10)  # to the close that ends the one response
+            w.close()
+            assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.1 ") == 1, data

@@ -122,6 +122,10 @@ async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservat
                 raise opened
             return await relay.stream(state, ex, client, up, b"", reservation, deadlines, opened)
         if not parsed.stream or not up.headers.get("content-type", "").lower().startswith("text/event-stream"):
+            if ex.keepalive is not None:  # no comment may start while the whole answer arrives
+                task = ex.keepalive.discard(ex)
+                if task is not None:
+                    await task
             if ex.down.started:  # keep-alive comments went out: the answer must be a stream
                 raise UpstreamError(name, f"backend {name} answered a streamed request with a whole response")
             return relay.whole(state, ex, up, await up.read(), reservation)

@@ -182,6 +182,7 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
             log.info("request %s: model %s failed (%s); falling back to %s", ex.request_id, ex.model, reason, nxt)
             tried.append(nxt)
             ex.model, ex.fallback_reason = nxt, reason
+            ex.backend, ex.decision = "", None  # the fallback's own backends from here on
             ex.data = {**parsed.data, "model": nxt}
             ex.body = orjson.dumps(ex.data)
     finally:

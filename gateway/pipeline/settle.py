@@ -112,7 +112,7 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
     now = state.loop.time()
     reservation.outcome(True, now)
     ex.tokens = int(prompt if prompt is not None else (est.prompt_tokens if est else 0)) + (completion or 0)
-    reservation.release(now, None if whole else completion)
+    reservation.release(now, completion, whole)
 
 
 def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: UpstreamError) -> None:
@@ -156,18 +156,22 @@ async def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
     """The request failed for good before any backend byte reached the client: answer
     it with the last attempt's failure ``err``, or with ``no_backend`` when no backend
     could be tried (:func:`gateway.errors.failure_answer`). A stream whose head went
-    out already (keep-alive comments) ends with an error event instead."""
-    if ex.down.started:
-        if err is None:
-            assert no_backend is not None
-            err = UpstreamError(ex.backend or "none", str(no_backend))
-            err.reason, err.status = "no_backend_available", 503
-        return await stream_failed(state, ex, err)
+    out already (keep-alive comments) ends with that error body as its last event."""
     if err is not None:
         status, body, headers = failure_answer(err)
     else:
         assert no_backend is not None
         status, body, headers = failure_answer(None, str(no_backend), no_backend.retry_after_s)
+    if ex.down.started:
+        reason = err.reason if err is not None else "no_backend_available"
+        state.metrics.child(state.metrics.stream_errors, ex.backend or "none", reason).inc()
+        log.warning("stream %s failed before its first event, after keep-alive comments: %s", ex.request_id,
+                    err.message if err is not None else no_backend)
+        try:
+            await ex.down.end_stream(b"data: " + body + b"\n\n")
+        except ClientGone:
+            pass
+        return finish(state, ex, status)
     headers[REQUEST_ID_HEADER] = ex.request_id
     if ex.backend:
         headers[BACKEND_HEADER] = ex.backend
