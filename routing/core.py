@@ -138,14 +138,15 @@ class DecisionCore:
     # ---- one request -----------------------------------------------------------------
 
     def request(self, model: str, prompt_text: str, max_tokens: int | None,
-                cache_salt: str | None = None) -> tuple[PromptEstimate, RouteRequest]:
+                cache_salt: str | None = None, stream: bool = True) -> tuple[PromptEstimate, RouteRequest]:
         """Estimate a request (prompt tokens, prefix block hashes, expected output
-        tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take."""
+        tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take
+        (``stream``: its first token will be seen)."""
         estimator = self.estimator
         est = estimator.estimate(model, prompt_text, max_tokens, cache_salt)
         tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
         return est, RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
-                                 est.output_tokens, tokens_per_block)
+                                 est.output_tokens, tokens_per_block, stream=stream)
 
     def prompt_tokens(self, model: str, prompt_text: str) -> int:
         """The estimated prompt tokens of ``prompt_text`` (the same estimate routing

@@ -133,10 +133,11 @@ class Reservation:
         if self.request_load is not None and not self.released:
             self.request_load.first_token(now)
 
-    def release(self, now: float = 0.0, completion_tokens: int | None = None) -> bool:
+    def release(self, now: float = 0.0, completion_tokens: int | None = None, whole: bool = False) -> bool:
         """Return the reserved load to the backend. Returns ``True`` on the first call,
         ``False`` on later calls (which change nothing). ``completion_tokens``, when
-        known, teaches the backend's inter-token latency."""
+        known, teaches the backend's inter-token latency; a ``whole`` (non-streamed)
+        answer teaches its speeds from its total time (:meth:`RequestLoad.finish`)."""
         if self.released:
             return False
         self.released = True
@@ -145,7 +146,7 @@ class Reservation:
             self.judged = True
             self.backend.breaker.abandon(True)
         if self.request_load is not None:
-            self.request_load.finish(now, completion_tokens)
+            self.request_load.finish(now, completion_tokens, whole)
         return True
 
 

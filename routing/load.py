@@ -26,59 +26,110 @@ DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
 DEFAULT_TTFT_OVERHEAD_S = 0.02
 DEFAULT_ITL_S = 0.02
 DEFAULT_KV_CAPACITY_TOKENS = 200_000
+# A sample this many times off the fit's prediction (either way) is a change of regime,
+# not noise: the observations before it keep only SURPRISE_KEEP of their weight (a
+# variable forgetting factor, after Fortescue, Kershenbaum and Ydstie, "Implementation
+# of self-tuning regulators with variable forgetting factors", Automatica 17, 1981).
+SURPRISE_RATIO = 5.0
+UNSETTLED_RATIO = 1.5  # the same, while the fit is unsettled: the new regime takes over in a few samples
+SURPRISE_KEEP = 0.1
+SETTLED_RATIO = 1.1  # a sample this close to the prediction ends the surprise (``unsettled``)
 
 
 class DecayedLinearFit:
-    """Least-squares fit of ``y = intercept + slope * x`` with exponential forgetting
-    (each new sample multiplies older weights by ``decay``), seeded by a prior line
-    worth ``prior_weight`` samples at ``x = 0`` and ``x = prior_x``.
+    """Least-squares fit of ``y = intercept + slope * x`` with exponential forgetting,
+    seeded by a prior line worth ``prior_weight`` samples at ``x = 0`` and
+    ``x = prior_x``.
 
-    ``slope`` is kept within ``[min_slope, max_slope]`` and the intercept at >= 0, so a
-    few noisy samples cannot produce a negative speed.
+    Observations are forgotten per sample (each new one multiplies older weights, the
+    prior's included, by ``decay``) and per unit of time (their weight halves every
+    ``half_life_s`` seconds: :meth:`age`). The prior's weight never falls below
+    ``prior_floor``, so a backend that gets no traffic drifts back to its prior instead
+    of keeping a bad estimate forever, and a sample after a long silence outweighs the
+    old ones. The prior can be replaced (:meth:`set_prior`). ``slope`` is kept within
+    ``[min_slope, max_slope]`` and the intercept at >= 0, so a few noisy samples cannot
+    produce a negative speed.
     """
 
-    __slots__ = ("decay", "s", "sx", "sy", "sxx", "sxy", "min_slope", "max_slope", "samples", "slope", "intercept")
+    __slots__ = ("decay", "half_life_s", "prior", "prior_intercept", "prior_slope", "prior_x", "prior_w",
+                 "prior_floor", "s", "sx", "sy", "sxx", "sxy", "min_slope", "max_slope", "samples", "slope",
+                 "intercept", "aged_at", "last_sample_at", "unsettled")
 
     def __init__(self, intercept: float, slope: float, prior_x: float, *, decay: float = 0.97,
-                 prior_weight: float = 2.0, min_slope: float = 1e-9, max_slope: float = 1e3) -> None:
+                 prior_weight: float = 2.0, min_slope: float = 1e-9, max_slope: float = 1e3,
+                 half_life_s: float = 30.0, prior_floor: float = 0.02) -> None:
         self.decay = decay
+        self.half_life_s = half_life_s
         self.min_slope, self.max_slope = min_slope, max_slope
-        self.s = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.prior_x, self.prior_w, self.prior_floor = prior_x, prior_weight, prior_floor
+        self.s = self.sx = self.sy = self.sxx = self.sxy = 0.0  # the observations' weighted sums
         self.samples = 0
-        half = prior_weight / 2
-        for x in (0.0, prior_x):
-            self._add(x, intercept + slope * x, half)
+        self.aged_at: float | None = None  # the time the observations' weights refer to
+        self.last_sample_at: float | None = None
+        self.unsettled = False  # a surprise was seen and no sample has agreed with the fit since
+        self.set_prior(intercept, slope)
+
+    def set_prior(self, intercept: float, slope: float) -> None:
+        """The line the fit starts from and returns to as observations age."""
+        self.prior_intercept, self.prior_slope = intercept, slope
+        x = self.prior_x
+        # (s, sx, sy, sxx, sxy) of the points (0, b) and (x, b + m x), each of weight 1/2
+        self.prior = (1.0, x / 2, (2 * intercept + slope * x) / 2, x * x / 2, x * (intercept + slope * x) / 2)
         self._refit()
 
-    def _add(self, x: float, y: float, w: float) -> None:
-        self.s += w
-        self.sx += w * x
-        self.sy += w * y
-        self.sxx += w * x * x
-        self.sxy += w * x * y
+    def age(self, now: float) -> None:
+        """Forget the observations by the time passed since the last call (loop time,
+        seconds): their weight halves every ``half_life_s``."""
+        at = self.aged_at
+        self.aged_at = now
+        if at is None or now <= at or not self.s:
+            return
+        f = 0.5 ** ((now - at) / self.half_life_s)
+        self.s *= f
+        self.sx *= f
+        self.sy *= f
+        self.sxx *= f
+        self.sxy *= f
+        self._refit()
 
-    def add(self, x: float, y: float) -> None:
-        """Add one observation."""
+    def add(self, x: float, y: float, now: float | None = None) -> None:
+        """Add one observation (made at loop time ``now``, when given)."""
+        if now is not None:
+            self.age(now)
+            self.last_sample_at = now
         d = self.decay
-        self.s *= d
-        self.sx *= d
-        self.sy *= d
-        self.sxx *= d
-        self.sxy *= d
-        self._add(x, y, 1.0)
+        if self.samples:
+            pred = self.intercept + self.slope * x
+            ratio = UNSETTLED_RATIO if self.unsettled else SURPRISE_RATIO
+            if y > ratio * pred or y * ratio < pred:
+                d *= SURPRISE_KEEP
+                self.unsettled = True
+            elif y < SETTLED_RATIO * pred and y * SETTLED_RATIO > pred:
+                self.unsettled = False
+        if self.prior_w > self.prior_floor:
+            self.prior_w = max(self.prior_w * d, self.prior_floor)
+        self.s = self.s * d + 1.0
+        self.sx = self.sx * d + x
+        self.sy = self.sy * d + y
+        self.sxx = self.sxx * d + x * x
+        self.sxy = self.sxy * d + x * y
         self.samples += 1
         self._refit()
 
     def _refit(self) -> None:
-        # ``slope`` and ``intercept`` are plain attributes, refitted on each sample:
+        # ``slope`` and ``intercept`` are plain attributes, refitted on each change:
         # routing reads them for every candidate of every request
-        var = self.s * self.sxx - self.sx * self.sx
-        if var <= 1e-12 * max(self.s * self.sxx, 1e-30):
+        w = self.prior_w
+        ps, psx, psy, psxx, psxy = self.prior
+        s, sx, sy = w * ps + self.s, w * psx + self.sx, w * psy + self.sy
+        sxx, sxy = w * psxx + self.sxx, w * psxy + self.sxy
+        var = s * sxx - sx * sx
+        if var <= 1e-12 * max(s * sxx, 1e-30):
             slope = self.min_slope
         else:
-            slope = min(max((self.s * self.sxy - self.sx * self.sy) / var, self.min_slope), self.max_slope)
+            slope = min(max((s * sxy - sx * sy) / var, self.min_slope), self.max_slope)
         self.slope = slope
-        self.intercept = max((self.sy - slope * self.sx) / self.s, 0.0)
+        self.intercept = max((sy - slope * sx) / s, 0.0)
 
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x
@@ -131,6 +182,9 @@ class BackendLoad:
         self.metrics_max_age_s = metrics_max_age_s
         self.prefill_tokens_total = 0.0  # uncached prompt tokens ever dispatched here
         self.remote = RemoteLoad()
+        self.hinted = prefill_tokens_per_s is not None  # the prior is the operator's, not the pool's
+        self.peer_ttft: tuple[float, float] | None = None  # (overhead s, s per token) of its pool's peers
+        self.waiting: dict[int, RequestLoad] = {}  # streamed requests before their first token, oldest first
 
     # ---- learned speeds ------------------------------------------------------------
 
@@ -192,16 +246,42 @@ class BackendLoad:
     def total_decode_tokens_remaining(self) -> float:
         return self.decode_tokens_remaining + self.remote.decode_tokens_remaining
 
-    def observe_ttft(self, work_tokens: float, ttft_s: float) -> None:
+    def observe_ttft(self, work_tokens: float, ttft_s: float, now: float | None = None) -> None:
         """A request found ``work_tokens`` of prefill ahead of and including its own
-        uncached tokens, and its first token came ``ttft_s`` after dispatch."""
+        uncached tokens, and its first token came ``ttft_s`` after dispatch (observed at
+        loop time ``now``)."""
         if ttft_s > 0 and work_tokens >= 0:
-            self.ttft_fit.add(work_tokens, ttft_s)
+            self.ttft_fit.add(work_tokens, ttft_s, now)
 
-    def observe_itl(self, running: float, itl_s: float) -> None:
+    def observe_itl(self, running: float, itl_s: float, now: float | None = None) -> None:
         """A stream's mean inter-token latency while about ``running`` streams ran."""
         if itl_s > 0:
-            self.itl_fit.add(running, itl_s)
+            self.itl_fit.add(running, itl_s, now)
+
+    def age(self, now: float) -> None:
+        """Forget the learned speeds by the time passed (see :class:`DecayedLinearFit`)."""
+        self.ttft_fit.age(now)
+        self.itl_fit.age(now)
+
+    def stale_s(self, now: float) -> float:
+        """Seconds since this backend's last TTFT sample (0 when it never had one: its
+        prior is all there is to know)."""
+        at = self.ttft_fit.last_sample_at
+        return now - at if at is not None else 0.0
+
+    def prefill_rate_bound(self, now: float, overhead_s: float) -> float | None:
+        """An upper bound on the prefill rate (tokens/s) from the oldest request still
+        waiting for its first token: the work ahead of and including its own is not
+        done after the time it has waited (a right-censored TTFT), or ``None`` when no
+        request waits or the wait says nothing yet."""
+        if not self.waiting:
+            return None
+        r = next(iter(self.waiting.values()))
+        waited = now - r.dispatched_at - overhead_s
+        work = r.queued_ahead_tokens + r.uncached_tokens
+        if waited <= 0 or work <= 0:  # nothing to prefill: its wait says nothing of the rate
+            return None
+        return work / waited
 
     # ---- engine metrics ------------------------------------------------------------
 
@@ -213,6 +293,17 @@ class BackendLoad:
         if e is None or now - e.at > self.metrics_max_age_s:
             return None
         return e
+
+    def metrics_staleness(self, now: float) -> float:
+        """How far past their useful age the engine's metrics are, as a fraction of
+        ``metrics_max_age_s`` capped at 1 (0: fresh, or the engine exports none). An
+        engine whose metrics stopped answering is uncertain, never idle: routing
+        counts its estimate up to twice."""
+        e = self.engine
+        if e is None:
+            return 0.0
+        late = now - e.at - self.metrics_max_age_s
+        return min(late / self.metrics_max_age_s, 1.0) if late > 0 else 0.0
 
     def external_queued_tokens(self, now: float) -> float:
         """Prefill tokens waiting on the engine that this gateway did not send (from
@@ -242,9 +333,14 @@ class BackendLoad:
 
     # ---- accounting ----------------------------------------------------------------
 
-    def admit(self, *, uncached_tokens: float, prompt_tokens: float, output_tokens: float, now: float) -> "RequestLoad":
-        """Account one dispatched request; returns its handle."""
+    def admit(self, *, uncached_tokens: float, prompt_tokens: float, output_tokens: float, now: float,
+              stream: bool = True) -> "RequestLoad":
+        """Account one dispatched request; returns its handle. A ``stream``'s first
+        token will be seen, so its wait for it bounds the prefill rate
+        (:meth:`prefill_rate_bound`); a whole answer's wait includes its decode."""
         r = RequestLoad(self, uncached_tokens, prompt_tokens, output_tokens, now, self.queued_prefill_tokens)
+        if stream:
+            self.waiting[id(r)] = r
         self.queued += 1
         self.queued_prefill_tokens += uncached_tokens
         self.kv_tokens += prompt_tokens
@@ -277,22 +373,30 @@ class RequestLoad:
         b = self.backend
         b.queued -= 1
         b.queued_prefill_tokens -= self.uncached_tokens
+        b.waiting.pop(id(self), None)
         b.running += 1
         b.decode_tokens_remaining += self.output_tokens
         self.stage = "running"
         self.first_token_at = now
         self.running_at_first_token = b.running
-        b.observe_ttft(self.queued_ahead_tokens + self.uncached_tokens, now - self.dispatched_at)
+        b.observe_ttft(self.queued_ahead_tokens + self.uncached_tokens, now - self.dispatched_at, now)
 
-    def finish(self, now: float, completion_tokens: int | None = None) -> bool:
+    def finish(self, now: float, completion_tokens: int | None = None, whole: bool = False) -> bool:
         """Release everything this request holds; returns ``True`` on the first call
-        only. With ``completion_tokens`` (>1) the stream's mean ITL is learned."""
+        only. With ``completion_tokens`` (>1) the stream's mean ITL is learned. A
+        ``whole`` (non-streamed) answer, whose first byte is its last, teaches both
+        speeds from its total time: the TTFT is at most that time, less the decode of
+        ``completion_tokens`` at the current ITL estimate, and the ITL is what the
+        total leaves after the TTFT the fit predicts."""
         if self.stage == "done":
             return False
         b = self.backend
         if self.stage == "queued":
             b.queued -= 1
             b.queued_prefill_tokens -= self.uncached_tokens
+            b.waiting.pop(id(self), None)
+            if whole:
+                self._learn_whole(now, completion_tokens or 1)
         else:
             b.running -= 1
             b.decode_tokens_remaining -= self.output_tokens
@@ -307,3 +411,12 @@ class RequestLoad:
         if b.queued == 0 and b.running == 0:
             b.kv_tokens = 0.0
         return True
+
+    def _learn_whole(self, now: float, completion_tokens: int) -> None:
+        b = self.backend
+        total = now - self.dispatched_at
+        work = self.queued_ahead_tokens + self.uncached_tokens
+        decode = (completion_tokens - 1) * b.itl_s(b.running)
+        b.observe_ttft(work, max(total - decode, 0.1 * total), now)
+        if completion_tokens > 1:
+            b.observe_itl(b.running, (total - b.ttft_fit.predict(work)) / (completion_tokens - 1), now)

@@ -9,7 +9,8 @@ from routing.fleet import BackendState, Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Policy, RouteRequest
 from routing.prefix_index import PrefixIndex
 
-EXPIRE_EVERY_S = 1.0
+EXPIRE_EVERY_S = 1.0  # the prefix index's expiry and the speeds' ageing, at most this often
+PRIOR_MIN_SAMPLES = 5  # a backend's own samples before its speed counts toward its pool's prior
 MIXED = frozenset({"mixed"})
 PREFILL = frozenset({"prefill"})
 DECODE = frozenset({"decode"})
@@ -120,10 +121,38 @@ class Router:
             return
         if now >= self._next_expire:
             self.index.expire(now)
+            self.refresh_speeds(now)
             self._next_expire = now + EXPIRE_EVERY_S
         request.now = now
         request.matched_blocks = self.index.match(request.block_hashes, now)
         request.matched_at = now
+
+    def refresh_speeds(self, now: float) -> None:
+        """Age every backend's learned speeds by the time passed, and note each
+        backend's peers' speed (``BackendLoad.peer_ttft``): the (lower) median TTFT
+        overhead of the other backends of its pool that have measured theirs and, for
+        a backend without a speed hint, their median prefill rate scaled by the
+        backends' weights. A long-silent backend is judged by it when it is probed
+        again (:mod:`routing.policies.estimated_ttft`): as fast as its peers, not as
+        the built-in default nor as it last showed."""
+        pools: dict[str, list[BackendState]] = {}
+        for b in self.fleet.backends.values():
+            b.load.age(now)
+            pools.setdefault(b.spec.pool, []).append(b)
+        for members in pools.values():
+            measured = [b for b in members if b.load.ttft_fit.samples >= PRIOR_MIN_SAMPLES]
+            if not measured:
+                continue
+            for b in members:
+                peers = [p for p in measured if p is not b]
+                if not peers:
+                    continue
+                rates = sorted((1.0 / p.load.ttft_fit.slope) / p.spec.weight for p in peers)
+                overheads = sorted(p.load.ttft_fit.intercept for p in peers)
+                mid = (len(peers) - 1) // 2
+                fit = b.load.ttft_fit
+                slope = fit.prior_slope if b.load.hinted else 1.0 / (rates[mid] * b.spec.weight)
+                b.load.peer_ttft = (overheads[mid], slope)
 
     def plan(self, request: RouteRequest, now: float, long_prompt_tokens: int) -> Plan:
         """Choose the pools for ``request`` (DESIGN.md section 3, "Pools").
@@ -164,7 +193,7 @@ class Router:
         cached = request.cached_tokens(b.name)
         decision.detail.setdefault("matched_tokens", cached)
         load = b.load.admit(uncached_tokens=request.prompt_tokens - cached, prompt_tokens=request.prompt_tokens,
-                            output_tokens=request.output_tokens, now=now)
+                            output_tokens=request.output_tokens, now=now, stream=request.stream)
         self.index.record(b.name, request.block_hashes, now)
         if self.store is not None:
             self.store.record_dispatch(b.name, request.block_hashes)

@@ -221,7 +221,7 @@ async def _on_model(state: GatewayState, ex: Exchange,
     core, policy, m = state.core, state.retry, state.metrics
     parsed = ex.parsed
     first = len(ex.attempts)  # the attempts on earlier models do not count against this one's
-    ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt)
+    ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt, parsed.stream)
     now = loop.time()
     plan = core.plan(req, now, state.cfg.routing.long_prompt_tokens)
     roles, remote = plan.roles, False  # the first route reuses the plan's prefix match

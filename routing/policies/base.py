@@ -4,7 +4,7 @@ what it answers (:class:`Decision`) and the :class:`Policy` protocol itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from routing.fleet import BackendState
 
@@ -28,6 +28,8 @@ class RouteRequest:
       canary split (see :meth:`routing.router.Router.canary_pools`).
     - ``remote_prefill``: the prompt's KV arrives by transfer (decode leg of a
       disaggregated request): the backend computes no prefill for it.
+    - ``stream``: the answer is streamed, so its first token will be seen (a whole
+      answer shows only its end).
     - Set by the router before ``choose``: ``now`` (monotonic seconds) and
       ``matched_blocks`` (per backend, leading blocks it probably holds).
     """
@@ -43,6 +45,7 @@ class RouteRequest:
     roles: frozenset[str] | None = None
     pools: frozenset[str] | None = None
     remote_prefill: bool = False
+    stream: bool = True
     now: float = 0.0
     matched_blocks: dict[str, int] = field(default_factory=dict)
     matched_at: float | None = None

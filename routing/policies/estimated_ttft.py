@@ -44,6 +44,14 @@ TIE_ABSOLUTE_S = 0.0005
 FULL_SCAN_MAX = 32
 SAMPLE_MATCHED = 8
 SAMPLE_RANDOM = 16
+# A backend with no TTFT sample for this long, and nothing in flight here, is judged by
+# its prior (its pool's speed) rather than by what it last showed: optimism in the face
+# of uncertainty (Auer, Cesa-Bianchi and Fischer, "Finite-time Analysis of the
+# Multiarmed Bandit Problem", Machine Learning 47, 2002), so that a backend that was
+# slow for a while is measured again; at most one such probe per backend per period, or,
+# while its latest samples keep surprising its fit (``DecayedLinearFit.unsettled``), one
+# at a time until they agree.
+PROBE_AFTER_S = 10.0
 
 
 def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]:
@@ -58,6 +66,10 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
         work += load.external_queued_tokens(now)
         running += load.external_running(now)
     overhead, rate = load.ttft_params()
+    if load.waiting:  # the oldest request still waiting says how fast the backend is at most
+        bound = load.prefill_rate_bound(request.now, overhead)
+        if bound is not None and bound < rate:
+            rate = bound
     est = overhead + work / rate
     if running:
         now = request.now
@@ -67,7 +79,27 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
         if overflow > 0:
             mean_remaining = load.total_decode_tokens_remaining / max(load.total_running, 1)
             est += min(overflow / load.kv_capacity_tokens, 1.0) * mean_remaining * load.itl_s()
+    if load.engine is not None:
+        stale = load.metrics_staleness(request.now)
+        if stale:
+            est *= 1.0 + stale
     return est, uncached
+
+
+def _probe(request: RouteRequest, scored: list, limit: float) -> tuple | None:
+    """The candidate to measure again, if any (see :data:`PROBE_AFTER_S`): idle here,
+    unmeasured for that long or unsettled, and by its peers' speed (else its prior) at
+    least as fast as the best (within ``limit``, the tie band)."""
+    now = request.now
+    for (est, uncached), b in scored:
+        load = b.load
+        fit = load.ttft_fit
+        if load.queued or load.running or (not fit.unsettled and load.stale_s(now) < PROBE_AFTER_S):
+            continue
+        overhead, per_token = load.peer_ttft or (fit.prior_intercept, fit.prior_slope)
+        if overhead + uncached * per_token <= limit:
+            return (est, uncached), b
+    return None
 
 
 class EstimatedTTFT(BasePolicy):
@@ -89,8 +121,11 @@ class EstimatedTTFT(BasePolicy):
             best = min([s[0][0] for s in scored])
             limit = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
             ties = [s for s in scored if s[0][0] <= limit]
-            (est, uncached), chosen = ties[0] if len(ties) == 1 else self._rng.choice(ties)
-            if len(ties) > 1:
+            probe = _probe(request, scored, limit)
+            (est, uncached), chosen = probe or (ties[0] if len(ties) == 1 else self._rng.choice(ties))
+            if probe is not None:
+                reason = "probe"
+            elif len(ties) > 1:
                 reason = "tie"
             elif request.prompt_tokens - uncached > 0 and \
                     uncached < min([s[0][1] for s in scored if s[1] is not chosen], default=uncached):
