@@ -66,7 +66,7 @@ class DecayedLinearFit:
         self.samples = 0
         self.aged_at: float | None = None  # the time the observations' weights refer to
         self.last_sample_at: float | None = None
-        self.unsettled = False  # a surprise was seen and no sample has agreed with the fit since
+        self.unsettled = False  # a sample came in much faster than predicted, and none has agreed since
         self.set_prior(intercept, slope)
 
     def set_prior(self, intercept: float, slope: float) -> None:
@@ -101,7 +101,10 @@ class DecayedLinearFit:
         if self.samples:
             pred = self.intercept + self.slope * x
             ratio = UNSETTLED_RATIO if self.unsettled else SURPRISE_RATIO
-            if y > ratio * pred or y * ratio < pred:
+            if y > ratio * pred:  # slower than thought: learn it at once
+                d *= SURPRISE_KEEP
+                self.unsettled = False
+            elif y * ratio < pred:  # faster than thought: learn it, and measure again soon
                 d *= SURPRISE_KEEP
                 self.unsettled = True
             elif y < SETTLED_RATIO * pred and y * SETTLED_RATIO > pred:

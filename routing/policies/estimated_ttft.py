@@ -51,7 +51,7 @@ SAMPLE_RANDOM = 16
 # slow for a while is measured again; at most one such probe per backend per period, or,
 # while its latest samples keep surprising its fit (``DecayedLinearFit.unsettled``), one
 # at a time until they agree.
-PROBE_AFTER_S = 10.0
+PROBE_AFTER_S = 30.0
 
 
 def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]:
