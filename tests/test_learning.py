@@ -116,6 +116,7 @@ async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_w
     from tests.servers import completion_body, gateway_config, running_gateway
 
     hang = asyncio.Event()
+    SERVED = web.AppKey("served", dict)
 
     async def ok(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -140,7 +141,7 @@ async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_w
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/health", ok)
-        app["served"] = served
+        app[SERVED] = served
         return app
 
     apps = {"f1": backend(0.02, 1, False), "f2": backend(0.02, 1, False), "slow": backend(0.1, 0, True)}
@@ -168,8 +169,8 @@ async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_w
                         await r.read()
 
             await asyncio.gather(*(one(i) for i in range(150)))
-        slow = apps["slow"]["served"]["n"]
-        assert slow <= 150 // 3, {n: a["served"]["n"] for n, a in apps.items()}
+        slow = apps["slow"][SERVED]["n"]
+        assert slow <= 150 // 3, {n: a[SERVED]["n"] for n, a in apps.items()}
     finally:
         hang.set()
         for runner in runners:
