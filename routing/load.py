@@ -31,9 +31,11 @@ DEFAULT_KV_CAPACITY_TOKENS = 200_000
 # variable forgetting factor, after Fortescue, Kershenbaum and Ydstie, "Implementation
 # of self-tuning regulators with variable forgetting factors", Automatica 17, 1981).
 SURPRISE_RATIO = 5.0
-UNSETTLED_RATIO = 1.5  # the same, while the fit is unsettled: the new regime takes over in a few samples
+FASTER_RATIO = 2.0  # after a silence, a sample this many times faster than predicted is a surprise too
+UNSETTLED_RATIO = 1.5  # either way, while the fit is unsettled: the new regime takes over in a few samples
 SURPRISE_KEEP = 0.1
-SETTLED_RATIO = 1.1  # a sample this close to the prediction ends the surprise (``unsettled``)
+SETTLED_RATIO = 1.03  # a sample this close to the prediction ends the surprise (``unsettled``)
+WHOLE_SAMPLE_EVERY_S = 0.05  # whole answers teach a backend's speeds at most this often (they are many)
 
 
 class DecayedLinearFit:
@@ -51,7 +53,7 @@ class DecayedLinearFit:
     produce a negative speed.
     """
 
-    __slots__ = ("decay", "half_life_s", "prior", "prior_intercept", "prior_slope", "prior_x", "prior_w",
+    __slots__ = ("decay", "half_life_s", "prior", "wprior", "prior_intercept", "prior_slope", "prior_x", "prior_w",
                  "prior_floor", "s", "sx", "sy", "sxx", "sxy", "min_slope", "max_slope", "samples", "slope",
                  "intercept", "aged_at", "last_sample_at", "unsettled")
 
@@ -75,14 +77,22 @@ class DecayedLinearFit:
         x = self.prior_x
         # (s, sx, sy, sxx, sxy) of the points (0, b) and (x, b + m x), each of weight 1/2
         self.prior = (1.0, x / 2, (2 * intercept + slope * x) / 2, x * x / 2, x * (intercept + slope * x) / 2)
+        self._weigh_prior()
         self._refit()
 
-    def age(self, now: float) -> None:
-        """Forget the observations by the time passed since the last call (loop time,
-        seconds): their weight halves every ``half_life_s``."""
+    def _weigh_prior(self) -> None:
+        w = self.prior_w
+        self.wprior = tuple([w * v for v in self.prior])
+
+    def age(self, now: float, refit: bool = True) -> None:
+        """Forget the observations by the time passed since they were last aged (loop
+        time, seconds): their weight halves every ``half_life_s``. Steps shorter than
+        a hundredth of the half-life wait to be taken together."""
         at = self.aged_at
+        if at is not None and now - at < self.half_life_s * 0.01:
+            return
         self.aged_at = now
-        if at is None or now <= at or not self.s:
+        if at is None or not self.s:
             return
         f = 0.5 ** ((now - at) / self.half_life_s)
         self.s *= f
@@ -90,27 +100,33 @@ class DecayedLinearFit:
         self.sy *= f
         self.sxx *= f
         self.sxy *= f
-        self._refit()
+        if refit:
+            self._refit()
 
     def add(self, x: float, y: float, now: float | None = None) -> None:
         """Add one observation (made at loop time ``now``, when given)."""
+        silent = False  # the first sample after a third of a half-life without one (a probe's)
         if now is not None:
-            self.age(now)
+            self.age(now, refit=False)  # the refit below covers it
+            last = self.last_sample_at
+            silent = last is not None and now - last >= self.half_life_s / 3
             self.last_sample_at = now
         d = self.decay
         if self.samples:
             pred = self.intercept + self.slope * x
-            ratio = UNSETTLED_RATIO if self.unsettled else SURPRISE_RATIO
-            if y > ratio * pred:  # slower than thought: learn it at once
+            unsettled = self.unsettled
+            if y > (UNSETTLED_RATIO if unsettled else SURPRISE_RATIO) * pred:  # slower than thought: learn it at once
                 d *= SURPRISE_KEEP
                 self.unsettled = False
-            elif y * ratio < pred:  # faster than thought: learn it, and measure again soon
+            elif y * (UNSETTLED_RATIO if unsettled else FASTER_RATIO if silent else SURPRISE_RATIO) < pred:
+                # faster than thought: learn it, and measure again soon
                 d *= SURPRISE_KEEP
                 self.unsettled = True
             elif y < SETTLED_RATIO * pred and y * SETTLED_RATIO > pred:
                 self.unsettled = False
         if self.prior_w > self.prior_floor:
             self.prior_w = max(self.prior_w * d, self.prior_floor)
+            self._weigh_prior()
         self.s = self.s * d + 1.0
         self.sx = self.sx * d + x
         self.sy = self.sy * d + y
@@ -122,10 +138,8 @@ class DecayedLinearFit:
     def _refit(self) -> None:
         # ``slope`` and ``intercept`` are plain attributes, refitted on each change:
         # routing reads them for every candidate of every request
-        w = self.prior_w
-        ps, psx, psy, psxx, psxy = self.prior
-        s, sx, sy = w * ps + self.s, w * psx + self.sx, w * psy + self.sy
-        sxx, sxy = w * psxx + self.sxx, w * psxy + self.sxy
+        ps, psx, psy, psxx, psxy = self.wprior
+        s, sx, sy, sxx, sxy = ps + self.s, psx + self.sx, psy + self.sy, psxx + self.sxx, psxy + self.sxy
         var = s * sxx - sx * sx
         if var <= 1e-12 * max(s * sxx, 1e-30):
             slope = self.min_slope
@@ -417,6 +431,9 @@ class RequestLoad:
 
     def _learn_whole(self, now: float, completion_tokens: int) -> None:
         b = self.backend
+        last = b.ttft_fit.last_sample_at
+        if last is not None and now - last < WHOLE_SAMPLE_EVERY_S:
+            return
         total = now - self.dispatched_at
         work = self.queued_ahead_tokens + self.uncached_tokens
         decode = (completion_tokens - 1) * b.itl_s(b.running)

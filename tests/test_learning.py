@@ -26,7 +26,7 @@ def test_a_backend_slow_for_a_while_gets_its_share_back():
     rng = random.Random(0)
     names: list[str] = []
     restored_at = None
-    for i in range(3000):
+    for i in range(5000):  # 1,000 s: one probe per PROBE_AFTER_S while it looks slow
         names.append(vf.submit(_prompt(rng), i * 0.2))
         if restored_at is None and names.count("b") == 20:
             vf.rates["b"] = 20000.0

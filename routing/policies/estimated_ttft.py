@@ -109,6 +109,7 @@ class EstimatedTTFT(BasePolicy):
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
+        self._probe_at = 0.0  # probes are looked for at most once a second (they are 30 s apart)
 
     def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
         if len(candidates) > FULL_SCAN_MAX:
@@ -121,7 +122,10 @@ class EstimatedTTFT(BasePolicy):
             best = min([s[0][0] for s in scored])
             limit = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
             ties = [s for s in scored if s[0][0] <= limit]
-            probe = _probe(request, scored, limit)
+            probe = None
+            if request.now >= self._probe_at:
+                self._probe_at = request.now + 1.0
+                probe = _probe(request, scored, limit)
             (est, uncached), chosen = probe or (ties[0] if len(ties) == 1 else self._rng.choice(ties))
             if probe is not None:
                 reason = "probe"
