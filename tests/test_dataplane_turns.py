@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -24,7 +22,7 @@ import uvloop
 from gateway.app import STATE, create_app
 from gateway.server import listen
 from gateway.transport import UpstreamPool
-from tests.servers import gateway_config, running_gateway, sse_chunk, wait_until
+from tests.servers import gateway_config, raw_backend, running_gateway, sse_chunk, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
@@ -35,7 +33,6 @@ USAGE = (b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":
          b'"usage":{"prompt_tokens":9,"completion_tokens":%d,"total_tokens":%d}}\n\n')
 DONE = b"data: [DONE]\n\n"
 
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 def chunk(data: bytes) -> bytes:
@@ -53,26 +50,6 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
     return head + await reader.readexactly(length)
-
-
-@asynccontextmanager
-async def raw_backend(script: Script) -> AsyncIterator[str]:
-    """A loopback server running ``script(reader, writer)`` per connection."""
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await script(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass  # the gateway went away, or the test ended with the connection still open
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        await server.wait_closed()
-
 
 def token_events(n: int) -> list[bytes]:
     return [sse_chunk(i, f" t{i}") for i in range(n)]

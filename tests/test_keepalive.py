@@ -6,28 +6,25 @@ sockets throughout: a real relay that drops idle connections, the real openai SD
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import orjson
 from aiohttp import web
 
-from tests.servers import ScriptedBackend, gateway_config, running_gateway, sse_chunk
+from tests.servers import ScriptedBackend, gateway_config, raw_backend, running_gateway, sse_chunk
 
 MESSAGES = [{"role": "user", "content": "think hard"}]
 IDLE_CUT_S = 1.0  # the relay in front drops a connection that carried no byte for this long
 THINK_S = 2.0  # the backend's wait before its first token: longer than IDLE_CUT_S
 
 
-@contextlib.asynccontextmanager
-async def idle_cutting_relay(target_port: int, idle_s: float) -> AsyncIterator[str]:
+def idle_cutting_relay(target_port: int, idle_s: float):
     """A TCP relay on 127.0.0.1 to ``target_port`` that closes both sides of a
     connection when no byte went from the server to the client for ``idle_s`` seconds
     (what a cloud load balancer or an nginx ``proxy_read_timeout`` does)."""
 
-    async def handle(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+    async def relay(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         s_reader, s_writer = await asyncio.open_connection("127.0.0.1", target_port)
 
         async def upstream() -> None:
@@ -35,7 +32,8 @@ async def idle_cutting_relay(target_port: int, idle_s: float) -> AsyncIterator[s
                 s_writer.write(data)
                 await s_writer.drain()
 
-        async def downstream() -> None:
+        up = asyncio.ensure_future(upstream())
+        try:
             while True:
                 try:
                     data = await asyncio.wait_for(s_reader.read(65536), idle_s)
@@ -45,21 +43,11 @@ async def idle_cutting_relay(target_port: int, idle_s: float) -> AsyncIterator[s
                     return
                 c_writer.write(data)
                 await c_writer.drain()
-
-        up = asyncio.ensure_future(upstream())
-        try:
-            await downstream()
         finally:
             up.cancel()
-            for w in (c_writer, s_writer):
-                w.close()
+            s_writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        await server.wait_closed()
+    return raw_backend(relay)  # raw_backend closes the client side
 
 
 async def thinking(b, request, body):
