@@ -148,6 +148,14 @@ class _FleetCollector(Collector):
         itl = GaugeMetricFamily("turbo_gateway_backend_itl_seconds",
                                 "Learned inter-token latency at the current number of running streams",
                                 labels=["backend"])
+        age = GaugeMetricFamily("turbo_gateway_backend_metrics_age_seconds",
+                                "Age of the backend's last engine-metrics sample (absent: none yet); past "
+                                "3 scrape intervals routing counts the backend as uncertain, not idle",
+                                labels=["backend"])
+        try:
+            now: float | None = asyncio.get_running_loop().time()  # the clock of the engine samples
+        except RuntimeError:  # rendered outside the loop
+            now = None
         for b in self.fleet.backends.values():
             in_flight.add_metric([b.name], b.in_flight)
             healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
@@ -158,7 +166,9 @@ class _FleetCollector(Collector):
             kv_cap.add_metric([b.name], load.kv_capacity_tokens)
             rate.add_metric([b.name], load.prefill_tokens_per_s)
             itl.add_metric([b.name], load.itl_s())
-        yield from (in_flight, healthy, queued, running, kv, kv_cap, rate, itl)
+            if load.engine is not None and now is not None:
+                age.add_metric([b.name], max(now - load.engine.at, 0.0))
+        yield from (in_flight, healthy, queued, running, kv, kv_cap, rate, itl, age)
 
 
 class _StoreCollector(Collector):

@@ -175,3 +175,50 @@ async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_w
         hang.set()
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_stale_engine_metrics_show_in_the_route_header_and_the_metrics():
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.servers import ScriptedBackend, gateway_config, running_gateway
+
+    answered, release = asyncio.Event(), asyncio.Event()
+
+    async def metrics(request: web.Request) -> web.Response:
+        if answered.is_set():
+            await release.wait()  # answered once, then stopped answering (until the test ends)
+        answered.set()
+        return web.Response(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n")
+
+    async with ScriptedBackend().running() as be:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        murl = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}],
+                                 routing={"policy": "estimated_ttft", "scrape_interval_s": 0.05})
+            async with running_gateway(cfg) as gw:
+                gw.state.clients["b"].base_url = murl  # the scraper reads this engine's /metrics
+                load = gw.state.fleet.backends["b"].load
+                while load.engine is None or not load.metrics_staleness(asyncio.get_running_loop().time()):
+                    await asyncio.sleep(0.05)  # bounded by the test's timeout: staleness comes within 0.3 s
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(gw.url + "/v1/chat/completions",
+                                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                        assert r.status == 200 and "metrics_stale=1" in r.headers["x-turbo-route"]
+                    async with s.get(gw.url + "/metrics") as r:
+                        text = await r.text()
+                ages = [smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                        if smp.name == "turbo_gateway_backend_metrics_age_seconds"]
+                assert ages and ages[0] > 0.15  # older than 3 scrape intervals
+        finally:
+            release.set()
+            await runner.cleanup()

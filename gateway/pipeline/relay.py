@@ -198,6 +198,8 @@ def route_header(decision: Decision, fallback: str = "", fallback_reason: str = 
              f"matched_tokens={int(d.get('matched_tokens', 0))}"]
     if "ttft_est_s" in d:
         parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
+    if "metrics_stale" in d:
+        parts.append("metrics_stale=1")
     if fallback_reason:
         parts.append(f"fallback={fallback}; fallback_reason={fallback_reason}")
     return "; ".join(parts)

@@ -137,8 +137,10 @@ class EstimatedTTFT(BasePolicy):
             else:
                 reason = "least_load"
         cached = request.prompt_tokens - uncached
-        return Decision(chosen, self.name, reason, {"ttft_est_s": est, "matched_tokens": cached,
-                                                    "uncached_tokens": uncached})
+        detail = {"ttft_est_s": est, "matched_tokens": cached, "uncached_tokens": uncached}
+        if chosen.load.engine is not None and chosen.load.metrics_staleness(request.now):
+            detail["metrics_stale"] = 1  # its estimate counted its stale engine metrics as uncertainty
+        return Decision(chosen, self.name, reason, detail)
 
     def _sample(self, request: RouteRequest, candidates: Sequence[BackendState]) -> list[BackendState]:
         matched = request.matched_blocks
