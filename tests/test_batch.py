@@ -38,6 +38,15 @@ def redis():
         yield url
 
 
+def consumer_config(cfg, gateway_url: str, tmp_path: Path) -> Path:
+    """``cfg`` as a file for ``python -m gateway.batch`` consumers posting to ``gateway_url``."""
+    path = tmp_path / "batch.yaml"
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    data["batch"]["gateway_url"] = gateway_url
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def batch_config(backends: list[dict[str, Any]], redis: str, tmp_path: Path, **batch: Any):
     return gateway_config(backends, state={"namespace": f"t{uuid.uuid4().hex[:8]}"},
                           batch={"enabled": True, "redis_url": redis, "files_dir": str(tmp_path / "files"),
@@ -329,10 +338,7 @@ async def test_sigkill_one_of_two_consumers_loses_and_duplicates_nothing(redis, 
     logs = [tmp_path / "consumer-a.log", tmp_path / "consumer-b.log"]
     try:
         async with running_gateway(cfg) as gw, sdk(gw) as client:
-            path = tmp_path / "batch.yaml"
-            data = cfg.model_dump(mode="json", exclude_none=True)
-            data["batch"]["gateway_url"] = gw.url
-            path.write_text(yaml.safe_dump(data))
+            path = consumer_config(cfg, gw.url, tmp_path)
             for log in logs:
                 procs.append(subprocess.Popen([sys.executable, "-m", "gateway.batch", "--config", str(path),
                                                "--workers", "8"], stdout=subprocess.DEVNULL,
@@ -426,10 +432,7 @@ async def test_sigterm_drains_hands_back_and_no_line_waits_for_the_visibility_ti
                            visibility_timeout_s=VISIBILITY_S, drain_timeout_s=DRAIN_S)
         try:
             async with running_gateway(cfg) as gw, sdk(gw) as client:
-                path = tmp_path / "batch.yaml"
-                data = cfg.model_dump(mode="json", exclude_none=True)
-                data["batch"]["gateway_url"] = gw.url
-                path.write_text(yaml.safe_dump(data))
+                path = consumer_config(cfg, gw.url, tmp_path)
 
                 def consumer(log: Path) -> subprocess.Popen:
                     return subprocess.Popen([sys.executable, "-m", "gateway.batch", "--config", str(path),

@@ -164,14 +164,8 @@ async def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
         status, body, headers = failure_answer(None, str(no_backend), no_backend.retry_after_s)
     if ex.down.started:
         reason = err.reason if err is not None else "no_backend_available"
-        state.metrics.child(state.metrics.stream_errors, ex.backend or "none", reason).inc()
-        log.warning("stream %s failed before its first event, after keep-alive comments: %s", ex.request_id,
-                    err.message if err is not None else no_backend)
-        try:
-            await ex.down.end_stream(b"data: " + body + b"\n\n")
-        except ClientGone:
-            pass
-        return finish(state, ex, status)
+        message = err.message if err is not None else str(no_backend)
+        return await _end_stream(state, ex, reason, status, message, b"data: " + body + b"\n\n")
     headers[REQUEST_ID_HEADER] = ex.request_id
     if ex.backend:
         headers[BACKEND_HEADER] = ex.backend
@@ -180,13 +174,21 @@ async def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
 
 
 async def stream_failed(state: GatewayState, ex: Exchange, err: UpstreamError) -> None:
-    """A stream failed after bytes (its head, at least) reached the client: end it
-    with an error event (no ``[DONE]``) and count it."""
-    state.metrics.child(state.metrics.stream_errors, err.backend, err.reason).inc()
+    """A stream failed after its first event reached the client: end it with an error
+    event (no ``[DONE]``) and count it."""
     prefix = b"\n\n" if ex.scan is not None and ex.scan.tail else b""
-    log.warning("stream %s from %s failed after the first byte: %s", ex.request_id, err.backend, err.message)
+    await _end_stream(state, ex, err.reason, err.status, err.message,
+                      prefix + sse_error_event(err.message, err.reason))
+
+
+async def _end_stream(state: GatewayState, ex: Exchange, reason: str, status: int, message: str,
+                      event: bytes) -> None:
+    """End a stream whose head went out with the error ``event``; count it."""
+    backend = ex.backend or "none"
+    state.metrics.child(state.metrics.stream_errors, backend, reason).inc()
+    log.warning("stream %s from %s failed after its head went out: %s", ex.request_id, backend, message)
     try:
-        await ex.down.end_stream(prefix + sse_error_event(err.message, err.reason))
+        await ex.down.end_stream(event)
     except ClientGone:
         pass
-    finish(state, ex, err.status)
+    finish(state, ex, status)
