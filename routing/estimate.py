@@ -16,7 +16,9 @@ request field), so equal text for two models, or two tenants, never collides.
 from __future__ import annotations
 
 import functools
-
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +95,30 @@ def block_hashes(text: bytes, block_bytes: int, seed: int) -> tuple[int, ...]:
     h = seed
     for start in range(0, len(text) - block_bytes + 1, block_bytes):
         h = xxhash.xxh3_64_intdigest(text[start:start + block_bytes], seed=h)
+        out.append(h)
+    return tuple(out)
+
+
+def token_block_keys(token_ids: Sequence[int], block_size: int, seed: int) -> tuple[int, ...]:
+    """Chained 64-bit keys of the full ``block_size``-token blocks of ``token_ids``: the
+    token-exact counterpart of :func:`block_hashes`, the key of precise prefix entries.
+
+    Key ``i`` is ``xxh3_64(uint32 little-endian token ids of block i, seed=key_{i-1})``
+    with ``key_{-1} = seed`` (:func:`chain_seed` of the model or adapter and the
+    ``cache_salt``). The key is ours, computed from token ids alone, the way llm-d keys
+    the blocks of engine KV events, so that no engine hash function has to be
+    reproduced: the ``token_ids`` of a vLLM ``BlockStored`` event and the gateway's own
+    tokenization of a prompt give the same keys. Token ids must be in ``[0, 2**32)``.
+    """
+    out = []
+    h = seed
+    ids = array("I", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    raw = ids.tobytes()
+    step = 4 * block_size
+    for start in range(0, len(raw) - step + 1, step):
+        h = xxhash.xxh3_64_intdigest(raw[start:start + step], seed=h)
         out.append(h)
     return tuple(out)
 

@@ -28,6 +28,11 @@ class RouteRequest:
       canary split (see :meth:`routing.router.Router.canary_pools`).
     - ``remote_prefill``: the prompt's KV arrives by transfer (decode leg of a
       disaggregated request): the backend computes no prefill for it.
+    - ``token_ids``: the prompt's token ids as the engine will see them, when the
+      model's tokenizer is known (``None`` otherwise).
+    - ``token_keys``: the token-exact keys of the prompt's full blocks per engine
+      block size (``{block_size: keys}``, see :func:`routing.estimate.token_block_keys`),
+      computed from ``token_ids``: the key of precise prefix entries.
     - ``stream``: the answer is streamed, so its first token will be seen (a whole
       answer shows only its end).
     - Set by the router before ``choose``: ``now`` (monotonic seconds) and
@@ -46,6 +51,8 @@ class RouteRequest:
     pools: frozenset[str] | None = None
     remote_prefill: bool = False
     stream: bool = True
+    token_ids: Sequence[int] | None = None
+    token_keys: dict[int, tuple[int, ...]] | None = None
     now: float = 0.0
     matched_blocks: dict[str, int] = field(default_factory=dict)
     matched_at: float | None = None
