@@ -163,6 +163,16 @@ class DecisionCore:
         its load. Raises :class:`UnknownModel` and :class:`NoBackendAvailable`."""
         return self.router.route(req, now)
 
+    def reserve(self, req: RouteRequest, backend: BackendState, now: float) -> Reservation:
+        """Reserve ``req``'s load on ``backend`` without choosing: a request that a
+        proxy retried by itself was served by ``backend`` instead of the routed one."""
+        return self.router.reserve(req, backend, now)
+
+    def alternatives(self, req: RouteRequest, chosen: BackendState, now: float, limit: int) -> list[BackendState]:
+        """Up to ``limit`` other backends for ``req`` after ``chosen``, soonest
+        estimated TTFT first (nothing reserved): a proxy's retry order."""
+        return self.router.alternatives(req, chosen, now, limit)
+
     def canary_pools(self, model: str) -> tuple[frozenset[str] | None, frozenset[str] | None]:
         """(pools this request may use, pools to fall back to) under a canary split."""
         return self.router.canary_pools(model)

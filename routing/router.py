@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from routing.fleet import BackendState, Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Policy, RouteRequest
+from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 
 EXPIRE_EVERY_S = 1.0  # the prefix index's expiry and the speeds' ageing, at most this often
@@ -75,6 +76,10 @@ class Router:
                 raise NoBackendAvailable(request.model)
         if request.pools is not None:
             all_candidates = [b for b in all_candidates if b.spec.pool in request.pools]
+            if not all_candidates:
+                raise NoBackendAvailable(request.model)
+        if request.subset is not None:
+            all_candidates = [b for b in all_candidates if b.name in request.subset]
             if not all_candidates:
                 raise NoBackendAvailable(request.model)
         all_candidates = [b for b in all_candidates if not b.draining]  # draining: no new requests
@@ -189,14 +194,35 @@ class Router:
         candidates = self.eligible(request, now)
         self._match(request, now)
         decision = self.policy.choose(request, candidates)
-        b = decision.backend
+        decision.detail.setdefault("matched_tokens", request.cached_tokens(decision.backend.name))
+        reservation = self.reserve(request, decision.backend, now)
+        self.policy.on_dispatch(request, decision)
+        return decision, reservation
+
+    def reserve(self, request: RouteRequest, b: BackendState, now: float) -> Reservation:
+        """Reserve ``request``'s load on ``b`` (its uncached prompt tokens join ``b``'s
+        prefill queue) and record its blocks in the prefix index: what :meth:`route`
+        does once it chose, and what a data plane does when a request was served by
+        another backend than the one routed to (a proxy's own retry)."""
+        self._match(request, now)
         cached = request.cached_tokens(b.name)
-        decision.detail.setdefault("matched_tokens", cached)
         load = b.load.admit(uncached_tokens=request.prompt_tokens - cached, prompt_tokens=request.prompt_tokens,
                             output_tokens=request.output_tokens, now=now, stream=request.stream)
         self.index.record(b.name, request.block_hashes, now)
         if self.store is not None:
             self.store.record_dispatch(b.name, request.block_hashes)
-        reservation = self.fleet.reserve(b, load, now)
-        self.policy.on_dispatch(request, decision)
-        return decision, reservation
+        return self.fleet.reserve(b, load, now)
+
+    def alternatives(self, request: RouteRequest, chosen: BackendState, now: float, limit: int) -> list[BackendState]:
+        """Up to ``limit`` other eligible backends for ``request`` besides ``chosen``, by
+        estimated TTFT (:func:`routing.policies.estimated_ttft.estimate_ttft`), soonest
+        first: where a proxy that retries by itself goes next. Nothing is reserved."""
+        if limit <= 0:
+            return []
+        try:
+            candidates = [b for b in self.eligible(request, now) if b is not chosen]
+        except NoBackendAvailable:
+            return []
+        self._match(request, now)
+        candidates.sort(key=lambda b: estimate_ttft(b, request)[0])
+        return candidates[:limit]

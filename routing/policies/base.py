@@ -26,6 +26,8 @@ class RouteRequest:
     - ``roles``: pool roles the backend may have (``None``: any).
     - ``pools``: pool names the backend may belong to (``None``: any), set by a
       canary split (see :meth:`routing.router.Router.canary_pools`).
+    - ``subset``: backend names the request may go to at all (``None``: any), e.g.
+      a proxy's subset hint; unlike ``exclude`` it is never relaxed.
     - ``remote_prefill``: the prompt's KV arrives by transfer (decode leg of a
       disaggregated request): the backend computes no prefill for it.
     - ``token_ids``: the prompt's token ids as the engine will see them, when the
@@ -49,6 +51,7 @@ class RouteRequest:
     tokens_per_block: float = 64.0
     roles: frozenset[str] | None = None
     pools: frozenset[str] | None = None
+    subset: frozenset[str] | None = None
     remote_prefill: bool = False
     stream: bool = True
     token_ids: Sequence[int] | None = None
