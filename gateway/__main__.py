@@ -1,4 +1,7 @@
-"""``python -m gateway --config backends.yaml [--host H] [--port P] [--log-level L]``.
+"""``python -m gateway --config backends.yaml [--host H] [--port P] [--epp [--grpc-port G]] [--log-level L]``.
+
+``--epp`` also serves the endpoint picker behind Envoy (gRPC ext_proc, see
+:mod:`gateway.epp`) on ``--grpc-port`` (``listen.epp`` in the config).
 
 Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM), 2 for a user error (bad
 config, address in use), 1 for anything unexpected.
@@ -32,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="path to backends.yaml")
     ap.add_argument("--host", help="listen address (overrides listen.host; default 127.0.0.1)")
     ap.add_argument("--port", type=int, help="listen port (overrides listen.port; default 8080)")
+    ap.add_argument("--epp", action="store_true",
+                    help="also serve as Envoy's endpoint picker (gRPC ext_proc; sets listen.epp.enabled)")
+    ap.add_argument("--grpc-port", type=int, help="the endpoint picker's gRPC port (overrides listen.epp.port)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--workers", type=int, default=1,
                     help="processes sharing the listening port (SO_REUSEPORT); share state via state.url")
@@ -41,6 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    epp = cfg.listen.epp
+    if args.epp or args.grpc_port is not None:
+        if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
+            print(f"error: --grpc-port {args.grpc_port} is not a valid TCP port", file=sys.stderr)
+            return 2
+        epp = epp.model_copy(update={"enabled": epp.enabled or args.epp,
+                                     "port": epp.port if args.grpc_port is None else args.grpc_port})
+        cfg = cfg.model_copy(update={"listen": cfg.listen.model_copy(update={"epp": epp})})
+    if epp.enabled and args.workers > 1:
+        print("error: the endpoint picker serves from one process; run replicas sharing state.url instead "
+              "of --workers", file=sys.stderr)
         return 2
     host = args.host or cfg.listen.host
     port = cfg.listen.port if args.port is None else args.port
@@ -72,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if e.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
             print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
+            return 2
+        if e.errno is None:  # the endpoint picker's gRPC port (gateway.epp says which)
+            print(f"error: {e}", file=sys.stderr)
             return 2
         raise
     except DemoFleetError as e:

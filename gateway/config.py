@@ -191,6 +191,26 @@ class Pool(_Strict):
         "request.")
 
 
+class EndpointPicker(_Strict):
+    """The gateway as the endpoint picker (EPP) of the Kubernetes Gateway API Inference
+    Extension: Envoy's ``ext_proc`` filter asks it, over gRPC, which backend takes each
+    request (:mod:`gateway.epp`; protocol: ``docs/proposals/004-endpoint-picker-protocol``
+    in kubernetes-sigs/gateway-api-inference-extension)."""
+
+    enabled: bool = Field(False, description="Serve the ext_proc gRPC API; `--epp` sets it.")
+    host: str | None = Field(None, description="gRPC listen address (default: `listen.host`).")
+    port: int = Field(9002, ge=0, le=65535, description="gRPC listen port; `--grpc-port` overrides it.")
+    response_body: bool = Field(
+        True, description="Read each response's body (Envoy sends every chunk over gRPC): the first "
+        "token's time and the final `usage` teach the load model as behind the gateway's own data "
+        "plane. `false`: one gRPC message per response instead of one per chunk, and the load model "
+        "learns only from response status, stream end and the engines' scraped metrics (no TTFT, ITL "
+        "or token counts from these requests; see docs/endpoint-picker.md).")
+    fallback_endpoints: int = Field(
+        2, ge=0, le=16, description="Endpoints listed after the chosen one, soonest estimated TTFT first, "
+        "for Envoy to retry on when the chosen one fails before answering.")
+
+
 class Listen(_Strict):
     """Where the gateway listens, and on which server protocol."""
 
@@ -201,6 +221,9 @@ class Listen(_Strict):
         "HTTP/1.1 data-plane protocol; every other request (another path, a body coding, `Expect`, "
         "HTTP/1.0, an unusual head) is handed to aiohttp's server unchanged. `false`: aiohttp serves "
         "everything.")
+    epp: EndpointPicker = Field(
+        EndpointPicker(), description="Also serve as the endpoint picker behind Envoy (gRPC ext_proc); "
+        "`/metrics` and the admin API stay on HTTP.")
 
 
 class CanarySplit(_Strict):

@@ -163,6 +163,14 @@ class Disconnected(UpstreamError):
         self.got_bytes = got_bytes
 
 
+class ProxyRetried(UpstreamError):
+    """Behind Envoy (:mod:`gateway.epp`): the request was served by another backend
+    than the one picked, so the picked one failed before answering, for a reason only
+    the proxy saw (refused, reset, a 5xx)."""
+
+    reason = "proxy_retry"
+
+
 class BackendStatus(UpstreamError):
     """The backend answered with a status other than 200. 429, 502, 503 and 504 are
     retryable; other 4xx and 5xx are relayed to the client as the backend sent them; a

@@ -45,10 +45,20 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
     module doc); SIGHUP reloads the config file. Raises ``OSError`` when the address
     cannot be bound."""
     server = await listen(app, host, port, reuse_port=reuse_port)
+    picker = None  # gateway.epp.EndpointPicker, with listen.epp
     try:
         addr = server.addresses[0]
         log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
         print(f"turbo-gateway listening on http://{addr[0]}:{addr[1]}", file=sys.stderr, flush=True)
+        epp = app[STATE].cfg.listen.epp
+        if epp.enabled:
+            from gateway.epp import EndpointPicker  # grpc and Envoy's protos load only when used
+            picker = EndpointPicker(app[STATE])
+            epp_host = epp.host or host
+            epp_port = await picker.start(epp_host, epp.port)
+            log.info("endpoint picker (Envoy ext_proc, gRPC) listening on %s:%d", epp_host, epp_port)
+            print(f"endpoint picker (Envoy ext_proc, gRPC) listening on {epp_host}:{epp_port}", file=sys.stderr,
+                  flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -66,12 +76,15 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
         in_flight = sum(b.in_flight for b in app[STATE].fleet.backends.values())
         log.warning("draining: stopped accepting connections; waiting up to %.0f s for %d in-flight request(s)",
                     drain_s, in_flight)
+        if picker is not None:
+            await picker.drain()
         main = asyncio.current_task()
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
             loop.add_signal_handler(sig, main.cancel)  # type: ignore[union-attr]
     finally:
         try:
-            await server.shutdown(app[STATE].cfg.lifecycle.drain_timeout_s)
+            drain_s = app[STATE].cfg.lifecycle.drain_timeout_s
+            await asyncio.gather(server.shutdown(drain_s), *([picker.stop(drain_s)] if picker is not None else []))
         except asyncio.CancelledError:
             log.warning("second signal: stopped without finishing the drain")
         log.info("shut down")

@@ -19,6 +19,8 @@ scraping, which are not on a request's path, use aiohttp.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -217,6 +219,23 @@ class UpstreamPool:
         return len(self._idle)
 
 
+def endpoint_of(base_url: str) -> str:
+    """The ``ip:port`` (``[ip6]:port``) of a backend's base URL, as a proxy in front
+    names its destination (:mod:`gateway.epp`); a host name is resolved once, since
+    Envoy's override-host policy takes addresses."""
+    u = urlsplit(base_url)
+    host = u.hostname or ""
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, IndexError, ValueError):
+            return f"{host}:{port}"
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
 class BackendClient:
     """How to reach one backend: its state in the decision core, base URL, timeouts,
     the ``Authorization`` header sent to it (the caller's own key never is), the
@@ -224,7 +243,7 @@ class BackendClient:
     aiohttp ``session`` for the health checks and metric scraping. Made inside the
     running loop."""
 
-    __slots__ = ("state", "base_url", "session", "timeouts", "auth_header", "pool", "auth_line")
+    __slots__ = ("state", "base_url", "session", "timeouts", "auth_header", "pool", "auth_line", "endpoint")
 
     def __init__(self, state, base_url: str, session, timeouts, auth_header: str | None = None) -> None:
         self.state = state
@@ -234,3 +253,4 @@ class BackendClient:
         self.auth_header = auth_header
         self.pool = UpstreamPool(base_url, timeouts.connect_s, name=state.name)
         self.auth_line = b"Authorization: %s\r\n" % header_value(auth_header) if auth_header else b""
+        self.endpoint = endpoint_of(base_url)  # ip:port, as Envoy names it

@@ -42,7 +42,7 @@ from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
 from gateway.pipeline.relay import KeepAlives, StreamScan, close_comment
 from gateway.pipeline.settle import ServedMetrics
-from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, UnknownModel
+from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, RouteRequest, UnknownModel
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.pipeline")
 
 PRIORITY_HEADER = "x-turbo-priority"  # "batch": a batch line, admitted by the batch gate
+
+# One attempt on one backend: ``(state, ex, client, reservation)``; raises an
+# UpstreamError when the request may be tried elsewhere (see attempt.run).
+Send = Callable[["GatewayState", "Exchange", Any, Any], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -66,23 +70,29 @@ class Exchange:
     keepalive: KeepAlives | None = None  # where its keep-alive comments fall due, while its first event is awaited
     backend: str = ""  # the backend of the current (or last) attempt
     estimate: PromptEstimate | None = None
+    request: RouteRequest | None = None  # what the decision core routes on the current model
     decision: Decision | None = None
     body: bytes = b""  # what is sent upstream: the client's bytes unless a leg rewrote them
     scan: StreamScan | None = None  # the stream being relayed, if any
     attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
     tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
     served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
+    subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
+    send: Send = attempt.run  # the attempt step: the gateway's own, or the endpoint picker's (gateway.epp)
 
 
 async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes | Callable[[], Awaitable[bytes]],
-                 down: Downstream, arrival: float, request_id: str) -> None:
+                 down: Downstream, arrival: float, request_id: str, *, send: Send = attempt.run,
+                 subset: frozenset[str] | None = None) -> None:
     """Serve one completion request (``endpoint``: ``chat`` or ``completions``) whose
     head was read: ``headers`` (case-insensitive mapping), ``body`` the body bytes or a
     coroutine function reading them (raising :class:`ClientError` 400/413). Admit it
     (the batch gate for ``x-turbo-priority: batch``, the caller's limits, the
-    admission queue; 429/503 :class:`ClientError`) and :func:`forward` it. The answer,
-    or the OpenAI error, goes to ``down``. Raises ``CancelledError`` when the client
-    left."""
+    admission queue; 429/503 :class:`ClientError`) and :func:`forward` it, each attempt
+    made by ``send`` (the gateway's own :func:`~gateway.pipeline.attempt.run`, or the
+    endpoint picker's hand-off to Envoy) on a backend in ``subset`` (names; ``None``:
+    any). The answer, or the OpenAI error, goes to
+    ``down``. Raises ``CancelledError`` when the client left."""
     gate = kv = permit = None
     ex: Exchange
     try:
@@ -100,7 +110,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         charge = 0.0
         if key is not None and key.tokens_per_minute is not None:
             charge = state.core.prompt_tokens(parsed.model, parsed.prompt_text) + (parsed.max_tokens or 0)
-        ex = Exchange(down, parsed, request_id, arrival)
+        ex = Exchange(down, parsed, request_id, arrival, subset=subset, send=send)
         permit = state.limiter.acquire(key, charge)  # 429 when over a per-key limit
         await state.admission.admit(parsed.model, caller.name, caller.priority)
         await forward(state, ex)
@@ -222,6 +232,8 @@ async def _on_model(state: GatewayState, ex: Exchange,
     parsed = ex.parsed
     first = len(ex.attempts)  # the attempts on earlier models do not count against this one's
     ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt, parsed.stream)
+    ex.request = req
+    req.subset = ex.subset
     now = loop.time()
     plan = core.plan(req, now, state.cfg.routing.long_prompt_tokens)
     roles, remote = plan.roles, False  # the first route reuses the plan's prefix match
@@ -259,7 +271,7 @@ async def _on_model(state: GatewayState, ex: Exchange,
         ex.backend, ex.decision = backend.name, decision
         ex.attempts.append((backend.name, now, "started"))
         try:
-            await attempt.run(state, ex, state.clients[backend.name], reservation)
+            await ex.send(state, ex, state.clients[backend.name], reservation)
             return None
         except UpstreamError as err:
             settle.attempt_failed(state, backend, reservation, err)

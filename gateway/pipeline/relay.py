@@ -292,17 +292,21 @@ def close_comment(task: asyncio.Task) -> None:
         task.exception()
 
 
-def whole(state: GatewayState, ex: Exchange, up: Upstream, data: bytes, reservation: Reservation) -> None:
-    """Answer with a whole (non-streamed) response ``data`` and settle it."""
-    usage = None
+def whole_usage(data: bytes) -> Any:
+    """The ``usage`` object of a whole (non-streamed) response body, or ``None``."""
     if b'"usage"' in data:
         try:
             obj = orjson.loads(data)
-            usage = obj.get("usage") if isinstance(obj, dict) else None
+            return obj.get("usage") if isinstance(obj, dict) else None
         except orjson.JSONDecodeError:
             pass
+    return None
+
+
+def whole(state: GatewayState, ex: Exchange, up: Upstream, data: bytes, reservation: Reservation) -> None:
+    """Answer with a whole (non-streamed) response ``data`` and settle it."""
     settle.first_byte(state, ex, None, state.loop.time())
-    settle.completed(state, ex, reservation, usage, 0, whole=True)
+    settle.completed(state, ex, reservation, whole_usage(data), 0, whole=True)
     settle.finish(state, ex, 200)
     ex.down.respond(200, data, _answer_headers(ex, up, "application/json"))
 

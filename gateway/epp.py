@@ -1,0 +1,498 @@
+"""The endpoint picker: the gateway's decision core behind Envoy.
+
+Envoy's ``ext_proc`` filter opens one gRPC stream
+(``envoy.service.ext_proc.v3.ExternalProcessor/Process``) per HTTP request; this module
+answers it as the Gateway API Inference Extension's endpoint picker (EPP; protocol:
+``docs/proposals/004-endpoint-picker-protocol`` in
+kubernetes-sigs/gateway-api-inference-extension). A request's life:
+
+1. **Request phase** (request body mode ``FULL_DUPLEX_STREAMED``): the headers and the
+   whole body arrive; the request goes through the same front door and pipeline as one
+   the gateway serves itself (:func:`gateway.pipeline.director.handle`: key, limits,
+   admission, estimate, plan, route, reserve), with :func:`hand_off` as its attempt
+   step. The hand-off answers Envoy with the chosen backend's ``ip:port`` in the header
+   ``x-gateway-destination-endpoint`` and, followed by up to
+   ``listen.epp.fallback_endpoints`` others (soonest estimated TTFT first), in the
+   dynamic metadata ``envoy.lb`` / ``x-gateway-destination-endpoint``, then sends the
+   body back. A request that is refused (a key over its limits, a saturated fleet: 429
+   with ``Retry-After``; no backend: 503; a bad body: 400) gets an ``ImmediateResponse``
+   with the OpenAI error body, as the gateway answers it itself.
+2. **Response phase**: the served endpoint (the ``upstream.address`` attribute, or the
+   metadata ``envoy.lb`` / ``x-gateway-destination-endpoint-served``) tells whether
+   Envoy retried elsewhere (the chosen backend then failed: its breaker hears it and
+   the reservation moves to the one that served); the status settles failures; with
+   ``listen.epp.response_body`` the streamed body gives the first token's time and the
+   final ``usage``, which teach the load model as behind the gateway's own data plane.
+3. The reservation is released exactly once: at the end of the response, on an error,
+   or when Envoy resets the stream (the client left).
+
+A subset hint (filter metadata ``envoy.lb.subset_hint`` /
+``x-gateway-destination-endpoint-subset``, a list of ``ip:port``) limits the choice to
+those endpoints. The gRPC health service reports ``liveness``, ``readiness`` and the
+ext_proc service name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from multidict import CIMultiDict
+
+from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, ClientError, ProxyRetried, request_id
+from gateway.pipeline import director, settle
+from gateway.pipeline.downstream import ClientGone
+from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole_usage
+from routing.core import BackendState, Reservation
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+    from gateway.transport import BackendClient
+
+log = logging.getLogger("gateway.epp")
+
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+UPSTREAM_ADDRESS = "upstream.address"  # the ext_proc response attribute naming the endpoint that answered
+COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_MAX_WHOLE_BYTES = 4 * 1024 * 1024  # a whole answer's bytes kept to read its usage
+
+
+def _headers(msg: Any) -> CIMultiDict:
+    out: CIMultiDict = CIMultiDict()
+    for h in msg.headers.headers:
+        out.add(h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+    return out
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _struct_str(s: Any, *path: str) -> str | None:
+    """The string at ``path`` in a ``google.protobuf.Struct`` map, or ``None``."""
+    for i, key in enumerate(path):
+        if key not in s.fields:
+            return None
+        v = s.fields[key]
+        if i == len(path) - 1:
+            if v.HasField("string_value"):
+                return v.string_value
+            if v.HasField("list_value"):
+                return ",".join(x.string_value for x in v.list_value.values if x.HasField("string_value"))
+            return None
+        if not v.HasField("struct_value"):
+            return None
+        s = v.struct_value
+    return None
+
+
+def subset_hint(msg: Any) -> list[str] | None:
+    """The endpoints of the request's subset hint (``None`` when it has none)."""
+    md = msg.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in md:
+        return None
+    value = _struct_str(md[SUBSET_NAMESPACE], SUBSET)
+    if value is None:
+        return None
+    return [e.strip() for e in value.split(",") if e.strip()]
+
+
+def served_endpoint(msg: Any) -> str | None:
+    """The endpoint that answered, from a response-phase message: the metadata the
+    protocol names, else Envoy's ``upstream.address`` attribute."""
+    md = msg.metadata_context.filter_metadata
+    if LB_NAMESPACE in md:
+        value = _struct_str(md[LB_NAMESPACE], SERVED)
+        if value:
+            return value
+    for attrs in msg.attributes.values():
+        value = _struct_str(attrs, UPSTREAM_ADDRESS)
+        if value:
+            return value
+    return None
+
+
+class EppDownstream:
+    """The :class:`~gateway.pipeline.downstream.Downstream` of a request picked for
+    Envoy: an answer given before the hand-off (:meth:`respond`) becomes Envoy's
+    ``ImmediateResponse``; after it, Envoy relays the backend's answer itself."""
+
+    __slots__ = ("stream", "answer", "started")
+    chunked = False
+    may_wait = False
+    keepalive = False
+    transport = None
+
+    def __init__(self, stream: EppStream) -> None:
+        self.stream = stream
+        self.answer: tuple[int, bytes, dict[str, str]] | None = None
+        self.started = False  # the hand-off went to Envoy: no status can be given any more
+
+    def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.answer = (status, body, headers)
+
+    def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        raise RuntimeError("behind Envoy, the backend's answer goes to the client through Envoy")
+
+    async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        self.start_stream_now(headers, first, end)
+
+    async def write(self, data: bytes) -> None:
+        self.start_stream_now({}, data)
+
+    async def end_stream(self, last: bytes = b"") -> None:
+        self.start_stream_now({}, last)
+
+
+class EppStream:
+    """One ext_proc stream: one HTTP request through Envoy."""
+
+    __slots__ = ("state", "context", "headers", "subset", "duplex", "body_read")
+
+    def __init__(self, state: GatewayState, context: grpc.aio.ServicerContext) -> None:
+        self.state = state
+        self.context = context
+        self.headers: CIMultiDict = CIMultiDict()
+        self.subset: list[str] | None = None
+        # FULL_DUPLEX_STREAMED (the protocol's mode): Envoy streams the headers and body
+        # without waiting and the picker answers both at the end. BUFFERED (for failing
+        # open, which duplex mode cannot): Envoy waits for the headers' answer, then
+        # sends the whole body, whose answer carries the destination.
+        self.duplex = True
+        self.body_read = False  # the request's body was read (and must be answered)
+
+    async def read(self) -> Any:
+        """The next message from Envoy, or ``None`` when Envoy closed its side."""
+        msg = await self.context.read()
+        return None if msg is grpc.aio.EOF else msg
+
+    async def read_body(self, limit: int) -> bytes:
+        """The request body, up to its end. Raises :class:`ClientError` 413 past
+        ``limit`` bytes and 400 when Envoy ended the stream before the body's end."""
+        body = bytearray()
+        self.body_read = True
+        if not self.duplex:  # Envoy sends the buffered body once its headers are answered
+            await self.context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+        while True:
+            msg = await self.read()
+            if msg is None:
+                raise ClientError(400, "The request body ended early.", code="invalid_request_body")
+            kind = msg.WhichOneof("request")
+            if kind == "request_body":
+                body += msg.request_body.body
+                if len(body) > limit:
+                    raise ClientError(413, "Request body too large.")
+                if msg.request_body.end_of_stream:
+                    return bytes(body)
+            elif kind == "request_trailers":
+                return bytes(body)
+
+    async def run(self) -> None:
+        """Serve the stream: the request phase, then (through :func:`hand_off`) the
+        response phase."""
+        state = self.state
+        first = await self.read()
+        if first is None or first.WhichOneof("request") != "request_headers":
+            return
+        arrival = state.loop.time()
+        if first.HasField("protocol_config"):
+            mode = first.protocol_config.request_body_mode
+            if mode not in (ProcessingMode.FULL_DUPLEX_STREAMED, ProcessingMode.BUFFERED):
+                log.error("endpoint picker: request_body_mode %s is not supported (FULL_DUPLEX_STREAMED or BUFFERED)",
+                          ProcessingMode.BodySendMode.Name(mode))
+                await self.immediate(500, b"", {}, "")
+                return
+            self.duplex = mode == ProcessingMode.FULL_DUPLEX_STREAMED
+        self.headers = headers = _headers(first.request_headers)
+        self.subset = subset_hint(first)
+        rid = request_id(headers)
+        headers[REQUEST_ID_HEADER] = rid
+        path = headers.get(":path", "").split("?", 1)[0]
+        endpoint = COMPLETION_PATHS.get(path)
+        down = EppDownstream(self)
+        if endpoint is None or headers.get(":method") != "POST":
+            return await self._other(first, down, rid)
+        max_bytes = state.cfg.limits.max_body_bytes
+        body: bytes | Any = b""
+        if not first.request_headers.end_of_stream:
+            async def body() -> bytes:
+                return await self.read_body(max_bytes)
+        names = self._subset_names()
+        await director.handle(state, endpoint, headers, body, down, arrival, rid, send=hand_off, subset=names)
+        if down.answer is not None and not down.started:
+            await self.immediate(*down.answer, rid)
+
+    def _subset_names(self) -> frozenset[str] | None:
+        if self.subset is None:
+            return None
+        wanted = set(self.subset)
+        return frozenset(c.state.name for c in self.state.clients.values() if c.endpoint in wanted)
+
+    async def _other(self, first: Any, down: EppDownstream, rid: str) -> None:
+        """A request that is not a completion (``/v1/models``, a health probe...):
+        to the ready backend with the fewest requests in flight, nothing reserved."""
+        body = b""
+        if not first.request_headers.end_of_stream:
+            try:
+                body = await self.read_body(self.state.cfg.limits.max_body_bytes)
+            except ClientError as e:
+                return await self.immediate(*e.answer(rid), rid)
+        names = self._subset_names()
+        now = self.state.loop.time()
+        ready = [c for c in self.state.clients.values()
+                 if (names is None or c.state.name in names) and c.state.healthy and not c.state.draining
+                 and c.state.ready_at(now) <= now]
+        if not ready:
+            return await self.immediate(*ClientError(503, "No backend is available.",
+                                                     code="no_backend_available").answer(rid), rid)
+        client = min(ready, key=lambda c: c.state.in_flight)
+        await self.forward([client.endpoint], {REQUEST_ID_HEADER: rid}, body)
+        while (msg := await self.read()) is not None:
+            await self.acknowledge(msg, {})
+
+    async def immediate(self, status: int, body: bytes, headers: dict[str, str], rid: str) -> None:
+        """Answer the client from here (Envoy sends no request upstream)."""
+        mutation = pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers.items()] +
+                                     [_header(REQUEST_ID_HEADER, rid)])
+        await self.context.write(pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status), headers=mutation, body=body)))
+
+    async def forward(self, endpoints: list[str], set_headers: dict[str, str], body: bytes,
+                      remove: tuple[str, ...] = ()) -> None:
+        """Send the request on to ``endpoints[0]`` (the rest: Envoy's retry order),
+        with the destination and ``set_headers`` among its headers and ``body`` as its
+        body (when it had one)."""
+        md = struct_pb2.Struct()
+        md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = ",".join(endpoints)
+        sets = [_header(DESTINATION, endpoints[0])] + [_header(k, v) for k, v in set_headers.items()]
+        if self.body_read:
+            sets.append(_header("content-length", str(len(body))))
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets, remove_headers=list(remove)),
+                                   clear_route_cache=True)
+        if not self.body_read:
+            await self.context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                                           dynamic_metadata=md))
+        elif self.duplex:
+            await self.context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                                           dynamic_metadata=md))
+            await self.context.write(pb.ProcessingResponse(request_body=pb.BodyResponse(
+                response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+                    streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True))))))
+        else:  # buffered: the headers wait for this answer to the body
+            common.body_mutation.body = body
+            await self.context.write(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                                           dynamic_metadata=md))
+
+    async def acknowledge(self, msg: Any, response_headers: dict[str, str]) -> None:
+        """Let a response-phase message go on unchanged (``response_headers`` added
+        to the response's headers)."""
+        kind = msg.WhichOneof("request")
+        if kind == "response_headers":
+            mutation = pb.HeaderMutation(set_headers=[_header(k, v) for k, v in response_headers.items()])
+            await self.context.write(pb.ProcessingResponse(
+                response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))))
+        elif kind == "response_body":
+            await self.context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
+        elif kind == "response_trailers":
+            await self.context.write(pb.ProcessingResponse(response_trailers=pb.TrailersResponse()))
+        elif kind == "request_trailers":
+            await self.context.write(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+
+
+class _Served:
+    """Where a handed-off request stands in its response phase."""
+
+    __slots__ = ("backend", "reservation", "status", "scan", "whole", "settled")
+
+    def __init__(self, backend: BackendState, reservation: Reservation) -> None:
+        self.backend = backend
+        self.reservation = reservation
+        self.status = 0
+        self.scan: StreamScan | None = None
+        self.whole: bytearray | None = None
+        self.settled = False
+
+
+async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendClient,
+                   reservation: Reservation) -> None:
+    """The endpoint picker's attempt step (:data:`gateway.pipeline.director.Send`):
+    hand the request routed to ``client``'s backend to Envoy, with the alternatives
+    Envoy retries on, then follow the response phase and settle it: the breaker, the
+    load model and the reservation learn what happened as behind the gateway's own
+    data plane. Envoy retries by itself, so this never raises an
+    :class:`~gateway.errors.UpstreamError`; raises ``CancelledError`` when Envoy reset
+    the stream."""
+    down: EppDownstream = ex.down  # type: ignore[assignment]
+    stream = down.stream
+    epp = state.cfg.listen.epp
+    primary = client.state
+    req = ex.request
+    assert req is not None and ex.decision is not None
+    others = [c for b in state.core.alternatives(req, primary, state.loop.time(), epp.fallback_endpoints)
+              if (c := state.clients.get(b.name)) is not None and c.auth_header == client.auth_header]
+    endpoints = [client.endpoint] + [c.endpoint for c in others]
+    sets = {REQUEST_ID_HEADER: ex.request_id}
+    if client.auth_header:
+        sets["authorization"] = client.auth_header
+    remove = () if client.auth_header else ("authorization",)  # the caller's key is not the backend's
+    await stream.forward(endpoints, sets, ex.body, remove)
+    down.started = True
+    served = _Served(primary, reservation)
+    try:
+        while (msg := await stream.read()) is not None:
+            kind = msg.WhichOneof("request")
+            extra: dict[str, str] = {}
+            if kind == "response_headers":
+                extra = _on_response_headers(state, ex, served, msg)
+            elif kind == "response_body" and not served.settled:
+                _on_response_body(state, ex, served, msg.response_body.body, msg.response_body.end_of_stream)
+            await stream.acknowledge(msg, extra)
+        if not served.settled:  # Envoy closed its side before the body's end
+            if served.status == 200 and not epp.response_body:
+                _settle_end(state, ex, served)  # without body processing, that is how a response ends
+            else:
+                served.settled = True
+                settle.client_left(state, ex, served.backend.name)
+    except asyncio.CancelledError:
+        if not served.settled:
+            if served.status == 200 and not epp.response_body:
+                _settle_end(state, ex, served)  # without body processing, a reset is how a response ends
+            else:
+                served.settled = True
+                settle.client_left(state, ex, served.backend.name)
+        raise
+    finally:
+        served.reservation.release(state.loop.time())
+
+
+def _on_response_headers(state: GatewayState, ex: director.Exchange, served: _Served, msg: Any) -> dict[str, str]:
+    """The response's head: who served it, its status. Returns the headers added to
+    the client's answer."""
+    status_text = next((h.raw_value.decode() if h.raw_value else h.value
+                        for h in msg.response_headers.headers.headers if h.key == ":status"), "0")
+    served.status = status = int(status_text) if status_text.isdigit() else 0
+    now = state.loop.time()
+    endpoint = served_endpoint(msg)
+    client = state.clients.get(served.backend.name)
+    if endpoint and client is not None and endpoint != client.endpoint:
+        other = next((c for c in state.clients.values() if c.endpoint == endpoint), None)
+        if other is not None:  # Envoy retried elsewhere: the chosen backend failed before answering
+            err = ProxyRetried(served.backend.name, f"backend {served.backend.name} failed; Envoy retried on "
+                                                    f"{other.state.name}")
+            settle.attempt_failed(state, served.backend, served.reservation, err)
+            ex.attempts[-1] = (served.backend.name, ex.attempts[-1][1], err.reason)
+            served.backend = other.state
+            served.reservation = state.core.reserve(ex.request, other.state, now)  # type: ignore[arg-type]
+            ex.backend = other.state.name
+            ex.attempts.append((other.state.name, now, "started"))
+    if status != 200:
+        served.settled = True
+        served.reservation.outcome(status < 500 and status != 0, now)
+        served.reservation.release(now)
+        if status >= 500 or status == 0:
+            state.metrics.child(state.metrics.upstream_errors, served.backend.name, "backend_status").inc()
+        settle.finish(state, ex, status)
+    elif not state.cfg.listen.epp.response_body:
+        settle.served(state, ex)
+    return {BACKEND_HEADER: served.backend.name, ROUTE_HEADER: route_header(ex.decision, ex.model,  # type: ignore[arg-type]
+                                                                         ex.fallback_reason)}
+
+
+def _on_response_body(state: GatewayState, ex: director.Exchange, served: _Served, chunk: bytes, end: bool) -> None:
+    """A chunk of a 200 response's body: the first token of a stream, its events and
+    ``usage``; a whole answer's bytes."""
+    if ex.parsed.stream:
+        if served.scan is None:
+            if not chunk and not end:
+                return
+            settle.first_byte(state, ex, served.reservation, state.loop.time())
+            served.scan = ex.scan = StreamScan()
+        served.scan.feed(chunk)
+    else:
+        if served.whole is None:
+            served.whole = bytearray()
+        if len(served.whole) + len(chunk) <= _MAX_WHOLE_BYTES:
+            served.whole += chunk
+    if end:
+        _settle_end(state, ex, served)
+
+
+def _settle_end(state: GatewayState, ex: director.Exchange, served: _Served) -> None:
+    """A 200 response ended: settle it with what its body showed (nothing, without
+    body processing)."""
+    served.settled = True
+    if served.scan is not None:
+        settle.completed(state, ex, served.reservation, served.scan.usage, served.scan.content_events)
+    else:
+        if ex.served is None:
+            settle.first_byte(state, ex, None, state.loop.time())
+        usage = whole_usage(bytes(served.whole)) if served.whole else None
+        settle.completed(state, ex, served.reservation, usage, 0, whole=True)
+    settle.finish(state, ex, 200)
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """The ext_proc service: one :class:`EppStream` per call."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        try:
+            await EppStream(self.state, context).run()
+        except ClientGone:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("endpoint picker: unhandled error in a stream")
+            await context.abort(grpc.StatusCode.INTERNAL, "the endpoint picker hit an internal error")
+
+
+class EndpointPicker:
+    """The gRPC server: ext_proc and the health service, in the gateway's loop."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(state), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: any free port) and report serving. Returns the
+        port. Raises ``OSError`` when the address cannot be bound."""
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {host}:{port} for gRPC: {e}") from e
+        await self.server.start()
+        for name in ("", "liveness", "readiness", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def drain(self) -> None:
+        """Not ready any more (new streams still served): Envoy's health checks steer away."""
+        await self.health.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop: streams in flight get up to ``grace_s`` seconds to end."""
+        await self.drain()
+        await self.server.stop(grace_s)
