@@ -15,8 +15,12 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   metadata ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the chosen endpoint, then
   the fallbacks; a retry takes the next one), round robin when the picker gave none
   (only when failing open);
-- retries on connect failures, resets before the response and 5xx/429, as many as the
-  picker lists fallbacks;
+- the gateway's retry and timeout semantics where Envoy has them: retries on connect
+  failures, resets before the response, 429, 502, 503 and 504, at most as many as the
+  picker lists fallbacks (and ``retries.max_attempts - 1``); ``timeouts.connect_s``,
+  ``timeouts.total_s`` (the route timeout) and ``timeouts.idle_s`` (the stream's idle
+  timeout), global values only (Envoy has no first-byte timeout: ``ttft_s`` does not
+  apply);
 - the picker's message timeout covers the admission queue's wait
   (``admission.queue_timeout_s``): a request may wait there before it is handed off.
 """
@@ -41,8 +45,12 @@ def _address(hostport: str) -> dict[str, Any]:
     return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
 
 
-def _cluster(name: str, endpoints: list[str], **extra: Any) -> dict[str, Any]:
-    return {"name": name, "type": "STATIC", "connect_timeout": "1s",
+def _seconds(s: float | None) -> str:
+    return "0s" if s is None else f"{s:.3f}s"  # Envoy's 0s: no limit
+
+
+def _cluster(name: str, endpoints: list[str], connect_s: float | None = 1.0, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "type": "STATIC", "connect_timeout": _seconds(connect_s or 3600.0),
             "load_assignment": {"cluster_name": name, "endpoints": [
                 {"lb_endpoints": [{"endpoint": {"address": _address(e)}} for e in endpoints]}]}, **extra}
 
@@ -85,10 +93,14 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
     }
     router = {"name": "envoy.filters.http.router",
               "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"}}
-    route = {"cluster": "pool", "timeout": "0s",
-             "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,5xx,"
-                                          "retriable-status-codes",
-                              "retriable_status_codes": [429], "num_retries": pe.fallback_endpoints}}
+    t = cfg.timeouts
+    route: dict[str, Any] = {
+        "cluster": "pool", "timeout": _seconds(t.total_s),
+        "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+                         "retriable_status_codes": [429, 502, 503, 504],
+                         "num_retries": min(pe.fallback_endpoints, cfg.retries.max_attempts - 1)}}
+    if t.idle_s is not None:
+        route["idle_timeout"] = _seconds(t.idle_s)
     hcm = {"@type": f"{_T}.filters.network.http_connection_manager.v3.HttpConnectionManager",
            "stat_prefix": "inference", "stream_idle_timeout": "0s",
            "preserve_external_request_id": True,  # the caller's x-request-id, as the gateway keeps it
@@ -115,7 +127,7 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
                        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                        "typed_config": hcm}]}]}],
         "clusters": [_cluster("endpoint_picker", [epp], typed_extension_protocol_options=h2),
-                     _cluster("pool", endpoints, load_balancing_policy={"policies": [override_host]})],
+                     _cluster("pool", endpoints, t.connect_s, load_balancing_policy={"policies": [override_host]})],
     }}
     if admin:
         out["admin"] = {"address": _address(admin)}

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -18,11 +20,12 @@ import grpc
 import openai
 import orjson
 import pytest
+import yaml
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.envoy_config import render
-from tests.envoy import envoy, picker_stack
+from tests.envoy import envoy, envoy_binary, picker_stack
 from tests.servers import ScriptedBackend, free_port, gateway_config, sse_chunk, wait_until
 
 pytestmark = pytest.mark.slow
@@ -351,3 +354,52 @@ async def test_the_picker_process_killed_envoy_fails_closed_or_open_without_hang
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--epp", "--workers", "2"], "one process"),
+    (["--epp", "--grpc-port", "70000"], "not a valid TCP port"),
+])
+def test_epp_command_line_errors_exit_2_with_a_message(tmp_path, args, says):
+    path = tmp_path / "backends.yaml"
+    path.write_text("backends:\n- {name: a, url: 'http://127.0.0.1:9', models: [m]}\n")
+    r = subprocess.run([sys.executable, "-m", "gateway", "--config", str(path), "--port", "0", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert says in r.stderr
+
+
+def test_a_grpc_port_in_use_exits_2_with_a_message(tmp_path):
+    path = tmp_path / "backends.yaml"
+    path.write_text("backends:\n- {name: a, url: 'http://127.0.0.1:9', models: [m]}\nhealth: {interval_s: 60}\n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "gateway", "--config", str(path), "--port", "0", "--epp",
+                            "--grpc-port", str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert f"127.0.0.1:{port}" in r.stderr and "gRPC" in r.stderr
+
+
+def test_envoy_config_command_renders_a_bootstrap_envoy_accepts(tmp_path):
+    path = tmp_path / "backends.yaml"
+    path.write_text("backends:\n- {name: a, url: 'http://127.0.0.1:18001', models: [m]}\n"
+                    "- {name: b, url: 'http://localhost:18002', models: [m]}\n")
+    r = subprocess.run([sys.executable, "-m", "gateway.envoy_config", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60, check=True)
+    boot = tmp_path / "envoy.yaml"
+    boot.write_text(r.stdout)
+    pool = next(c for c in yaml.safe_load(r.stdout)["static_resources"]["clusters"] if c["name"] == "pool")
+    addrs = [e["endpoint"]["address"]["socket_address"] for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert [a["port_value"] for a in addrs] == [18001, 18002]
+    for a in addrs:  # the host name was resolved: the override-host policy takes addresses
+        ipaddress.ip_address(a["address"])
+    v = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(boot)], capture_output=True, text=True,
+                       timeout=60)
+    assert v.returncode == 0, v.stdout + v.stderr
+    simulated = tmp_path / "sim.yaml"
+    simulated.write_text("backends:\n- {name: a, simulate: {profile: a100-llama3-8b}, models: [m]}\n")
+    r = subprocess.run([sys.executable, "-m", "gateway.envoy_config", "--config", str(simulated)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no url" in r.stderr
