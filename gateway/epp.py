@@ -48,7 +48,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
-from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, ClientError, ProxyRetried, request_id
+from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, ClientError, ProxyRetried, error_body, request_id
 from gateway.pipeline import director, settle
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole_usage
@@ -210,23 +210,24 @@ class EppStream:
         if first is None or first.WhichOneof("request") != "request_headers":
             return
         arrival = state.loop.time()
+        self.headers = headers = _headers(first.request_headers)
+        rid = request_id(headers)
         if first.HasField("protocol_config"):
             mode = first.protocol_config.request_body_mode
             if mode not in (ProcessingMode.FULL_DUPLEX_STREAMED, ProcessingMode.BUFFERED):
                 log.error("endpoint picker: request_body_mode %s is not supported (FULL_DUPLEX_STREAMED or BUFFERED)",
                           ProcessingMode.BodySendMode.Name(mode))
-                await self.immediate(500, b"", {}, "")
+                await self.immediate(500, error_body("The endpoint picker cannot serve this Envoy configuration.",
+                                                     500, code="internal_error"), {}, rid)
                 return
             self.duplex = mode == ProcessingMode.FULL_DUPLEX_STREAMED
-        self.headers = headers = _headers(first.request_headers)
         self.subset = subset_hint(first)
-        rid = request_id(headers)
         headers[REQUEST_ID_HEADER] = rid
         path = headers.get(":path", "").split("?", 1)[0]
         endpoint = COMPLETION_PATHS.get(path)
-        down = EppDownstream(self)
         if endpoint is None or headers.get(":method") != "POST":
-            return await self._other(first, down, rid)
+            return await self._other(first, rid)
+        down = EppDownstream(self)
         max_bytes = state.cfg.limits.max_body_bytes
         body: bytes | Any = b""
         if not first.request_headers.end_of_stream:
@@ -243,7 +244,7 @@ class EppStream:
         wanted = set(self.subset)
         return frozenset(c.state.name for c in self.state.clients.values() if c.endpoint in wanted)
 
-    async def _other(self, first: Any, down: EppDownstream, rid: str) -> None:
+    async def _other(self, first: Any, rid: str) -> None:
         """A request that is not a completion (``/v1/models``, a health probe...):
         to the ready backend with the fewest requests in flight, nothing reserved."""
         body = b""
