@@ -153,10 +153,39 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     return out
 
 
-class KVCache:
-    """Paged KV cache: ``num_blocks`` blocks, ref counts, hash -> block map, LRU free queue."""
+class KVStored(NamedTuple):
+    """Full blocks that became findable in the prefix cache, in chain order.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    ``block_hashes[i]`` covers ``token_ids[i * block_size:(i + 1) * block_size]``;
+    ``parent_block_hash`` is the hash of the block before the first one (None for a
+    prompt's first block). vLLM's ``BlockStored``."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+
+
+class KVRemoved(NamedTuple):
+    """A cached block whose hash was dropped (its block reused). vLLM's ``BlockRemoved``."""
+
+    block_hash: int
+
+
+class KVCleared(NamedTuple):
+    """Every cached hash was dropped (prefix-cache reset). vLLM's ``AllBlocksCleared``."""
+
+
+class KVCache:
+    """Paged KV cache: ``num_blocks`` blocks, ref counts, hash -> block map, LRU free queue.
+
+    With ``record_events`` the cache logs what a KV-event consumer must learn, in
+    order, into ``events`` (drained by :meth:`Engine.take_kv_events`), as vLLM's block
+    pool does for its event publisher: :class:`KVStored` when full blocks become
+    findable, :class:`KVRemoved` when a cached block's hash is dropped (eviction on
+    reuse), :class:`KVCleared` on a prefix-cache reset.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, record_events: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_cnt = [0] * num_blocks
@@ -167,6 +196,7 @@ class KVCache:
         )
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_evictions = 0  # cached blocks whose hash was dropped on reuse
+        self.events: list[KVStored | KVRemoved | KVCleared] | None = [] if record_events else None
 
     @property
     def num_free(self) -> int:
@@ -210,6 +240,8 @@ class KVCache:
             if h is not None:
                 if cached.get(h) == b:
                     del cached[h]
+                    if self.events is not None:
+                        self.events.append(KVRemoved(h))
                 bh[b] = None
                 self.num_evictions += 1
             ref[b] = 1
@@ -230,17 +262,22 @@ class KVCache:
                 if bh[b] is None:
                     free.move_to_end(b, last=False)
 
-    def register(self, block: int, h: int) -> None:
-        """Make a computed full block findable under hash ``h`` (first one wins)."""
+    def register(self, block: int, h: int) -> bool:
+        """Make a computed full block findable under hash ``h`` (first one wins).
+        Returns whether it was registered (False: the hash or the block already was)."""
         if h not in self.cached and self.block_hash[block] is None:
             self.cached[h] = block
             self.block_hash[block] = h
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
         """Forget all hashes (vLLM ``/reset_prefix_cache``); referenced blocks stay."""
         for b in range(self.num_blocks):
             self.block_hash[b] = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(KVCleared())
 
 
 class Request:
@@ -285,14 +322,17 @@ class Engine:
     fit in the whole KV cache.
     """
 
-    def __init__(self, profile: Profile, speed: float = 1.0, engine_id: str | None = None):
+    def __init__(self, profile: Profile, speed: float = 1.0, engine_id: str | None = None, *,
+                 kv_events: bool = False, tok: tokenizer.Tokenizer | None = None):
         if speed <= 0:
             raise ValueError("speed must be > 0")
         self.profile = profile
         self.speed = float(speed)
         self.engine_id = engine_id or f"sim-{profile.name}-{next(_engine_ids)}"
         self.block_size = profile.block_size
-        self.kv = KVCache(profile.num_gpu_blocks, profile.block_size)
+        # Whose ids the generated tokens are (the emulator's by default).
+        self.tok = tok or tokenizer.EMULATOR
+        self.kv = KVCache(profile.num_gpu_blocks, profile.block_size, record_events=kv_events)
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -406,6 +446,15 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVStored | KVRemoved | KVCleared]:
+        """The KV-cache events since the last call, in order (empty unless the engine
+        was built with ``kv_events=True``)."""
+        ev = self.kv.events
+        if not ev:
+            return []
+        self.kv.events = []
+        return ev
 
     # --- read-only queries of the prefix cache (the offline replay's oracle) ------------
 
@@ -612,11 +661,11 @@ class Engine:
             # Sample one token.
             k = req.num_output
             if req.output_tokens is not None and k >= req.output_tokens:
-                tok = tokenizer.EOS_TOKEN_ID
+                tok = self.tok.eos_token_id
                 new_ids: list[int] = []
                 reason = "stop"
             else:
-                tok = tokenizer.output_token_id(req.seed, k)
+                tok = self.tok.output_token_id(req.seed, k)
                 new_ids = [tok]
                 req.token_ids.append(tok)
                 req.num_output = k + 1
@@ -670,9 +719,25 @@ class Engine:
         if n_full <= req.num_registered:
             return
         hs = self._hashes(req, n_full)
-        reg = self.kv.register
-        for i in range(req.num_registered, n_full):
-            reg(req.blocks[i], hs[i])
+        kv = self.kv
+        reg = kv.register
+        if kv.events is None:
+            for i in range(req.num_registered, n_full):
+                reg(req.blocks[i], hs[i])
+        else:
+            # One stored event per run of newly registered blocks (a block whose hash
+            # another block already holds is not registered, so it breaks the run).
+            bs, toks = self.block_size, req.token_ids
+            start = None
+            for i in range(req.num_registered, n_full + 1):
+                if i < n_full and reg(req.blocks[i], hs[i]):
+                    if start is None:
+                        start = i
+                    continue
+                if start is not None:
+                    kv.events.append(KVStored(hs[start:i], hs[start - 1] if start else None,
+                                              toks[start * bs:i * bs]))
+                    start = None
         req.num_registered = n_full
 
     def _preempt(self, req: Request) -> None:
@@ -777,9 +842,12 @@ class AsyncEngineRunner:
     engine (its KV blocks are freed at once).
     """
 
-    def __init__(self, engine: Engine, *, max_catchup_s: float = 0.05):
+    def __init__(self, engine: Engine, *, max_catchup_s: float = 0.05, on_step=None):
         self.engine = engine
         self.max_catchup_s = max_catchup_s
+        # Called with no arguments once a step's outputs are delivered (the KV-event
+        # publisher sends the step's events then, as vLLM does after each step).
+        self.on_step = on_step
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -875,6 +943,8 @@ class AsyncEngineRunner:
             dt, outputs = engine.step(now)
             self.compute.add(perf() - c0)
             if not outputs and engine.last_step.get("idle"):
+                if self.on_step is not None:
+                    self.on_step()
                 # Only KV transfers in flight (or nothing): wait for them or new work.
                 wake.clear()
                 if engine.has_work():
@@ -900,6 +970,8 @@ class AsyncEngineRunner:
                 q = queues.get(out.req_id)
                 if q is not None:
                     q.put_nowait(out)
+            if self.on_step is not None:
+                self.on_step()
             # Correct for overrun: the next step starts at the planned time, so small
             # wake-up delays do not accumulate into a slower emulated GPU; a large one
             # (> max_catchup_s) is accepted as lost time instead of bursting to catch up.

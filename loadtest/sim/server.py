@@ -8,7 +8,7 @@ Endpoints (shapes follow vLLM's OpenAI server)
 ----------------------------------------------
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not.
   Chat messages are rendered with a ChatML template (:func:`render_chat`) and
-  tokenized with :mod:`loadtest.sim.tokenizer`; ``prompt`` may be a string, a list of
+  tokenized with the backend's tokenizer (:mod:`loadtest.sim.tokenizer`); ``prompt`` may be a string, a list of
   token ids, or a one-element list of either. ``usage`` carries
   ``prompt_tokens_details.cached_tokens`` (prefix-cache hits, as vLLM reports them);
   with ``stream_options.include_usage`` a final ``choices: []`` chunk carries it
@@ -25,6 +25,13 @@ Endpoints (shapes follow vLLM's OpenAI server)
   ``decode``/``mixed`` backend charges the KV transfer time (bytes over the profile's
   link bandwidth) instead of recomputing the prompt.
 * ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /reset_prefix_cache``.
+* KV-cache events (``kv_events`` in the spec): the engine's stores, evictions and
+  prefix-cache resets go out on a ZMQ PUB socket in vLLM's wire format, with a
+  replay socket (:mod:`loadtest.sim.kv_events`); ``GET /kv_event_sources`` and
+  ``/admin/stats`` give the bound addresses. A crash restarts the publisher with
+  sequence 0 and an empty cache, as an engine restart does.
+* ``tokenizer`` in the spec: prompts are tokenized with that ``tokenizer.json``
+  (:class:`loadtest.sim.tokenizer.HFTokenizer`) instead of the emulator's.
 * ``GET /metrics``: Prometheus text with vLLM's names and types (one registry per
   backend), plus ``sim:*`` metrics of the emulator itself.
 * Admin: ``GET /admin/faults`` (current faults), ``POST /admin/faults`` (replace them;
@@ -50,7 +57,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loadtest.sim import tokenizer
 from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, _Stat
-from loadtest.sim.spec import FaultConfig, SimBackendConfig
+from loadtest.sim.spec import FaultConfig, KVEventsConfig, SimBackendConfig
 
 
 # --- prompt rendering -----------------------------------------------------------------
@@ -101,18 +108,20 @@ class BadRequest(Exception):
         self.status = status
 
 
-def prompt_token_ids(data: dict[str, Any], chat: bool) -> list[int]:
-    """Token ids of the request's prompt. Raises :class:`BadRequest`."""
+def prompt_token_ids(data: dict[str, Any], chat: bool,
+                     tok: tokenizer.Tokenizer = tokenizer.EMULATOR) -> list[int]:
+    """Token ids of the request's prompt with ``tok`` (a rendered chat without added
+    special tokens, a text prompt with them, as vLLM). Raises :class:`BadRequest`."""
     if chat:
         msgs = data.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("`messages` must be a non-empty list", "messages")
-        return tokenizer.tokenize(render_chat(msgs, data.get("tools")))
+        return tok.tokenize(render_chat(msgs, data.get("tools")), add_special_tokens=False)
     p = data.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
-        return tokenizer.tokenize(p)
+        return tok.tokenize(p)
     if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
         return list(p)
     if isinstance(p, list) and len(p) > 1:
@@ -258,6 +267,12 @@ class _EngineCollector:
             fi.add_metric(lv + [k], v)
         yield fi
         yield counter("sim:crashes", "Emulated crashes (the server stopped listening).", b.crashes)
+        pub = b.kv_publisher
+        if pub is not None:
+            yield counter("sim:kv_event_batches_published", "KV-event batches sent on the PUB socket "
+                          "since the last restart.", pub.published)
+            yield counter("sim:kv_event_batches_dropped", "KV-event batches not sent (fault "
+                          "kv_events_drop_rate) since the last restart.", pub.dropped)
         lag = LOOP_LAG.lag.summary()
         yield gauge("sim:event_loop_lag_p99_seconds",
                     "p99 over the last 4096 samples of the emulator process's event-loop lag.", lag["p99"])
@@ -338,6 +353,11 @@ class SimBackend:
         self.http_requests = 0
         self._ids = itertools.count()
         self._rng = random.Random(self.faults.seed)
+        self.tok: tokenizer.Tokenizer = (tokenizer.HFTokenizer(cfg.tokenizer) if cfg.tokenizer
+                                         else tokenizer.EMULATOR)
+        self.kv_events: KVEventsConfig | None = cfg.kv_events  # type: ignore[assignment]
+        self.kv_publisher = None
+        self._kv_addresses: tuple[str, str | None] | None = None
         self._new_engine()
         self.app_runner: web.AppRunner | None = None
         self.site: web.TCPSite | None = None
@@ -351,9 +371,32 @@ class SimBackend:
 
     def _new_engine(self) -> None:
         self.engine = Engine(self.profile, speed=self.cfg.speed,
-                             engine_id=f"{self.cfg.name}-{uuid.uuid4().hex[:8]}")
-        self.runner = AsyncEngineRunner(self.engine)
+                             engine_id=f"{self.cfg.name}-{uuid.uuid4().hex[:8]}",
+                             kv_events=self.kv_events is not None, tok=self.tok)
+        self.runner = AsyncEngineRunner(self.engine, on_step=self._publish_kv_events)
         self.metrics = _Metrics(self)
+
+    def _start_kv_publisher(self) -> None:
+        """A fresh publisher (sequence 0, empty replay buffer) on the first start's
+        addresses; raises zmq.ZMQError when they cannot be bound."""
+        if self.kv_events is None:
+            return
+        from loadtest.sim.kv_events import KVEventPublisher
+        pub = KVEventPublisher(self.kv_events, block_size=self.profile.block_size, seed=self.faults.seed,
+                               addresses=self._kv_addresses)
+        pub.start()
+        pub.set_faults(self.faults.kv_events_drop_rate, self.faults.kv_events_stop)
+        self._kv_addresses = (pub.endpoint, pub.replay_endpoint)
+        self.kv_publisher = pub
+
+    async def _stop_kv_publisher(self) -> None:
+        pub, self.kv_publisher = self.kv_publisher, None
+        if pub is not None:
+            await pub.close()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.engine.take_kv_events())
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -371,10 +414,13 @@ class SimBackend:
         r.add_post("/admin/faults", self.set_faults)
         r.add_post("/admin/crash", self.crash_handler)
         r.add_get("/admin/stats", self.stats_handler)
+        r.add_get("/kv_event_sources", self.kv_event_sources)
         return app
 
     async def start(self) -> str:
-        """Listen on ``cfg.host:cfg.port`` and start the engine. Returns the base URL."""
+        """Listen on ``cfg.host:cfg.port`` and start the engine (and its KV-event
+        publisher). Returns the base URL."""
+        self._start_kv_publisher()
         self.runner.start()
         self.app_runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self.app_runner.setup()
@@ -402,6 +448,7 @@ class SimBackend:
             await self.app_runner.cleanup()
             self.app_runner = None
         await self.runner.stop()
+        await self._stop_kv_publisher()
 
     async def crash(self, down_s: float, *, spare: asyncio.BaseTransport | None = None) -> None:
         """Emulate a crash: drop every connection (except ``spare``, which is closed
@@ -421,12 +468,14 @@ class SimBackend:
                 continue
             tr.abort()
         await self.runner.stop()
+        await self._stop_kv_publisher()
         self._revive = asyncio.Event()
         try:
             await asyncio.wait_for(self._revive.wait(), down_s)
         except asyncio.TimeoutError:
             pass
         self._new_engine()
+        self._start_kv_publisher()
         self.runner.start()
         self.site = web.TCPSite(self.app_runner, self.host, self.port, reuse_address=True)
         await self.site.start()
@@ -481,7 +530,7 @@ class SimBackend:
             data = orjson.loads(await request.read())
             if not isinstance(data, dict):
                 raise BadRequest("the body must be a JSON object")
-            ids = prompt_token_ids(data, "messages" in data)
+            ids = prompt_token_ids(data, "messages" in data, self.tok)
         except orjson.JSONDecodeError:
             return error_response(400, "invalid JSON body")
         except BadRequest as e:
@@ -491,7 +540,13 @@ class SimBackend:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()
+        self._publish_kv_events()
         return web.Response(status=200)
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """The KV-event publisher's bound addresses and settings (``{}`` when off)."""
+        pub = self.kv_publisher
+        return web.json_response({} if pub is None else pub.stats(), dumps=_dumps)
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.to_dict(), dumps=_dumps)
@@ -505,6 +560,8 @@ class SimBackend:
         except (orjson.JSONDecodeError, ValueError, TypeError) as e:
             return error_response(400, str(e))
         self._rng = random.Random(self.faults.seed)
+        if self.kv_publisher is not None:
+            self.kv_publisher.set_faults(self.faults.kv_events_drop_rate, self.faults.kv_events_stop)
         self._schedule_crashes()
         return web.json_response(self.faults.to_dict(), dumps=_dumps)
 
@@ -529,6 +586,7 @@ class SimBackend:
                 "speed": self.cfg.speed, "engine_id": self.engine.engine_id, "crashes": self.crashes,
                 "http_requests": self.http_requests, "faults_injected": dict(self.faults_injected),
                 "engine": self.engine.stats(), "runner": self.runner.stats(),
+                "kv_events": None if self.kv_publisher is None else self.kv_publisher.stats(),
                 "event_loop_lag_s": LOOP_LAG.lag.summary()}
 
     async def stats_handler(self, request: web.Request) -> web.Response:
@@ -586,7 +644,7 @@ class SimBackend:
             return error_response(429, "simulated rate limit", headers={"Retry-After": ra_text})
 
         try:
-            ids = prompt_token_ids(data, chat)
+            ids = prompt_token_ids(data, chat, self.tok)
             max_tokens = data.get("max_completion_tokens")
             if max_tokens is None:
                 max_tokens = data.get("max_tokens")
@@ -648,7 +706,7 @@ class SimBackend:
         if f.drip_s > 0:
             self._inject("drip")
             await asyncio.sleep(f.drip_s * max(1, len(toks)))
-        text = tokenizer.detokenize(toks)
+        text = self.tok.detokenize(toks)
         kvp = None
         if last.kv_transfer_params is not None:
             kvp = dict(last.kv_transfer_params, remote_host=self.host, remote_port=self.port)
@@ -697,7 +755,7 @@ class SimBackend:
                     first = False
                     parts.append(ctx.chunk(head, {"role": "assistant", "content": ""}, None,
                                            ctx.usage(0, cached) if continuous else None))
-                text = tokenizer.detokenize(o.new_token_ids)
+                text = self.tok.detokenize(o.new_token_ids)
                 n_gen += len(o.new_token_ids)
                 parts.append(ctx.chunk(head, text, o.finish_reason,
                                        ctx.usage(n_gen, cached) if continuous else None))

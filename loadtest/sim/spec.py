@@ -9,6 +9,7 @@ check a ``simulate:`` section with :func:`check_simulate` without starting anyth
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,12 @@ class FaultConfig:
       connection, stop listening, lose the engine's state) ``crash_after_s`` after the
       faults are set, come back on the same port ``crash_down_s`` later with a cold
       engine, and repeat every ``crash_every_s`` if set.
+    - ``kv_events_drop_rate``: probability that a KV-event batch is not sent on the PUB
+      socket (it keeps its sequence number and stays in the replay buffer, as a
+      batch lost on the way).
+    - ``kv_events_stop``: the KV-event publisher hangs: batches queue up unsent and
+      replay requests wait unanswered; clearing it sends the backlog in order and
+      answers them (vLLM publishes and serves replay from one thread).
     - ``seed``: seed of the fault draws (reproducible runs).
     """
 
@@ -55,6 +62,8 @@ class FaultConfig:
     crash_after_s: float | None = None
     crash_down_s: float = 1.0
     crash_every_s: float | None = None
+    kv_events_drop_rate: float = 0.0
+    kv_events_stop: bool = False
     seed: int | None = None
 
     @classmethod
@@ -66,7 +75,7 @@ class FaultConfig:
         if unknown:
             raise ValueError(f"unknown fault field(s) {unknown}; known: {sorted(names)}")
         fc = cls(**d)
-        for k in ("hang_rate", "error_rate", "rate_limit_rate"):
+        for k in ("hang_rate", "error_rate", "rate_limit_rate", "kv_events_drop_rate"):
             v = getattr(fc, k)
             if not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"faults.{k} must be a number in [0, 1], got {v!r}")
@@ -78,12 +87,77 @@ class FaultConfig:
             v = getattr(fc, k)
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"faults.{k} must be null or a number >= 0, got {v!r}")
+        if not isinstance(fc.kv_events_stop, bool):
+            raise ValueError(f"faults.kv_events_stop must be true or false, got {fc.kv_events_stop!r}")
         if not isinstance(fc.error_status, int) or not 400 <= fc.error_status <= 599:
             raise ValueError(f"faults.error_status must be an HTTP error status, got {fc.error_status!r}")
         if fc.close_after_chunks is not None and (not isinstance(fc.close_after_chunks, int)
                                                   or fc.close_after_chunks < 0):
             raise ValueError("faults.close_after_chunks must be null or an integer >= 0")
         return fc
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+KV_EVENT_ENCODINGS = ("map", "array")
+BLOCK_HASH_FORMATS = ("int", "bytes")
+
+
+@dataclass(slots=True)
+class KVEventsConfig:
+    """The backend's KV-cache event publisher (vLLM's ``--kv-events-config``; wire
+    format in :mod:`loadtest.sim.kv_events`).
+
+    - ``endpoint``: ZMQ address the PUB socket binds, ``tcp://host:port``; port ``*``
+      (the default) picks a free one. vLLM's default is ``tcp://*:5557``.
+    - ``replay_endpoint``: ZMQ address of the ROUTER replay socket (``*`` port: a free
+      one); ``null`` for none (vLLM's default).
+    - ``topic``: first frame of every message (vLLM's default ``""``).
+    - ``buffer_steps``: batches kept for replay (vLLM's default 10000).
+    - ``data_parallel_rank``: sent in every batch; a fixed port is offset by it, as
+      vLLM's data-parallel ranks publish on port + rank.
+    - ``encoding``: ``map`` (events as maps with a ``"type"`` tag: what vLLM 0.32
+      sends) or ``array`` (tagged arrays ``["BlockStored", ...]`` of older engines).
+    - ``block_hash``: ``int`` (64-bit ints, vLLM's default) or ``bytes`` (8 bytes,
+      big-endian).
+    """
+
+    endpoint: str = "tcp://127.0.0.1:*"
+    replay_endpoint: str | None = "tcp://127.0.0.1:*"
+    topic: str = ""
+    buffer_steps: int = 10_000
+    data_parallel_rank: int = 0
+    encoding: str = "map"
+    block_hash: str = "int"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KVEventsConfig":
+        """Validate ``d``; raises ValueError naming the bad field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"`kv_events` must be a mapping of publisher fields, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown kv_events field(s) {unknown}; known: {sorted(names)}")
+        kc = cls(**d)
+        for k in ("endpoint", "replay_endpoint"):
+            v = getattr(kc, k)
+            if v is None and k == "replay_endpoint":
+                continue
+            if not isinstance(v, str) or not v.startswith("tcp://") or ":" not in v[len("tcp://"):]:
+                raise ValueError(f"kv_events.{k} must be a ZMQ address tcp://host:port, got {v!r}")
+        if not isinstance(kc.topic, str):
+            raise ValueError(f"kv_events.topic must be a string, got {kc.topic!r}")
+        for k, lo in (("buffer_steps", 1), ("data_parallel_rank", 0)):
+            v = getattr(kc, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"kv_events.{k} must be an integer >= {lo}, got {v!r}")
+        if kc.encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(f"kv_events.encoding must be one of {KV_EVENT_ENCODINGS}, got {kc.encoding!r}")
+        if kc.block_hash not in BLOCK_HASH_FORMATS:
+            raise ValueError(f"kv_events.block_hash must be one of {BLOCK_HASH_FORMATS}, got {kc.block_hash!r}")
+        return kc
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,6 +180,11 @@ class SimBackendConfig:
     - ``max_tokens_default``: ``max_tokens`` when the request gives none (default: the
       rest of ``max_model_len``, as vLLM).
     - ``faults``: a :class:`FaultConfig` (or its dict).
+    - ``kv_events``: a :class:`KVEventsConfig` (or its dict) to publish KV-cache
+      events; ``None`` (default): none.
+    - ``tokenizer``: a Hugging Face ``tokenizer.json`` (or a directory holding one):
+      prompts are tokenized with it, so block boundaries and event token ids are a
+      real model's; ``None`` (default): the emulator's tokenizer.
     - ``host``, ``port``: where to listen (``port`` 0 picks a free port).
     """
 
@@ -118,6 +197,8 @@ class SimBackendConfig:
     eos_after: int | list[int] | None = None
     max_tokens_default: int | None = None
     faults: FaultConfig | dict[str, Any] = field(default_factory=FaultConfig)
+    kv_events: KVEventsConfig | dict[str, Any] | None = None
+    tokenizer: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
 
@@ -141,6 +222,19 @@ class SimBackendConfig:
             self.faults = FaultConfig.from_dict(self.faults)
         elif not isinstance(self.faults, FaultConfig):
             raise ValueError(f"backend {self.name!r}: `faults` must be a mapping of fault fields")
+        if isinstance(self.kv_events, dict):
+            try:
+                self.kv_events = KVEventsConfig.from_dict(self.kv_events)
+            except TypeError as e:
+                raise ValueError(f"backend {self.name!r}: kv_events: {e}") from None
+            except ValueError as e:
+                raise ValueError(f"backend {self.name!r}: {e}") from None
+        elif self.kv_events is not None and not isinstance(self.kv_events, KVEventsConfig):
+            raise ValueError(f"backend {self.name!r}: `kv_events` must be a mapping of publisher fields or null")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(f"backend {self.name!r}: `tokenizer` must be a path to a tokenizer.json or null")
+        if self.tokenizer is not None and not os.path.exists(self.tokenizer):
+            raise ValueError(f"backend {self.name!r}: `tokenizer` {self.tokenizer!r} does not exist")
         if not isinstance(self.profile_overrides, dict):
             raise ValueError(f"backend {self.name!r}: `profile_overrides` must be a mapping of profile fields")
         if not self.models or not all(isinstance(m, str) for m in self.models):

@@ -29,12 +29,21 @@ engine's prefix cache, as on a real engine.
 
 Cost: one ``re.findall`` and one ``blake2b`` per piece, memoized in a bounded dict;
 about 1 microsecond per token on a laptop once warm.
+
+A model's own tokenizer instead: :class:`HFTokenizer` loads a Hugging Face
+``tokenizer.json`` (the file vLLM's tokenizer reads beside the checkpoint), so prompt
+token ids, and with them KV block boundaries and the ``token_ids`` of KV events, are
+the ones a real engine serving that model computes. Both kinds offer the
+:class:`Tokenizer` interface; :data:`EMULATOR` is the emulator's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+from pathlib import Path
+from typing import Protocol
 
 MAX_WORD_CHARS = 4
 """Longest run of word characters in one token (characters, not bytes)."""
@@ -139,13 +148,127 @@ def output_token_id(seed: int, index: int) -> int:
     Deterministic: a 64-bit integer mix (splitmix64 finalizer) of ``seed`` and
     ``index`` picks one word of the output vocabulary.
     """
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 29
-    return _OUTPUT_IDS[x % len(_OUTPUT_IDS)]
+    return _OUTPUT_IDS[_mix(seed, index) % len(_OUTPUT_IDS)]
 
 
 def generate_text(seed: int, num_tokens: int) -> str:
     """Convenience: the text of the first ``num_tokens`` generated tokens for ``seed``."""
     return detokenize([output_token_id(seed, i) for i in range(num_tokens)])
+
+
+# --- the interface the engine and server use ------------------------------------------
+
+
+class Tokenizer(Protocol):
+    """What the simulated engine and server need from a tokenizer.
+
+    ``tokenize(text, add_special_tokens)``: prompt text -> token ids (a completions
+    prompt is tokenized with ``add_special_tokens=True``, a rendered chat with False,
+    as vLLM does). ``detokenize(ids)``: generated ids -> text (EOS and other special
+    tokens decode to nothing). ``output_token_id(seed, i)``: the i-th generated token
+    of a request; generated text re-tokenizes to the same ids. ``eos_token_id``.
+    """
+
+    eos_token_id: int
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def output_token_id(self, seed: int, index: int) -> int: ...
+
+
+class EmulatorTokenizer:
+    """:class:`Tokenizer` of this module's emulated vocabulary (no special tokens)."""
+
+    eos_token_id = EOS_TOKEN_ID
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return tokenize(text)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return detokenize(token_ids)
+
+    def output_token_id(self, seed: int, index: int) -> int:
+        return output_token_id(seed, index)
+
+
+EMULATOR = EmulatorTokenizer()
+
+# EOS token names tried, in order, when no tokenizer_config.json names one.
+_EOS_NAMES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+class HFTokenizer:
+    """:class:`Tokenizer` backed by a Hugging Face ``tokenizer.json`` (the ``tokenizers``
+    library, in Rust).
+
+    ``path``: a ``tokenizer.json`` file, or a model directory holding one. The EOS
+    token is ``eos_token`` of a ``tokenizer_config.json`` beside it, else the first of
+    ``<|im_end|>``, ``<|eot_id|>``, ``<|endoftext|>``, ``</s>``, ``<eos>`` in the
+    vocabulary. Generated tokens are drawn from the emulator's English output words
+    that are exactly one token of this vocabulary (so generated text re-tokenizes to
+    the same ids). Raises ValueError for a missing or unreadable file, a tokenizer
+    without an EOS token, or one without any single-token output word; ImportError
+    with the install hint when ``tokenizers`` is missing.
+    """
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError:
+            raise ImportError("a tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise ValueError(f"tokenizer: no tokenizer.json at {str(path)!r}")
+        try:
+            self._tok = _HF.from_file(str(file))
+        except Exception as e:  # the library raises its own Exception subclass
+            raise ValueError(f"tokenizer: cannot load {str(file)!r}: {e}") from None
+        self.path = file
+        eos = None
+        cfg = file.parent / "tokenizer_config.json"
+        if cfg.is_file():
+            try:
+                name = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
+            except (OSError, ValueError, AttributeError):
+                name = None
+            if isinstance(name, dict):
+                name = name.get("content")
+            if isinstance(name, str):
+                eos = self._tok.token_to_id(name)
+        for name in _EOS_NAMES:
+            if eos is not None:
+                break
+            eos = self._tok.token_to_id(name)
+        if eos is None:
+            raise ValueError(f"tokenizer {str(file)!r}: no EOS token (name it as eos_token in a "
+                             "tokenizer_config.json beside it)")
+        self.eos_token_id = eos
+        out = []
+        for w in _OUTPUT_WORDS:
+            ids = self._tok.encode(w, add_special_tokens=False).ids
+            if len(ids) == 1 and self._tok.decode(ids) == w:
+                out.append(ids[0])
+        if not out:
+            raise ValueError(f"tokenizer {str(file)!r}: none of the output words is a single token")
+        self._output_ids = tuple(out)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def output_token_id(self, seed: int, index: int) -> int:
+        return self._output_ids[_mix(seed, index) % len(self._output_ids)]
+
+
+def _mix(seed: int, index: int) -> int:
+    """A 64-bit integer mix (splitmix64 finalizer) of ``seed`` and ``index``."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 29
+    return x
