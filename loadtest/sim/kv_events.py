@@ -29,9 +29,15 @@ Wire format
   lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind]``, with
   trailing fields that equal their defaults left out. ``BlockStored.token_ids`` are
   the tokens of exactly the blocks in ``block_hashes`` (``block_size`` each).
-* Replay: a ROUTER socket. A REQ client sends the first wanted seq as 8 bytes
-  big-endian; it gets ``[seq, payload]`` for every buffered batch with a seq at or
-  after it, then ``[-1 (8 bytes, signed), b""]``.
+  Fields that vLLM 0.32 leaves at their defaults (``kv_cache_spec_sliding_window``,
+  ``locality``, ``ownership``, ``session_id``) are never sent.
+* Replay: a ROUTER socket. A client sends ``[b"", start seq as 8 bytes big-endian]``
+  (what a REQ socket sends for one 8-byte frame); it gets ``[b"", topic, seq,
+  payload]`` for every buffered batch with a seq at or after ``start``, then ``[b"",
+  b"", -1 (8 bytes, signed), b""]`` (vLLM 0.32; ``replay_topic_frame: false`` gives the
+  older ``[b"", seq, payload]`` and ``[b"", -1, b""]``). Only the first of those
+  replies reaches a REQ socket (it takes one reply per request); a DEALER gets them
+  all.
 """
 
 from __future__ import annotations
@@ -63,8 +69,10 @@ _NO_DEFAULT = object()
 _STORED_FIELDS = (("block_hashes", _NO_DEFAULT), ("parent_block_hash", _NO_DEFAULT),
                   ("token_ids", _NO_DEFAULT), ("block_size", _NO_DEFAULT), ("lora_id", _NO_DEFAULT),
                   ("medium", _NO_DEFAULT), ("lora_name", _NO_DEFAULT), ("extra_keys", None),
-                  ("group_idx", None), ("kv_cache_spec_kind", None), ("kv_cache_spec_sliding_window", None))
-_REMOVED_FIELDS = (("block_hashes", _NO_DEFAULT), ("medium", _NO_DEFAULT), ("group_idx", None))
+                  ("group_idx", None), ("kv_cache_spec_kind", None), ("kv_cache_spec_sliding_window", None),
+                  ("locality", None), ("ownership", None), ("session_id", None))
+_REMOVED_FIELDS = (("block_hashes", _NO_DEFAULT), ("medium", _NO_DEFAULT), ("group_idx", None),
+                   ("locality", None), ("ownership", None))
 
 
 def _struct(tag: str, fields: tuple, values: dict[str, Any], encoding: str) -> Any:
@@ -97,10 +105,12 @@ def encode_event(ev: KVStored | KVRemoved | KVCleared, *, block_size: int, encod
             "token_ids": list(ev.token_ids), "block_size": block_size, "lora_id": None,
             "medium": MEDIUM_GPU, "lora_name": None, "extra_keys": [None] * len(ev.block_hashes),
             "group_idx": 0, "kv_cache_spec_kind": KV_CACHE_SPEC_KIND, "kv_cache_spec_sliding_window": None,
+            "locality": None, "ownership": None, "session_id": None,
         }, encoding)
     if isinstance(ev, KVRemoved):
         return _struct("BlockRemoved", _REMOVED_FIELDS,
-                       {"block_hashes": [h(ev.block_hash)], "medium": MEDIUM_GPU, "group_idx": 0}, encoding)
+                       {"block_hashes": [h(ev.block_hash)], "medium": MEDIUM_GPU, "group_idx": 0,
+                        "locality": None, "ownership": None}, encoding)
     if isinstance(ev, KVCleared):
         return {"type": "AllBlocksCleared"} if encoding == "map" else ["AllBlocksCleared"]
     raise TypeError(f"not a KV-cache event: {ev!r}")
@@ -246,10 +256,12 @@ class KVEventPublisher:
                 continue  # not [identity, b"", start seq]: ignored, as vLLM does
             ident, _, start = frames
             first = int.from_bytes(start, "big")
+            head = (ident, b"", self._topic) if self.cfg.replay_topic_frame else (ident, b"")
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    await rep.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload))
-            await rep.send_multipart((ident, b"", END_SEQ, b""))
+                    await rep.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+            end_head = (ident, b"", b"") if self.cfg.replay_topic_frame else (ident, b"")
+            await rep.send_multipart((*end_head, END_SEQ, b""))
             self.replays += 1
 
     def stats(self) -> dict[str, Any]:

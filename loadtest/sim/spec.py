@@ -119,8 +119,11 @@ class KVEventsConfig:
       vLLM's data-parallel ranks publish on port + rank.
     - ``encoding``: ``map`` (events as maps with a ``"type"`` tag: what vLLM 0.32
       sends) or ``array`` (tagged arrays ``["BlockStored", ...]`` of older engines).
-    - ``block_hash``: ``int`` (64-bit ints, vLLM's default) or ``bytes`` (8 bytes,
-      big-endian).
+    - ``block_hash``: ``int`` (unsigned 64-bit ints, vLLM's default) or ``bytes`` (8
+      bytes, big-endian; vLLM sends its whole hash digest as bytes when
+      ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
+    - ``replay_topic_frame``: replay replies carry the topic frame before the seq, as
+      vLLM 0.32 sends them (``true``), or not, as older engines (``false``).
     """
 
     endpoint: str = "tcp://127.0.0.1:*"
@@ -130,6 +133,7 @@ class KVEventsConfig:
     data_parallel_rank: int = 0
     encoding: str = "map"
     block_hash: str = "int"
+    replay_topic_frame: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KVEventsConfig":
@@ -153,6 +157,8 @@ class KVEventsConfig:
             v = getattr(kc, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"kv_events.{k} must be an integer >= {lo}, got {v!r}")
+        if not isinstance(kc.replay_topic_frame, bool):
+            raise ValueError(f"kv_events.replay_topic_frame must be true or false, got {kc.replay_topic_frame!r}")
         if kc.encoding not in KV_EVENT_ENCODINGS:
             raise ValueError(f"kv_events.encoding must be one of {KV_EVENT_ENCODINGS}, got {kc.encoding!r}")
         if kc.block_hash not in BLOCK_HASH_FORMATS:
