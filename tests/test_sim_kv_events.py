@@ -346,7 +346,9 @@ async def test_restart_starts_the_sequence_again_with_a_cold_cache():
             before = await events_until(sub, lambda s, e: e["type"] == "BlockStored")
             assert (await complete(session, b.url, SYSTEM))["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             await b.crash(0)
-            assert b.kv_publisher.endpoint == endpoint and b.kv_publisher.replay_endpoint == replay_endpoint
+            async with session.get(b.url + "/kv_event_sources") as r:
+                src = (await r.json())["0"]
+            assert (src["endpoint"], src["replay_endpoint"], src["topic"]) == (endpoint, replay_endpoint, "kv-events")
             body = await complete(session, b.url, SYSTEM)
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             got = await replay(replay_endpoint, 0)

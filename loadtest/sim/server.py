@@ -544,9 +544,18 @@ class SimBackend:
         return web.Response(status=200)
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:
-        """The KV-event publisher's bound addresses and settings (``{}`` when off)."""
+        """The publisher's config by data-parallel rank, shaped as vLLM 0.32's answer
+        (``{"0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...,
+        "replay_endpoint": ..., "buffer_steps": ..., "topic": ...}}``) with the bound
+        addresses; ``{}`` when KV events are off."""
         pub = self.kv_publisher
-        return web.json_response({} if pub is None else pub.stats(), dumps=_dumps)
+        if pub is None:
+            return web.json_response({}, dumps=_dumps)
+        c = pub.cfg
+        return web.json_response({str(c.data_parallel_rank): {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub.endpoint,
+            "replay_endpoint": pub.replay_endpoint, "buffer_steps": c.buffer_steps, "topic": c.topic}},
+            dumps=_dumps)
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.to_dict(), dumps=_dumps)
