@@ -1,5 +1,6 @@
 """Real llama.cpp ``llama-server`` processes and a ``python -m gateway`` process in
-front of them, for the real-engine suite (``tests/test_real_engine.py``).
+front of them, for the real-engine suite (``tests/test_real_engine.py``), and real
+vLLM CPU servers with KV-cache events on (``tests/test_real_vllm.py``).
 
 Everything runs as child processes on 127.0.0.1 and is stopped by its own PID.
 
@@ -9,6 +10,12 @@ Everything runs as child processes on 127.0.0.1 and is stopped by its own PID.
   ``<cache>/models/`` with ``scripts/make_tiny_model.py`` (numpy, gguf, tokenizers: in the ``test`` extra).
 - :class:`LlamaServer` and :class:`GatewayProcess` start one process each and wait
   until it answers.
+- :func:`vllm_python` finds the vLLM CPU virtualenv's interpreter: ``$VLLM_CPU_VENV``,
+  else ``<cache>/vllm-cpu`` (built there by ``scripts/ci_build_vllm_cpu.sh``);
+  :func:`tiny_hf_model` generates the tiny model's Hugging Face checkpoint (with its
+  ``tokenizer.json``) once into ``<cache>/models/``; :class:`VLLMServer` starts one
+  vLLM OpenAI server with ``--kv-events-config`` (PUB and replay sockets on free
+  ports) and waits until it answers.
 
 ``<cache>`` is ``$TURBO_GATEWAY_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/turbo-gateway``.
 
@@ -42,6 +49,12 @@ MODEL_ALIAS = "tiny"
 # generation ends only when asked to (or when the client goes away), not at once.
 MODEL_CTX = 65536
 ENABLE_HINT = "llama-server not found: run `bash scripts/ci_build_llama_server.sh` (7-9 min, once) or set LLAMA_SERVER_BIN"
+VLLM_ENABLE_HINT = ("vLLM CPU virtualenv not found: run `bash scripts/ci_build_vllm_cpu.sh` (3.5 GB, a few "
+                    "minutes, once) or set VLLM_CPU_VENV")
+# vLLM's context for the tiny model (its max_position_embeddings and --max-model-len).
+VLLM_MODEL_CTX = 4096
+# vLLM's CPU attention needs a block size that is a multiple of 32.
+VLLM_BLOCK_SIZE = 32
 
 
 def cache_dir() -> Path:
@@ -88,6 +101,43 @@ def tiny_model() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return gguf
+
+
+def vllm_python() -> Path | None:
+    """The Python of a vLLM CPU virtualenv, or ``None`` when there is none (a venv
+    under the cache counts only once ``scripts/ci_build_vllm_cpu.sh`` marked it built)."""
+    env = os.environ.get("VLLM_CPU_VENV")
+    venv = Path(env) if env else cache_dir() / "vllm-cpu"
+    py = venv / "bin" / "python"
+    if not py.exists() or (not env and not (venv / ".turbo-gateway-built").is_file()):
+        return None
+    return py
+
+
+def tiny_hf_model() -> Path:
+    """The Hugging Face checkpoint directory of the tiny random-weight model
+    (``config.json``, ``model.safetensors``, ``tokenizer.json``, ...), generated on first
+    use into the cache, atomically."""
+    out = cache_dir() / "models" / f"tiny-hf-ctx{VLLM_MODEL_CTX}"
+    hf = out / "hf"
+    if (hf / "model.safetensors").is_file():
+        return hf
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        subprocess.run([sys.executable, str(SCRIPTS / "make_tiny_model.py"), "--out", str(tmp), "--preset", "tiny",
+                        "--tokenizer", str(SCRIPTS / "tokenizer.json"), "--ctx", str(VLLM_MODEL_CTX), "--no-gguf"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process won the race
+            if not (hf / "model.safetensors").is_file():
+                raise
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"make_tiny_model.py failed:\n{e.stderr}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return hf
 
 
 def free_port() -> int:
@@ -217,6 +267,92 @@ class LlamaServer(_Child):
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)
         return out
+
+
+class VLLMServer(_Child):
+    """One vLLM CPU OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
+    serving the HF checkpoint ``model`` as ``alias`` on a free loopback port, with
+    KV-cache events published on ``kv_events_endpoint`` (ZMQ PUB) and replayed on
+    ``kv_replay_endpoint`` (ZMQ ROUTER), topic ``topic``.
+
+    Settings that make vLLM run here (see /work/shared/engines/README.md): both cores
+    for the engine (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``),
+    ``kv_cache_gib`` GiB of KV cache, float32, ``--enforce-eager -O0`` (no compilation:
+    a much faster start), block size 32, ``--enable-prompt-tokens-details`` (so
+    ``usage.prompt_tokens_details.cached_tokens`` is reported). ``num_blocks`` caps
+    the KV cache at that many blocks (``--num-gpu-blocks-override``; at least
+    ``VLLM_MODEL_CTX / VLLM_BLOCK_SIZE``), so that a test can fill it and see
+    evictions. ``VLLM_SERVER_DEV_MODE=1`` serves ``POST /reset_prefix_cache``.
+    Stopped by its PID (SIGTERM to its process group, which holds the engine-core
+    process it starts, then SIGKILL).
+    """
+
+    def __init__(self, python: Path, model: Path, log_dir: Path, *, name: str = "vllm", alias: str = MODEL_ALIAS,
+                 topic: str = "kv-events", kv_cache_gib: int = 1, num_blocks: int | None = None,
+                 extra: list[str] = ()) -> None:
+        self.python, self.model, self.name, self.alias, self.topic = python, model, name, alias, topic
+        self.kv_cache_gib, self.num_blocks, self.extra = kv_cache_gib, num_blocks, list(extra)
+        self.log = log_dir / f"{name}.log"
+        self.port = self.kv_port = self.replay_port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.kv_port}"
+
+    @property
+    def kv_replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def start(self, timeout_s: float = 600.0) -> VLLMServer:
+        self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
+        # vLLM binds the PUB socket only for a wildcard address (else it connects).
+        kv_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.kv_port}",
+                     "replay_endpoint": f"tcp://*:{self.replay_port}", "topic": self.topic}
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", self.alias, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--max-model-len", str(VLLM_MODEL_CTX), "--block-size", str(VLLM_BLOCK_SIZE),
+               "--enable-prompt-tokens-details", "--enforce-eager", "-O0",
+               "--kv-events-config", json.dumps(kv_config), *self.extra]
+        if self.num_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        with open(self.log, "wb") as logf:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        try:
+            wait_for(lambda: http_get(self.url + "/health", 1.0)[0] == 200, f"vLLM {self.name} on {self.url}",
+                     timeout_s, self.proc, self.log, interval_s=0.5)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (it and the engine-core process it
+        started), then SIGKILL."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The engine's own token ids of ``prompt`` (vLLM's ``POST /tokenize``)."""
+        body = json.dumps({"model": self.alias, "prompt": prompt, "add_special_tokens": add_special_tokens}).encode()
+        req = urllib.request.Request(self.url + "/tokenize", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())["tokens"]
 
 
 class GatewayProcess(_Child):
