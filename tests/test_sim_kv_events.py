@@ -400,6 +400,14 @@ def test_bad_kv_event_faults_and_tokenizer_are_clear_errors(tmp_path):
         HFTokenizer(tmp_path)
 
 
+async def test_a_taken_kv_event_port_is_a_clear_error():
+    async with backend() as (session, b):
+        taken = b.kv_publisher.endpoint
+        cfg = SimBackendConfig.from_dict({"name": "second", "kv_events": {"endpoint": taken}})
+        with pytest.raises(OSError, match="cannot bind the KV-event sockets"):
+            await start_backends([cfg])
+
+
 async def test_real_tokenizer_chat_and_generated_text_round_trip():
     tok = HFTokenizer(TOKENIZER)
     assert tok.eos_token_id == tok._tok.token_to_id("<|im_end|>")

@@ -61,6 +61,9 @@ def _describe(backends: list[SimBackend], fleet: Fleet | None, write_config: str
     for b in backends:
         print(f"  {b.cfg.name:<16} {b.url:<24} profile={b.profile.name} role={b.role} "
               f"pool={pools.get(b.cfg.name, '-')} speed={b.cfg.speed:g}", file=sys.stderr)
+        if b.kv_publisher is not None:
+            print(f"  {'':<16} kv events {b.kv_publisher.endpoint}, replay {b.kv_publisher.replay_endpoint}",
+                  file=sys.stderr)
     if write_config:
         print(f"gateway config written to {write_config}: python -m gateway --config {write_config}",
               file=sys.stderr)

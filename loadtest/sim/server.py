@@ -378,13 +378,19 @@ class SimBackend:
 
     def _start_kv_publisher(self) -> None:
         """A fresh publisher (sequence 0, empty replay buffer) on the first start's
-        addresses; raises zmq.ZMQError when they cannot be bound."""
+        addresses; raises OSError naming the address when one cannot be bound."""
         if self.kv_events is None:
             return
+        import zmq
+
         from loadtest.sim.kv_events import KVEventPublisher
         pub = KVEventPublisher(self.kv_events, block_size=self.profile.block_size, seed=self.faults.seed,
                                addresses=self._kv_addresses)
-        pub.start()
+        try:
+            pub.start()
+        except zmq.ZMQError as e:
+            raise OSError(f"backend {self.cfg.name!r}: cannot bind the KV-event sockets "
+                          f"({pub.endpoint}, {pub.replay_endpoint}): {e}") from None
         pub.set_faults(self.faults.kv_events_drop_rate, self.faults.kv_events_stop)
         self._kv_addresses = (pub.endpoint, pub.replay_endpoint)
         self.kv_publisher = pub
