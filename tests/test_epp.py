@@ -113,17 +113,25 @@ async def test_a_saturated_backend_stops_being_chosen():
         async with picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
             body = {"model": "m", "messages": CHAT, "stream": True}
             held = []
-            for _ in range(3):  # each of these lands on "slow" while it holds fewer than "fast"
+            for _ in range(20):  # ties go either way: the first to land on "slow" stays there
                 r = await s.post(stack.url + "/v1/chat/completions", json=body)
-                held.append(r)
                 await r.content.readuntil(b"\n\n")
                 if r.headers["x-turbo-backend"] == "fast":
                     await r.read()
-            assert stack.gateway.in_flight("slow") == 1
+                    r.release()
+                    # the picker settles once Envoy reports the body's end, which may
+                    # come after the client read it
+                    await wait_until(lambda: stack.gateway.idle("fast"))
+                else:
+                    held.append(r)
+                if held:
+                    break
+            assert len(held) == 1 and stack.gateway.in_flight("slow") == 1
             for _ in range(4):  # "slow" holds a stream: every new request goes to "fast"
                 async with s.post(stack.url + "/v1/chat/completions", json=body) as r:
                     assert r.headers["x-turbo-backend"] == "fast"
                     await r.read()
+                await wait_until(lambda: stack.gateway.idle("fast"))
             release.set()
             for r in held:
                 await r.read()
