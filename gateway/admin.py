@@ -16,7 +16,12 @@ Admin endpoints answer 404 (like an unknown route) unless ``admin.key_sha256`` o
   (results recorded, lines in flight, lines enqueued) and the shared line ``queue``
   (length, pending, consumers);
 - ``POST /admin/batches/{id}/cancel``: cancel any caller's batch, as
-  ``POST /v1/batches/{id}/cancel`` does (404 unknown, 409 finalizing or finished).
+  ``POST /v1/batches/{id}/cancel`` does (404 unknown, 409 finalizing or finished);
+- ``GET /admin/usage?key=&model=&since=&until=``: the usage ledger's hourly buckets
+  and totals (:mod:`gateway.usage`), every key's or one key's.
+
+``GET /v1/usage?model=&since=&until=`` answers the same for the caller's own key only
+(its client key authenticates it; ``key`` naming another key is 403).
 
 The batch endpoints answer 404 ``batch_disabled`` when ``batch.enabled`` is off.
 """
@@ -25,12 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from datetime import datetime, timezone
 
 import orjson
 from aiohttp import web
 
 from gateway.auth import CALLER, check_admin
-from gateway.errors import ClientError
+from gateway.errors import ClientError, retry_later_headers
 from gateway.openai_api import UNREADABLE_BODY, unreadable_body
 from gateway.state import STATE
 
@@ -141,6 +149,70 @@ async def _cancel_batch(request: web.Request) -> web.Response:
     return _json(admin_batch_object(f))
 
 
+def _usage_time(request: web.Request, name: str, default: float) -> float:
+    """Query parameter ``name``: Unix seconds or an ISO 8601 time (UTC unless it says
+    otherwise); ``default`` when absent. Raises :class:`ClientError` 400."""
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            t = datetime.fromisoformat(raw)
+        except ValueError:
+            raise ClientError(400, f"`{name}` must be Unix seconds or an ISO 8601 time, not {raw!r}.",
+                              param=name, code="invalid_value") from None
+        value = (t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)).timestamp()
+    if not math.isfinite(value) or value < 0:
+        raise ClientError(400, f"`{name}` must be a time after 1970, not {raw!r}.", param=name, code="invalid_value")
+    return value
+
+
+async def usage_report(state, key: str | None, request: web.Request) -> dict:
+    """The usage ledger's answer for ``key`` (``None``: every key) and the request's
+    ``model``, ``since`` (default: 24 hours ago) and ``until`` (default: now) query
+    parameters: the hourly buckets that start in ``[since rounded down to its hour,
+    until)``, at most ``usage.retention_days`` back (:func:`gateway.usage.summarize`).
+    Raises :class:`ClientError` 400 on a bad parameter, 503 when Redis is unreachable."""
+    from gateway.usage import HOUR_S, summarize
+
+    now = time.time()
+    until = _usage_time(request, "until", now)
+    since = _usage_time(request, "since", until - 24 * HOUR_S)
+    if since > until:
+        raise ClientError(400, "`since` is after `until`.", param="since", code="invalid_value")
+    oldest = (int(now // HOUR_S) - state.cfg.usage.retention_days * 24) * HOUR_S
+    since_hour = int(max(since, oldest) // HOUR_S)
+    # hours that start before ``until``; none is in the future
+    until_hour = max(min(-(-int(until) // HOUR_S), int(now // HOUR_S) + 1), since_hour)
+    model = request.query.get("model") or None
+    if state.usage_sync is not None:
+        try:
+            buckets = await state.usage_sync.read(key, model, since_hour, until_hour)
+        except Exception as e:  # noqa: BLE001 - any Redis failure is a 503, not a 500
+            raise ClientError(503, f"The usage ledger's store is unreachable ({type(e).__name__}); "
+                              "counts are buffered meanwhile.", code="usage_store_unavailable",
+                              headers=retry_later_headers(5.0)) from None
+    else:
+        buckets = state.usage.local_query(key, model, since_hour, until_hour)
+    return summarize(buckets, since=since_hour * HOUR_S, until=until_hour * HOUR_S)
+
+
+async def _admin_usage(request: web.Request) -> web.Response:
+    state = _state(request)
+    check_admin(request, state.admin_digest)
+    return _json(await usage_report(state, request.query.get("key") or None, request))
+
+
+async def _own_usage(request: web.Request) -> web.Response:
+    caller = request[CALLER]
+    asked = request.query.get("key")
+    if asked and asked != caller.name:
+        raise ClientError(403, "An API key sees only its own usage.", param="key", code="permission_denied")
+    return _json(await usage_report(_state(request), caller.name, request))
+
+
 async def _openapi(request: web.Request) -> web.Response:
     return web.Response(body=OPENAPI_BYTES, content_type="application/json")
 
@@ -153,6 +225,8 @@ def setup_admin(app: web.Application) -> None:
     app.router.add_get("/admin/batches", _batches)
     app.router.add_get("/admin/batches/{batch_id}", _batch)
     app.router.add_post("/admin/batches/{batch_id}/cancel", _cancel_batch)
+    app.router.add_get("/admin/usage", _admin_usage)
+    app.router.add_get("/v1/usage", _own_usage)
     app.router.add_get("/openapi.json", _openapi)
 
 
@@ -187,6 +261,17 @@ _STREAMING = {
     "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
 }
 
+_USAGE_PARAMS = [
+    {"name": "model", "in": "query", "required": False, "description": "only this model's usage",
+     "schema": {"type": "string"}},
+    {"name": "since", "in": "query", "required": False,
+     "description": "Unix seconds or ISO 8601 (rounded down to its hour); default: 24 hours before `until`",
+     "schema": {"type": "string"}},
+    {"name": "until", "in": "query", "required": False,
+     "description": "Unix seconds or ISO 8601 (exclusive: hours that start before it); default: now",
+     "schema": {"type": "string"}},
+]
+
 OPENAPI = {
     "openapi": "3.1.0",
     "info": {"title": "turbo-gateway", "version": "0.1.0",
@@ -214,6 +299,20 @@ OPENAPI = {
             "Model": {"type": "object", "required": ["id", "object"],
                       "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                                      "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
+            "Usage": {
+                "type": "object", "required": ["object", "since", "until", "data", "by_key_model", "totals"],
+                "description": "Usage ledger buckets (one per key, model and hour; `hour` is its start in Unix "
+                               "seconds), totals per key and model, and in all. `cost` is in the currency of "
+                               "`usage.prices` (0 for unpriced models).",
+                "properties": {"object": {"const": "usage"}, "since": {"type": "integer"},
+                               "until": {"type": "integer"},
+                               "data": {"type": "array", "items": {"type": "object"}},
+                               "by_key_model": {"type": "array", "items": {"type": "object"}},
+                               "totals": {"type": "object", "properties": {
+                                   "requests": {"type": "integer"}, "prompt_tokens": {"type": "integer"},
+                                   "cached_prompt_tokens": {"type": "integer"},
+                                   "completion_tokens": {"type": "integer"}, "errors": {"type": "integer"},
+                                   "total_tokens": {"type": "integer"}, "cost": {"type": "number"}}}}},
             "AdminBatch": {
                 "type": "object", "required": ["id", "object", "status", "request_counts"],
                 "additionalProperties": True,
@@ -292,6 +391,21 @@ OPENAPI = {
             "200": {"description": "reloaded"}, "400": _err("the new config was rejected; the old one stays"),
             "401": _COMMON_ERRORS["401"], "404": _err("admin endpoints are off"),
             "409": _err("not started from a config file")}}},
+        "/admin/usage": {"get": {
+            "operationId": "adminUsage",
+            "parameters": _USAGE_PARAMS + [{"name": "key", "in": "query", "required": False,
+                                            "description": "only this key name's usage", "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "every key's usage", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Usage"}}}},
+                "400": _err("a bad since or until"), "401": _COMMON_ERRORS["401"],
+                "404": _err("admin endpoints are off"), "503": _err("the usage ledger's Redis is unreachable")}}},
+        "/v1/usage": {"get": {
+            "operationId": "ownUsage",
+            "parameters": _USAGE_PARAMS,
+            "responses": {"200": {"description": "the calling key's own usage", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Usage"}}}},
+                "400": _err("a bad since or until"), "401": _COMMON_ERRORS["401"],
+                "403": _err("`key` names another key"), "503": _err("the usage ledger's Redis is unreachable")}}},
         "/admin/batches": {"get": {
             "operationId": "adminListBatches",
             "parameters": [

@@ -25,7 +25,7 @@ from gateway.openai_api import models_list, read_body
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.reload import watch_config
-from gateway.state import OWN_MIDDLEWARES, STATE, build_state, connect, limiter_sync
+from gateway.state import OWN_MIDDLEWARES, STATE, build_state, connect, limiter_sync, usage_sync
 
 log = logging.getLogger("gateway")
 
@@ -100,6 +100,9 @@ def _lifecycle(backend_urls: dict[str, str]):
         state.limiter_sync = limiter_sync(state)
         if state.limiter_sync is not None:
             await state.limiter_sync.start()
+        state.usage_sync = usage_sync(state)
+        if state.usage_sync is not None:
+            await state.usage_sync.start()
         if state.scraper is not None:
             tasks.append(asyncio.create_task(state.scraper.run()))
         try:
@@ -114,6 +117,8 @@ def _lifecycle(backend_urls: dict[str, str]):
             await state.store.stop()
             if state.limiter_sync is not None:
                 await state.limiter_sync.stop()
+            if state.usage_sync is not None:
+                await state.usage_sync.stop()
             for s in state.sessions:
                 await s.close()
             for c in state.clients.values():

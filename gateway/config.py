@@ -397,6 +397,39 @@ class Batch(_Strict):
         return v
 
 
+class Price(_Strict):
+    """What one model's tokens cost, per million tokens (any currency; the ledger's
+    ``cost`` is in the same one)."""
+
+    input: float = Field(ge=0, description="Per million prompt tokens not served from the prefix cache.")
+    cached_input: float | None = Field(
+        None, ge=0, description="Per million prompt tokens the backend served from its prefix cache "
+        "(`usage.prompt_tokens_details.cached_tokens`); unset: `input`.")
+    output: float = Field(ge=0, description="Per million completion tokens.")
+
+
+class Usage(_Strict):
+    """The usage ledger (:mod:`gateway.usage`): requests, tokens, errors and cost per
+    client key and model, in hourly buckets. With ``state.url`` every replica adds its
+    counts to the same Redis buckets (flushed in the background, never on the request
+    path); without it they stay in this process."""
+
+    retention_days: int = Field(
+        90, ge=1, le=3650, description="Hourly buckets are kept this long after their hour ended (Redis "
+        "`EXPIREAT`; in-process buckets are pruned alike).")
+    flush_interval_s: float = Field(
+        1.0, gt=0, le=3600, description="How often this replica adds its counts to the shared buckets "
+        "(`state.url`); a failed flush is retried with the same counts next time.")
+    max_buffered_buckets: int = Field(
+        100_000, ge=1, description="Bound on the (key, model, hour) entries waiting for a flush while "
+        "Redis is unreachable; a request that would need a new entry past it is not recorded and counts in "
+        "`turbo_gateway_usage_dropped_requests_total`.")
+    prices: dict[str, Price] = Field(
+        {}, description="Prices per model (the `model` a backend serves), per million tokens: `input`, "
+        "`cached_input`, `output`. A request is charged at the prices in force when it settled; a model "
+        "without a price has no `cost`.")
+
+
 class Lifecycle(_Strict):
     """Shutdown and reload."""
 
@@ -607,6 +640,9 @@ class GatewayConfig(_Strict):
     batch: Batch = Field(
         Batch(), description="The OpenAI Files and Batches API and its queue consumers, at a lower priority "
         "than interactive traffic.")
+    usage: Usage = Field(
+        Usage(), description="The usage ledger per key and model (`GET /admin/usage`, `GET /v1/usage`): "
+        "retention, flushing to Redis and prices.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "GatewayConfig":
@@ -629,6 +665,9 @@ class GatewayConfig(_Strict):
                     raise ValueError(f"routing.fallbacks: model {model!r} names itself as a fallback")
                 if f.model not in served:
                     raise ValueError(f"routing.fallbacks: fallback {f.model!r} of model {model!r} is served by no backend")
+        unpriced = sorted(m for m in self.usage.prices if m not in served)
+        if unpriced:
+            raise ValueError(f"usage.prices: no backend serves {', '.join(map(repr, unpriced))}")
         return self
 
     @model_validator(mode="after")

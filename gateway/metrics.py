@@ -247,6 +247,11 @@ class GatewayMetrics:
             "turbo_gateway_usage_prompt_tokens",
             "Prompt tokens of responses that report cached_tokens (denominator of both hit ratios)",
             ["model"], registry=r)
+        self.key_tokens = Counter("turbo_gateway_key_tokens",
+                                  "Tokens of settled requests per client key name and model (the usage ledger's "
+                                  "counts in this process): kind prompt, cached_prompt (of the prompt tokens, those "
+                                  "served from the prefix cache) or completion",
+                                  ["key_name", "model", "kind"], registry=r)
         self.disaggregated = Counter("turbo_gateway_disaggregated",
                                      "Requests planned for disaggregated prefill/decode, by outcome of the prefill leg "
                                      "(ok, or fallback: served by a decode or mixed backend that recomputed the prompt)",
@@ -327,4 +332,18 @@ class HardeningCollector(Collector):
         if st.limiter_sync is not None:
             up = GaugeMetricFamily("turbo_gateway_limits_store_up", "1 when per-key limits are shared through Redis")
             up.add_metric([], 1.0 if st.limiter_sync.up else 0.0)
+            yield up
+        led = st.usage
+        dropped = CounterMetricFamily("turbo_gateway_usage_dropped_requests",
+                                      "Settled requests the usage ledger did not record: its buffer of unflushed "
+                                      "(key, model, hour) entries was full (usage.max_buffered_buckets)")
+        dropped.add_metric([], led.dropped_requests)
+        buffered = GaugeMetricFamily("turbo_gateway_usage_buffered_buckets",
+                                     "Usage ledger (key, model, hour) entries waiting for a flush to Redis")
+        buffered.add_metric([], led.buffered())
+        yield from (dropped, buffered)
+        if st.usage_sync is not None:
+            up = GaugeMetricFamily("turbo_gateway_usage_store_up",
+                                   "1 when the usage ledger's last flush to Redis succeeded")
+            up.add_metric([], 1.0 if st.usage_sync.up else 0.0)
             yield up

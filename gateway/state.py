@@ -28,6 +28,7 @@ from gateway.pipeline.relay import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
 from gateway.scraper import MetricsScraper
 from gateway.transport import BackendClient
+from gateway.usage import UsageLedger, UsageSync
 from routing.core import BackendSpec, DecisionCore, Fleet, StoreSettings
 
 STATE = web.AppKey("state", "GatewayState")
@@ -52,6 +53,8 @@ class GatewayState:
     health: HealthChecker | None = None
     scraper: MetricsScraper | None = None
     limiter_sync: LimiterSync | None = None
+    usage: UsageLedger = field(default_factory=UsageLedger)  # the usage ledger's counts (gateway.usage)
+    usage_sync: UsageSync | None = None  # flushes them to Redis when state.url is set
     batch_gate: Any = None  # gateway.batch.admission.BatchGate when batch is enabled
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read
@@ -120,6 +123,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     state.retry = RetryPolicy.from_config(cfg.retries)
     state.keyring = KeyRing(cfg.auth)
     state.limiter.configure(cfg.auth.keys)
+    state.usage.configure(cfg.usage.retention_days, cfg.usage.max_buffered_buckets)
     state.admin_digest = cfg.admin.digest()
     state.admission.configure(cfg.admission, core.fleet)
     retired = _connect(state, cfg) if state.clients else []
@@ -197,3 +201,12 @@ def limiter_sync(state: GatewayState) -> LimiterSync | None:
         return None
     return LimiterSync(state.limiter, st.url, namespace=st.namespace, interval_s=st.staleness_s / 2,
                        lease_s=st.lease_s, timeout_s=st.timeout_s, cluster=st.cluster)
+
+
+def usage_sync(state: GatewayState) -> UsageSync | None:
+    """The Redis flush of the usage ledger when ``state.url`` is set (not started)."""
+    st = state.cfg.state
+    if not st.url:
+        return None
+    return UsageSync(state.usage, st.url, namespace=st.namespace, interval_s=state.cfg.usage.flush_interval_s,
+                     timeout_s=st.timeout_s, cluster=st.cluster)

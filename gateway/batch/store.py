@@ -73,8 +73,9 @@ _RESULT_FILE = re.compile(r"^file-([0-9a-f]{24})(?:out|err)$")
 _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
                "cancelled_at")
 
-# Record one line's result exactly once; acknowledge its queue entry.
-# KEYS: batch, results, in-flight, queue. ARGV: index, value, counter field, entry id or "", group, now.
+# Record one line's result exactly once, with its usage; acknowledge its queue entry.
+# KEYS: batch, results, in-flight, queue. ARGV: index, value, counter field, entry id or "", group, now,
+# then the line's input, cached input, output and reasoning tokens.
 # Returns 1 written, 0 already there, -1 unknown batch, -2 batch closed (result dropped).
 _RECORD = """
 if ARGV[4] ~= '' then
@@ -89,6 +90,9 @@ if st[2] then return -2 end
 if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then return -2 end
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+for i, f in ipairs({'input_tokens', 'cached_tokens', 'output_tokens', 'reasoning_tokens'}) do
+  if ARGV[6 + i] and ARGV[6 + i] ~= '0' then redis.call('HINCRBY', KEYS[1], f, ARGV[6 + i]) end
+end
 if status == 'in_progress' and st[3] and redis.call('HLEN', KEYS[2]) >= tonumber(st[3]) then
   redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[6])
 end
@@ -381,12 +385,19 @@ class BatchStore:
     async def close_batch(self, batch_id: str, kind: str) -> str:
         return _s(await self._close(keys=[self.key("b", batch_id)], args=[kind])) or ""
 
-    async def record(self, batch_id: str, index: int, line: bytes, ok: bool, entry_id: str = "") -> int:
-        """Store line ``index``'s output (``ok``) or error line exactly once."""
+    async def record(self, batch_id: str, index: int, line: bytes, ok: bool, entry_id: str = "",
+                     usage: tuple[int, int, int, int] | None = None) -> int:
+        """Store line ``index``'s output (``ok``) or error line exactly once, and add its
+        ``usage`` (input, cached input, output, reasoning tokens) to the batch's then."""
         return int(await self._record(
             keys=[self.key("b", batch_id), self.key("res", batch_id), self.key("fly", batch_id), self.queue],
             args=[index, (b"o" if ok else b"e") + line, "completed" if ok else "failed", entry_id, GROUP,
-                  int(time.time())]))
+                  int(time.time()), *(usage or (0, 0, 0, 0))]))
+
+    async def owner_of(self, batch_id: str) -> str | None:
+        """The key name that created the batch (``None``: unknown batch, or made before
+        owners were kept)."""
+        return _s(await self.r.hget(self.key("b", batch_id), "owner"))
 
     async def has_result(self, batch_id: str, index: int) -> bool:
         return bool(await self.r.hexists(self.key("res", batch_id), index))
@@ -461,5 +472,10 @@ def batch_object(f: dict[str, str]) -> dict[str, Any]:
         obj[k] = _i(f.get(k))
     obj["request_counts"] = {"total": total, "completed": int(f.get("completed") or 0),
                              "failed": int(f.get("failed") or 0)}
+    tokens_in, tokens_out = int(f.get("input_tokens") or 0), int(f.get("output_tokens") or 0)
+    obj["usage"] = {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": int(f.get("cached_tokens") or 0)},
+                    "output_tokens": tokens_out,
+                    "output_tokens_details": {"reasoning_tokens": int(f.get("reasoning_tokens") or 0)},
+                    "total_tokens": tokens_in + tokens_out}
     obj["metadata"] = orjson.loads(meta) if meta else None
     return obj

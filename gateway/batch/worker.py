@@ -12,7 +12,13 @@ streams, and how exactly-once output follows: :mod:`gateway.batch.store`.
 Each line is sent by a *sender*: :class:`HttpSender` posts it to a gateway with
 ``x-turbo-priority: batch`` (``python -m gateway.batch`` on any machine);
 :class:`LocalSender` hands it to this gateway's own proxy (in-process workers). Both
-pass the same admission gate (:mod:`gateway.batch.admission`).
+pass the same admission gate (:mod:`gateway.batch.admission`). The usage ledger
+(:mod:`gateway.usage`) counts a line sent by :class:`LocalSender` under its batch's
+owner, and one posted by :class:`HttpSender` under the key the consumer authenticates
+with (the gateway knows no other caller).
+
+A line's result is recorded with its ``usage`` (:func:`line_usage`), which the batch
+object sums exactly once per line, as OpenAI's batch ``usage`` does.
 
 Per line: up to ``max_attempts`` attempts of at most ``request_timeout_s`` each,
 full-jitter exponential backoff between them (:class:`gateway.pipeline.retry.RetryPolicy`);
@@ -37,6 +43,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.auth import ANONYMOUS
 from gateway.batch.admission import DEFERRED_CODE, PRIORITY_HEADER
 from gateway.batch.store import GROUP, BatchStore
 from gateway.config import Batch
@@ -66,7 +73,8 @@ class HttpSender:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.session: aiohttp.ClientSession | None = None
 
-    async def send(self, url: str, body: bytes, request_id: str) -> Answer:
+    async def send(self, url: str, body: bytes, request_id: str, key_name: str | None = None) -> Answer:
+        """POST the line; ``key_name`` is ignored (the gateway counts the consumer's key)."""
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         async with self.session.post(self.base_url + url, data=body, timeout=self.timeout,
@@ -87,10 +95,12 @@ class LocalSender:
         self.gate = gate
         self.timeout_s = timeout_s
 
-    async def send(self, url: str, body: bytes, request_id: str) -> Answer:
+    async def send(self, url: str, body: bytes, request_id: str, key_name: str | None = None) -> Answer:
+        """Serve the line in process, its usage counted under ``key_name`` (the batch's
+        owner; ``anonymous`` when ``None``)."""
         endpoint = "chat" if url == "/v1/chat/completions" else "completions"
         async with asyncio.timeout(self.timeout_s):
-            return await director.collect(self.state, endpoint, body, request_id)
+            return await director.collect(self.state, endpoint, body, request_id, key_name or ANONYMOUS)
 
     async def close(self) -> None:
         return None
@@ -112,6 +122,26 @@ def output_line(custom_id: str | None, status: int | None, request_id: str | Non
                          "error": error})
 
 
+def line_usage(line: bytes) -> tuple[int, int, int, int]:
+    """(input, cached input, output, reasoning) tokens of an output line whose response
+    body carries an OpenAI ``usage`` (``prompt_tokens``, ``prompt_tokens_details.
+    cached_tokens``, ``completion_tokens``, ``completion_tokens_details.
+    reasoning_tokens``); zeros for what it lacks."""
+    try:
+        usage = orjson.loads(line)["response"]["body"]["usage"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return 0, 0, 0, 0
+    if not isinstance(usage, dict):
+        return 0, 0, 0, 0
+
+    def n(obj: Any, name: str) -> int:
+        v = obj.get(name) if isinstance(obj, dict) else None
+        return v if isinstance(v, int) and v > 0 else 0
+
+    return (n(usage, "prompt_tokens"), n(usage.get("prompt_tokens_details"), "cached_tokens"),
+            n(usage, "completion_tokens"), n(usage.get("completion_tokens_details"), "reasoning_tokens"))
+
+
 def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -131,6 +161,7 @@ class Consumer:
         self.lines: dict[str, tuple[str, int]] = {}  # entry id -> (batch id, line index) being sent
         self._slot = asyncio.Event()
         self._status: dict[str, tuple[float, tuple[str | None, str | None, float | None]]] = {}
+        self._owners: dict[str, str] = {}  # batch id -> its owner's key name (never changes)
         self.processed = 0
         self.reclaimed = 0
         self.handed_back = 0
@@ -320,7 +351,7 @@ class Consumer:
                 await self._abandon(batch_id, index, eid)
                 return
             ok, data = line
-            await self.store.record(batch_id, index, data, ok, eid)
+            await self.store.record(batch_id, index, data, ok, eid, line_usage(data) if ok else None)
             self.processed += 1
         except asyncio.CancelledError:
             # stopping: nothing was recorded, and run() hands the entry back; stop
@@ -356,16 +387,21 @@ class Consumer:
             await self.store.r.zrem(fly, str(index))
 
         policy = RetryPolicy(cfg.max_attempts, cfg.base_backoff_s, cfg.max_backoff_s, rng=self.rng)
+        owner = self._owners.get(batch_id)
+        if owner is None:
+            owner = self._owners[batch_id] = await self.store.owner_of(batch_id) or ANONYMOUS
         return await run_with_retries(self.sender, url, body, custom_id, request_timeout_s=cfg.request_timeout_s,
-                                      policy=policy, request_id=f"{batch_id}-{index}", before_send=before_send, paused=paused)
+                                      policy=policy, request_id=f"{batch_id}-{index}", before_send=before_send,
+                                      paused=paused, key_name=owner)
 
 
 async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None, *, request_timeout_s: float,
                            policy: RetryPolicy, request_id: str, before_send=None,
-                           paused=None) -> tuple[bool, bytes] | None:
+                           paused=None, key_name: str | None = None) -> tuple[bool, bytes] | None:
     """Send one line with up to ``policy.max_attempts`` attempts (the policy's backoff
-    between them; a ``batch_deferred`` answer is waited out and not counted). Returns
-    (ok, the output or error line), or ``None`` when ``before_send()`` says to stop."""
+    between them; a ``batch_deferred`` answer is waited out and not counted), on
+    behalf of ``key_name`` (the batch's owner; see the senders). Returns (ok, the
+    output or error line), or ``None`` when ``before_send()`` says to stop."""
     attempts = 0
     deferrals = 0
     while True:
@@ -380,7 +416,7 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
         data = b""
         err: dict[str, Any] | None = None
         try:
-            status, headers, data = await sender.send(url, body, rid)
+            status, headers, data = await sender.send(url, body, rid, key_name)
         except TimeoutError:
             err = {"code": "timeout", "message": f"No answer within the per-request timeout of {request_timeout_s} s"}
         except (aiohttp.ClientError, OSError) as e:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.auth import ANONYMOUS
 from gateway.errors import (
     BackendStatus,
     ClientError,
@@ -76,6 +77,8 @@ class Exchange:
     scan: StreamScan | None = None  # the stream being relayed, if any
     attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
     tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
+    usage: tuple[int, int, int] | None = None  # (prompt, cached prompt, completion) tokens of a completed response
+    key_name: str = ANONYMOUS  # the caller's key name, whose usage ledger counts it (gateway.usage)
     served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
     subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
     send: Send = attempt.run  # the attempt step: the gateway's own, or the endpoint picker's (gateway.epp)
@@ -110,7 +113,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         charge = 0.0
         if key is not None and key.tokens_per_minute is not None:
             charge = state.core.prompt_tokens(parsed.model, parsed.prompt_text) + (parsed.max_tokens or 0)
-        ex = Exchange(down, parsed, request_id, arrival, subset=subset, send=send)
+        ex = Exchange(down, parsed, request_id, arrival, subset=subset, send=send, key_name=caller.name)
         permit = state.limiter.acquire(key, charge)  # 429 when over a per-key limit
         await state.admission.admit(parsed.model, caller.name, caller.priority)
         await forward(state, ex)
@@ -140,19 +143,21 @@ def check_model(state: GatewayState, model: str) -> None:
         raise ClientError(404, str(e), param="model", code="model_not_found") from None
 
 
-async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: str) -> tuple[int, dict[str, str], bytes]:
+async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: str,
+                  key_name: str = ANONYMOUS) -> tuple[int, dict[str, str], bytes]:
     """Serve one batch line in process (no socket, no client key): through the batch
-    gate, then as any request. Returns the answer's status, headers and body."""
+    gate, then as any request, its usage counted under ``key_name`` (the batch's
+    owner). Returns the answer's status, headers and body."""
     down = CollectDownstream()
     try:
         parsed = parse_completion_request(endpoint, body, parse_json_object(body))
         check_model(state, parsed.model)
         gate = state.batch_gate
         if gate is None:
-            await forward(state, Exchange(down, parsed, request_id, state.loop.time()))
+            await forward(state, Exchange(down, parsed, request_id, state.loop.time(), key_name=key_name))
         else:
             async with gate.admit(parsed):  # the line's TTFT starts once the gate let it in
-                await forward(state, Exchange(down, parsed, request_id, state.loop.time()))
+                await forward(state, Exchange(down, parsed, request_id, state.loop.time(), key_name=key_name))
     except ClientError as e:
         status, body, headers = e.answer()
         return status, headers, body

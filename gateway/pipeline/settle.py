@@ -25,6 +25,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.downstream import ClientGone
+from gateway.usage import cost_nanos
 from routing.core import NoBackendAvailable, Reservation
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
     s = ex.served or served(state, ex)
     completion: int | None = events or None
     prompt: int | None = None
+    cached = 0
     if isinstance(usage, dict):
         pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if isinstance(pt, int):
@@ -100,7 +102,8 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
             completion = ct
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            m.child(m.cached_tokens, model).inc(details["cached_tokens"])
+            cached = max(details["cached_tokens"], 0)
+            m.child(m.cached_tokens, model).inc(cached)
             if ex.decision is not None:
                 m.child(m.predicted_cached_tokens, model).inc(ex.decision.detail.get("matched_tokens", 0))
                 m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
@@ -111,7 +114,9 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
         state.core.learn_usage(model, est.size_bytes, prompt, completion)
     now = state.loop.time()
     reservation.outcome(True, now)
-    ex.tokens = int(prompt if prompt is not None else (est.prompt_tokens if est else 0)) + (completion or 0)
+    counted_prompt = max(int(prompt if prompt is not None else (est.prompt_tokens if est else 0)), 0)
+    ex.usage = (counted_prompt, min(cached, counted_prompt), max(completion or 0, 0))
+    ex.tokens = counted_prompt + (completion or 0)
     reservation.release(now, completion, whole)
 
 
@@ -133,7 +138,9 @@ def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: 
 
 
 def finish(state: GatewayState, ex: Exchange, status: int) -> None:
-    """Count the request's final ``status`` (and its end-to-end time when 200)."""
+    """Count the request's final ``status`` (and its end-to-end time when 200), and its
+    usage in the ledger (:mod:`gateway.usage`) under its caller's key name."""
+    account(state, ex, status)
     if status == 200:
         s = ex.served or served(state, ex)
         s.ok.inc()
@@ -143,6 +150,22 @@ def finish(state: GatewayState, ex: Exchange, status: int) -> None:
     m = state.metrics
     m.child(m.requests, ex.model or ex.parsed.model, ex.backend or "none", str(status)).inc()
     m.child(m.pool_requests, _pool(state, ex), str(status)).inc()
+
+
+def account(state: GatewayState, ex: Exchange, status: int) -> None:
+    """The usage ledger's one entry for a settled request: its tokens (``ex.usage``,
+    set by :func:`completed`; none when it never completed), an error unless
+    ``status`` is 200, its cost at ``usage.prices``; and the per-key token counters."""
+    model = ex.model or ex.parsed.model
+    prompt, cached, completion = ex.usage or (0, 0, 0)
+    price = state.cfg.usage.prices.get(model)
+    state.usage.record(ex.key_name, model, prompt, cached, completion, status != 200,
+                       cost_nanos(price, prompt, cached, completion) if price is not None else 0)
+    if ex.usage is not None:
+        m = state.metrics
+        m.child(m.key_tokens, ex.key_name, model, "prompt").inc(prompt)
+        m.child(m.key_tokens, ex.key_name, model, "cached_prompt").inc(cached)
+        m.child(m.key_tokens, ex.key_name, model, "completion").inc(completion)
 
 
 def client_left(state: GatewayState, ex: Exchange, backend: str) -> None:
