@@ -26,9 +26,10 @@ when it set it. A flush that failed, or whose reply was lost (Redis applied it b
 answer never came), is retried with the same sequence number and the same counts, never
 merged with newer ones, so it is applied exactly once. Counts made meanwhile wait in the
 buffer. The buffer is bounded by ``usage.max_buffered_buckets`` (key, model, hour)
-entries; once full, a request that needs a new entry is not recorded and counts in
-``turbo_gateway_usage_dropped_requests_total`` (requests for entries already buffered
-still count). A graceful shutdown flushes once more (bounded by ``state.timeout_s``);
+entries; once full, a request of a (key, model, hour) not yet buffered is not recorded
+and counts in ``turbo_gateway_usage_dropped_requests_total`` (requests of one already
+buffered still count: a key and model that keep sending through an outage lose nothing
+until the next hour starts). A graceful shutdown flushes once more (bounded by ``state.timeout_s``);
 a killed replica loses what it had not flushed (at most one flush interval's counts
 while Redis is up). Redis itself must persist (RDB or AOF) for counts to survive its
 own restart.
@@ -125,7 +126,7 @@ class UsageLedger:
         b = (key, model, hour)
         if self.shared:
             into = self.pending
-            if b not in into and len(into) + len(self.flushing) >= self.max_buffered:
+            if b not in into and b not in self.flushing and len(into) + len(self.flushing) >= self.max_buffered:
                 self.dropped_requests += 1
                 return
         else:
@@ -194,6 +195,7 @@ class UsageSync:
         self.seq = 0  # the sequence number of the flush in ``ledger.flushing``
         self._script: Any = None
         self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()  # one flush at a time: the loop's, or a caller's (shutdown)
         self._logged_down = False
 
     def hour_key(self, hour: int) -> str:
@@ -232,6 +234,10 @@ class UsageSync:
     async def flush_once(self) -> None:
         """Apply the failed flush again if there is one, else the buffer as a new
         flush; raises on a Redis error (the counts stay buffered)."""
+        async with self._lock:
+            await self._flush()
+
+    async def _flush(self) -> None:
         led = self.ledger
         if not led.flushing:
             if not led.pending:

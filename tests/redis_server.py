@@ -25,10 +25,13 @@ def valkey_binary() -> str:
 
 class ValkeyProcess:
     """One ``valkey-server`` child; :meth:`stop` and :meth:`start` again on the same
-    port simulate an outage."""
+    port simulate an outage. ``persistent``: an append-only file, fsynced on every
+    write, in its own directory, so that the data outlives a restart (as a production
+    Redis keeps it); otherwise a restart starts empty."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, persistent: bool = False) -> None:
         self.port = port or free_port()
+        self.persistent = persistent
         self.dir = tempfile.mkdtemp(prefix="tg-valkey-")
         self.proc: subprocess.Popen | None = None
 
@@ -38,7 +41,8 @@ class ValkeyProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [valkey_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [valkey_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.persistent else "no", "--appendfsync", "always",
              "--dir", self.dir, "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
