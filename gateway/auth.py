@@ -28,7 +28,7 @@ CALLER = web.RequestKey("caller", object)  # the authenticated Caller of a /v1/ 
 @dataclass(frozen=True, slots=True)
 class Caller:
     """Who sent a request: the key's ``name`` (``anonymous`` without keys), its limits
-    and its admission priority."""
+    and its admission priority and fair-share weight."""
 
     name: str
     key: ClientKey | None = None
@@ -36,6 +36,10 @@ class Caller:
     @property
     def priority(self) -> int:
         return self.key.priority if self.key is not None else 0
+
+    @property
+    def weight(self) -> float:
+        return self.key.weight if self.key is not None else 1.0
 
 
 def bearer_digest(headers) -> bytes | None:

@@ -492,6 +492,10 @@ class ClientKey(_Strict):
         None, ge=1, description="Requests in flight at once for this key. Unset: unlimited.")
     priority: int = Field(
         0, ge=0, le=9, description="Higher goes first in the admission queue (`admission`).")
+    weight: float = Field(
+        1.0, gt=0, le=1000, description="Fair share within its priority when the fleet is saturated "
+        "(`admission.fairness: tokens`): the key's served tokens count divided by its weight, so a key of "
+        "weight 2 gets twice the tokens of a key of weight 1 while both wait.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ClientKey":
@@ -581,8 +585,8 @@ class Admission(_Strict):
     """Admission control when the fleet is saturated: a backend is full at
     ``max_in_flight_per_backend`` requests (from every replica); when every routable
     backend of a model is full, requests wait in a queue per priority (bounded by
-    ``queue_size``, served fairly across keys) for at most ``queue_timeout_s``, then
-    get 503 with ``Retry-After``. Unset = off."""
+    ``queue_size``, served fairly across keys: by tokens or round robin, ``fairness``)
+    for at most ``queue_timeout_s``, then get 503 with ``Retry-After``. Unset = off."""
 
     max_in_flight_per_backend: int | None = Field(
         None, ge=1, description="A backend is full at this many in-flight requests (from every replica); "
@@ -592,6 +596,23 @@ class Admission(_Strict):
         "`Retry-After` at once.")
     queue_timeout_s: float = Field(
         10.0, ge=0, description="Longest wait in the queue, then 503 `fleet_saturated` with `Retry-After`.")
+    fairness: Literal["tokens", "round_robin"] = Field(
+        "tokens", description="Which key goes next within a priority: `tokens`, the key that was served the "
+        "fewest weighted tokens (the Virtual Token Counter of Sheng et al., OSDI 2024), so a key of long "
+        "prompts cannot take the fleet from a key of short ones; `round_robin`, one request per key in turn.")
+    prompt_token_weight: float = Field(
+        1.0, ge=0, description="What one prompt token costs a key under `fairness: tokens` (the paper's "
+        "w_p; 1 as in its evaluation).")
+    output_token_weight: float = Field(
+        2.0, ge=0, description="What one output token costs a key under `fairness: tokens` (the paper's "
+        "w_q; 2 as in its evaluation: output tokens cost about twice input tokens in API prices).")
+
+    @model_validator(mode="after")
+    def _some_cost(self) -> "Admission":
+        if self.prompt_token_weight == 0 and self.output_token_weight == 0:
+            raise ValueError("prompt_token_weight and output_token_weight are both 0: tokens would cost nothing; "
+                             "set one above 0, or use fairness: round_robin")
+        return self
 
 
 class GatewayConfig(_Strict):

@@ -33,16 +33,20 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
 
 from gateway.config import ClientKey
 from gateway.errors import ClientError, retry_later_headers
 
+if TYPE_CHECKING:
+    from gateway.admission import TokenCounters
+
 log = logging.getLogger("gateway.limits")
 
 WINDOW_S = 60.0
+SERVICE_TTL_S = 3600  # the shared service counters expire when no replica synced them for an hour
 
 
 @dataclass(slots=True)
@@ -195,16 +199,21 @@ class Limiter:
 
 class LimiterSync:
     """Shares a :class:`Limiter`'s counters through Redis in the background (see the
-    module docstring). Never raises into the request path."""
+    module docstring), and the admission queue's per-key service ``counters``
+    (:class:`gateway.admission.TokenCounters`, weighted tokens: each replica adds its
+    charges to one hash, ``HINCRBYFLOAT``, and reads back the totals). Never raises
+    into the request path."""
 
     def __init__(self, limiter: Limiter, url: str, *, namespace: str, interval_s: float, lease_s: float,
-                 timeout_s: float, cluster: bool = False) -> None:
+                 timeout_s: float, cluster: bool = False, counters: TokenCounters | None = None) -> None:
         self.limiter = limiter
+        self.counters = counters
         self.url = url
         self.cluster = cluster
         tag = "{" + namespace + "}"
         self.prefix = f"tg:{tag}:lim:"
         self.k_registry = f"tg:{tag}:lim:replicas"
+        self.k_service = f"tg:{tag}:adm:service"
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.interval_s = interval_s
         self.lease_s = lease_s
@@ -220,6 +229,8 @@ class LimiterSync:
 
         self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
         self.limiter.shared = True
+        if self.counters is not None:
+            self.counters.shared = True
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -227,6 +238,13 @@ class LimiterSync:
 
         await stop_sync(self._task, self.client, self.prefix + "conc:" + self.replica, self.timeout_s)
         self.limiter.shared = False
+        if self.counters is not None:
+            c = self.counters
+            for d in (c.pending, c.publishing):  # not published: keep them in this replica's view
+                for k, v in d.items():
+                    c.known[k] = c.known.get(k, 0.0) + v
+                d.clear()
+            c.shared = False
 
     async def sync_once(self) -> None:
         lim = self.limiter
@@ -241,8 +259,18 @@ class LimiterSync:
                 u.publishing[win] = v
                 moved.append((u, win, v))
             u.pending = {}
+        svc = self.counters
+        if svc is not None:
+            for k, v in svc.pending.items():
+                svc.publishing[k] = svc.publishing.get(k, 0.0) + v
+            svc.pending = {}
         try:
             pipe = client.pipeline(transaction=False)
+            if svc is not None:  # first, so that the reads below keep their places from the end
+                for k, v in svc.publishing.items():
+                    pipe.hincrbyfloat(self.k_service, k, v)
+                pipe.expire(self.k_service, SERVICE_TTL_S)
+                pipe.hgetall(self.k_service)
             for name in names:
                 u = lim.usage[name]
                 for win, v in u.publishing.items():
@@ -265,7 +293,15 @@ class LimiterSync:
             for u, win, v in moved:  # not acknowledged: publish again next time
                 u.publishing.pop(win, None)
                 u.add(win, v[0], v[1], True)
+            if svc is not None:
+                for k, v in svc.publishing.items():
+                    svc.pending[k] = svc.pending.get(k, 0.0) + v
+                svc.publishing = {}
             raise
+        if svc is not None:
+            totals = res[len(svc.publishing) + 1]
+            svc.publishing = {}
+            svc.known = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in totals.items()}
         replicas = [r.decode() if isinstance(r, bytes) else r for r in res[-1]]
         reads = res[-1 - 2 * len(names):-1]
         for i, name in enumerate(names):

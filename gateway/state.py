@@ -195,12 +195,14 @@ def connect(state: GatewayState, urls: dict[str, str]) -> None:
 
 
 def limiter_sync(state: GatewayState) -> LimiterSync | None:
-    """The Redis sync of the per-key limits when ``state.url`` is set (not started)."""
+    """The Redis sync of the per-key limits and the admission queue's service counters
+    when ``state.url`` is set (not started)."""
     st = state.cfg.state
     if not st.url:
         return None
     return LimiterSync(state.limiter, st.url, namespace=st.namespace, interval_s=st.staleness_s / 2,
-                       lease_s=st.lease_s, timeout_s=st.timeout_s, cluster=st.cluster)
+                       lease_s=st.lease_s, timeout_s=st.timeout_s, cluster=st.cluster,
+                       counters=state.admission.counters)
 
 
 def usage_sync(state: GatewayState) -> UsageSync | None:

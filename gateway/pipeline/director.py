@@ -96,7 +96,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
     endpoint picker's hand-off to Envoy) on a backend in ``subset`` (names; ``None``:
     any). The answer, or the OpenAI error, goes to
     ``down``. Raises ``CancelledError`` when the client left."""
-    gate = kv = permit = None
+    gate = kv = permit = charge = None
     ex: Exchange
     try:
         caller = state.keyring.authenticate(headers)
@@ -110,12 +110,14 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
             gate = state.batch_gate  # entered: left in the finally below
             arrival = state.loop.time()  # a batch line's TTFT starts once the gate let it in
         key = caller.key
-        charge = 0.0
-        if key is not None and key.tokens_per_minute is not None:
-            charge = state.core.prompt_tokens(parsed.model, parsed.prompt_text) + (parsed.max_tokens or 0)
+        adm = state.cfg.admission
+        by_tokens = adm.max_in_flight_per_backend is not None and adm.fairness == "tokens"
+        token_limit = key is not None and key.tokens_per_minute is not None
+        prompt = state.core.prompt_tokens(parsed.model, parsed.prompt_text) if by_tokens or token_limit else 0
         ex = Exchange(down, parsed, request_id, arrival, subset=subset, send=send, key_name=caller.name)
-        permit = state.limiter.acquire(key, charge)  # 429 when over a per-key limit
-        await state.admission.admit(parsed.model, caller.name, caller.priority)
+        # 429 when over a per-key limit; a token limit charges the prompt and max_tokens up front
+        permit = state.limiter.acquire(key, prompt + (parsed.max_tokens or 0) if token_limit else 0.0)
+        charge = await state.admission.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight)
         await forward(state, ex)
     except ClientError as e:
         if not down.started:
@@ -128,6 +130,9 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
             down.respond(500, error_body("The gateway hit an internal error.", 500, code="internal_error"),
                          {"Content-Type": "application/json", "x-request-id": request_id})
     finally:
+        if charge is not None:
+            prompt_used, _, completion = ex.usage or (None, None, None)
+            charge.settle(prompt_used, completion, dispatched=bool(ex.attempts))
         if permit is not None:
             permit.release(ex.tokens, dispatched=bool(ex.attempts))
             state.admission.pump()
