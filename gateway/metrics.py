@@ -315,6 +315,12 @@ class HardeningCollector(Collector):
             adm.add_metric([reason], n)
         depth = GaugeMetricFamily("turbo_gateway_admission_queue_depth", "Requests waiting for room in the fleet")
         depth.add_metric([], st.admission.waiting)
+        served = GaugeMetricFamily("turbo_gateway_admission_key_service_tokens",
+                                   "A key's fair-share counter: weighted tokens served (admission.fairness: tokens)",
+                                   labels=["key_name"])
+        c = st.admission.counters
+        for name in sorted(c.known.keys() | c.pending.keys() | c.publishing.keys() | c.lift.keys()):
+            served.add_metric([name], c.value(name))
         opened = CounterMetricFamily("turbo_gateway_backend_breaker_opened", "Times the circuit breaker opened",
                                      labels=["backend"])
         bopen = GaugeMetricFamily("turbo_gateway_backend_breaker_open",
@@ -328,7 +334,7 @@ class HardeningCollector(Collector):
         reloads = CounterMetricFamily("turbo_gateway_config_reloads", "Config reloads, by outcome", labels=["outcome"])
         for outcome, n in st.reloads.items():
             reloads.add_metric([outcome], n)
-        yield from (limited, adm, depth, opened, bopen, draining, reloads)
+        yield from (limited, adm, depth, served, opened, bopen, draining, reloads)
         if st.limiter_sync is not None:
             up = GaugeMetricFamily("turbo_gateway_limits_store_up", "1 when per-key limits are shared through Redis")
             up.add_metric([], 1.0 if st.limiter_sync.up else 0.0)

@@ -245,6 +245,8 @@ async def test_a_key_that_arrives_late_is_served_at_once():
                 for _ in range(20):
                     go.release()
                 assert await late == 200 and all(s == 200 for s in await asyncio.gather(*tasks))
+            served = {k: gw.metric("turbo_gateway_admission_key_service_tokens", key_name=k) for k in ("a", "b")}
+            assert served["a"] > 0 and served["a"] == adm.counters.value("a") and served["b"] == adm.counters.value("b")
 
 
 @pytest.mark.slow
