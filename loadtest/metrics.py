@@ -113,6 +113,17 @@ def percentile(xs: list[float], p: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def jain_index(xs: list[float]) -> float:
+    """Jain's fairness index of the allocations ``xs``: ``(sum x)^2 / (n * sum x^2)``,
+    1 when all are equal, ``1/n`` when one gets everything (Jain, Chiu and Hawe, "A
+    Quantitative Measure of Fairness and Discrimination for Resource Allocation in
+    Shared Computer Systems", DEC-TR-301, 1984); NaN for an empty or all-zero list."""
+    sq = sum(x * x for x in xs)
+    if not xs or sq == 0:
+        return math.nan
+    return sum(xs) ** 2 / (len(xs) * sq)
+
+
 def parse_slo(text: str | None) -> dict[str, float]:
     """``"ttft_ms=500,tpot_ms=50"`` (also ``ttft:500 tpot:50``, vLLM's form) ->
     ``{"ttft": 500.0, "tpot": 50.0}`` in milliseconds. Raises ValueError."""
