@@ -160,9 +160,9 @@ async def test_priority_classes_go_first_and_fairness_is_within_a_class():
 
 async def _two_tenants(fairness: str) -> dict[str, int]:
     """Keys ``short`` (100-word prompts) and ``long`` (1000-word) each keep 8 requests
-    open against a fleet of 2 slots (so each has requests waiting throughout); the service (prompt + 2 x output tokens) each key
-    got while both were backlogged: the dispatches until either had at most its
-    workers' worth of requests left to send."""
+    open against a fleet of 2 slots (so each has requests waiting throughout); the
+    service (prompt + 2 x output tokens) each key got while both were backlogged: the
+    dispatches until either had at most its workers' worth of requests left to send."""
     workers, budget = 8, {"short": 240, "long": 24}
     words = {"short": 100, "long": 1000}
     dispatched: list[str] = []  # the key of each request the backends received, in order
