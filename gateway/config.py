@@ -14,7 +14,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from routing.core import POLICIES
+from routing.core import DEFAULT_TOKENIZER_CACHE_TOKENS, POLICIES, TokenizerError, load_tokenizer
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
@@ -615,6 +615,52 @@ class Admission(_Strict):
         return self
 
 
+class ModelSettings(_Strict):
+    """What the gateway knows of one model beyond its name: its own tokenizer, so
+    that prompts become the exact token ids the engine computes (token-exact prefix
+    blocks, exact prompt token counts). Without one the model is served as before,
+    on estimated tokens and byte-level prefix blocks.
+
+    Relative paths are relative to the config file's directory. The files are read
+    and checked when the config loads (and on reload); a bad file is a config error."""
+
+    tokenizer: str | None = Field(
+        None, description="The model's Hugging Face tokenizer: a `tokenizer.json` file, or a directory holding "
+        "`tokenizer.json` and `tokenizer_config.json` (chat template, special tokens, `add_bos_token`), as a model "
+        "repository has them (`special_tokens_map.json` and `chat_template.jinja` are read too when present). Chat "
+        "requests are rendered with the chat template as vLLM renders them; with a lone `tokenizer.json` only "
+        "completions (and chat with `chat_template`) are tokenized. Unset: no tokenizer.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file that replaces the model's own (as vLLM's `--chat-template`); "
+        "needs `tokenizer`.")
+    prefix_cache_tokens: int = Field(
+        DEFAULT_TOKENIZER_CACHE_TOKENS, ge=0, description="Token ids of rendered prompt segments (cut at the "
+        "tokenizer's special tokens, such as each message's start) kept so that a conversation's next turn "
+        "tokenizes only its new text; 4 bytes each. 0: tokenize every prompt whole.")
+
+    @field_validator("tokenizer", "chat_template")
+    @classmethod
+    def _resolve(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        p = Path(v).expanduser()
+        base = (info.context or {}).get("config_dir")
+        if not p.is_absolute() and base is not None:
+            p = Path(base) / p
+        return str(p)
+
+    @model_validator(mode="after")
+    def _load(self) -> "ModelSettings":
+        if self.chat_template is not None and self.tokenizer is None:
+            raise ValueError("`chat_template` needs `tokenizer`")
+        if self.tokenizer is not None:
+            try:
+                load_tokenizer(self.tokenizer, self.chat_template, self.prefix_cache_tokens)
+            except TokenizerError as e:
+                raise ValueError(str(e)) from None
+        return self
+
+
 class GatewayConfig(_Strict):
     """The root of ``backends.yaml``."""
 
@@ -622,6 +668,10 @@ class GatewayConfig(_Strict):
     backends: list[Backend] = Field(
         min_length=1, description="The upstream OpenAI-compatible servers (vLLM, SGLang, TGI, llama.cpp, ...), "
         "or simulated demo backends. At least one; names unique.")
+    models: dict[str, ModelSettings] = Field(
+        {}, description="Per model (the `model` name clients send): its own tokenizer, for token-exact prefix "
+        "blocks and exact prompt token counts. A model not listed is served on estimated tokens. Every model "
+        "listed must be served by a backend.")
     pools: list[Pool] = Field(
         [Pool(name="mixed")], description="Named groups of backends with a role: `mixed`, `prefill` or "
         "`decode`. Every `backends[].pool` must name one.")
@@ -680,6 +730,9 @@ class GatewayConfig(_Strict):
                 if not any(b.pool == pool and c.model in b.models for b in self.backends):
                     raise ValueError(f"canary split for model {c.model!r}: no backend in pool {pool!r} serves it")
         served = {m for b in self.backends for m in b.models}
+        for model in self.models:
+            if model not in served:
+                raise ValueError(f"models: model {model!r} is served by no backend")
         for model, chain in self.routing.fallbacks.items():
             for f in chain:
                 if f.model == model:
@@ -712,12 +765,13 @@ def _format_validation_error(path: Path, err: ValidationError) -> str:
 
 
 def parse_config(data: object, path: Path | str = "<config>") -> GatewayConfig:
-    """Validate an already-parsed YAML document. Raises :class:`ConfigError`."""
+    """Validate an already-parsed YAML document; relative file paths in it are
+    relative to ``path``'s directory. Raises :class:`ConfigError`."""
     path = Path(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a YAML mapping at the top level")
     try:
-        return GatewayConfig.model_validate(data)
+        return GatewayConfig.model_validate(data, context={"config_dir": str(path.parent)})
     except ValidationError as e:
         raise ConfigError(_format_validation_error(path, e)) from None
 

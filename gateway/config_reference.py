@@ -110,7 +110,8 @@ def _type_text(annotation: Any, metadata: list[Any], nullable: bool) -> str:
     model, between = _model_of(annotation)
     origin = typing.get_origin(annotation)
     if model is not None:
-        base = {".": "object", "[].": "list of objects"}.get(between, "mapping of model names to lists of objects")
+        base = {".": "object", "[].": "list of objects", ".<model>.": "mapping of model names to objects"}.get(
+            between, "mapping of model names to lists of objects")
     elif origin is Literal:
         base = "one of " + ", ".join(f"`{v}`" for v in typing.get_args(annotation))
     elif origin is list:
@@ -203,13 +204,13 @@ def render() -> str:
     for name, field in GatewayConfig.model_fields.items():
         annotation, _, _ = _unwrap(field.annotation)
         sub, between = _model_of(annotation)
-        sections.append((name, field, sub, between == "[]."))
+        sections.append((name, field, sub, between))
     out.append("| section | what |\n|---|---|")
     for name, field, _, _ in sections:
         first = (field.description or "").split(". ")[0].rstrip(".")
         out.append(f"| [`{name}`](#{name}) | {_cell(first)} |")
     out.append("")
-    for name, field, sub, is_list in sections:
+    for name, field, sub, between in sections:
         (top,) = [r for r in rows(GatewayConfig) if r.key == name]
         out.append(f"## `{name}`\n")
         out.append(f"{top.description}\n")
@@ -217,7 +218,7 @@ def render() -> str:
         if sub is None:
             continue
         out.append("| key | type | default | description |\n|---|---|---|---|")
-        for r in rows(sub, name + ("[]." if is_list else ".")):
+        for r in rows(sub, name + between):
             out.append(f"| `{r.key}` | {_cell(r.type)} | {_cell(r.default)} | {_cell(r.description)} |")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"

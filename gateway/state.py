@@ -29,7 +29,7 @@ from gateway.pipeline.retry import RetryPolicy
 from gateway.scraper import MetricsScraper
 from gateway.transport import BackendClient
 from gateway.usage import UsageLedger, UsageSync
-from routing.core import BackendSpec, DecisionCore, Fleet, StoreSettings
+from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, StoreSettings, load_tokenizer
 
 STATE = web.AppKey("state", "GatewayState")
 # the app's own middleware: the lean protocol does for completions what they do
@@ -92,6 +92,14 @@ def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
     return {c.model: (c.stable_pool, c.canary_pool, c.canary_weight) for c in cfg.routing.canaries}
 
 
+def model_tokenizers(cfg: GatewayConfig) -> dict[str, ModelTokenizer]:
+    """The models' own tokenizers (``models[].tokenizer``), by model name. Loaded
+    once per unchanged set of files: validating the config already loaded them.
+    Raises ``routing.core.TokenizerError`` when a file changed into a bad one since."""
+    return {name: load_tokenizer(m.tokenizer, m.chat_template, m.prefix_cache_tokens)
+            for name, m in cfg.models.items() if m.tokenizer is not None}
+
+
 def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str = "unknown") -> GatewayState:
     """A new gateway's state for ``cfg`` (no client yet: :func:`connect` makes them
     inside the running loop). Raises ``ValueError`` on duplicate backend names."""
@@ -116,7 +124,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     sessions once their requests are done). Raises ``ValueError`` on duplicate
     backend names."""
     core = state.core
-    core.apply(backend_specs(cfg), cfg.routing.policy, canary_splits(cfg))
+    core.apply(backend_specs(cfg), cfg.routing.policy, canary_splits(cfg), model_tokenizers(cfg))
     b = cfg.breaker
     for backend in core.fleet.backends.values():
         backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)

@@ -5,7 +5,10 @@ It holds no HTTP and does no I/O on the request path. A data plane (the Python o
 where the request goes; it then reports what happened, and the core learns from it::
 
     core = DecisionCore(specs, "estimated_ttft")
-    est, req = core.request(model, prompt_text, max_tokens, cache_salt)  # estimate
+    tz = core.tokenization(model, endpoint, data)       # the model's own tokenizer, if configured
+    tz.encode()                                         # (off the event loop when tz.offload)
+    est, req = core.request(model, prompt_text, max_tokens, cache_salt,
+                            token_ids=tz.token_ids())   # estimate
     plan = core.plan(req, now, long_prompt_tokens)      # pools: single or disaggregated
     decision, reservation = core.route(req, now)        # backend, explanation, load reserved
     reservation.first_token(t); reservation.outcome(ok, t); reservation.release(t, tokens)
@@ -22,6 +25,7 @@ imports nothing else of this package (``tests/test_import_cycles.py`` checks it)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt
@@ -38,6 +42,8 @@ from routing.policies import POLICIES, Decision, RouteRequest, make_policy
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
+from routing.tokenize import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
+from routing.tokenize import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
 from routing.state import (
     InProcessStore,
     RedisStore,
@@ -49,10 +55,11 @@ from routing.state import (
 )
 
 __all__ = [
-    "DECODE", "POLICIES", "PREFILL", "SERVING", "BackendSpec", "BackendState", "Decision", "DecisionCore",
-    "EngineSample", "Fleet", "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest",
-    "StoreSettings", "UnknownModel", "canonical_prompt", "estimate_ttft", "parse_sentinel_url",
-    "raise_if_cancel_swallowed", "redis_client", "stop_sync", "sync_forever",
+    "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "POLICIES", "PREFILL", "SERVING", "BackendSpec", "BackendState",
+    "Decision", "DecisionCore", "EngineSample", "Fleet", "ModelTokenizer", "NoBackendAvailable", "Plan", "PrefixIndex",
+    "PromptEstimate", "Reservation", "RouteRequest", "StoreSettings", "Tokenization", "TokenizerError", "UnknownModel",
+    "canonical_prompt", "estimate_ttft", "load_tokenizer", "parse_sentinel_url", "raise_if_cancel_swallowed",
+    "redis_client", "stop_sync", "sync_forever",
 ]
 
 
@@ -95,12 +102,16 @@ class DecisionCore:
         else:
             self.store = InProcessStore()
         self.policy_name = policy
+        self.tokenizers: dict[str, ModelTokenizer] = {}
+        self.tokenizations: dict[str, int] = {"exact": 0, "unsupported": 0}
         self.router = Router(self.fleet, make_policy(policy), self.index, block_tokens=block_tokens,
                              store=self.store if store is not None else None)
         self.apply(specs, policy, canaries or {})
 
-    def apply(self, specs: list[BackendSpec], policy: str, canaries: dict[str, tuple[str, str, float]]) -> None:
-        """Make the fleet ``specs`` (in place, in one synchronous step): a backend kept
+    def apply(self, specs: list[BackendSpec], policy: str, canaries: dict[str, tuple[str, str, float]],
+              tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
+        """Make the fleet ``specs`` (in place, in one synchronous step), with the
+        models' own ``tokenizers`` (by model name; see :func:`load_tokenizer`): a backend kept
         by name keeps its live state (in flight, learned speeds, health, breaker,
         draining) under its new spec, a new one starts fresh, a removed one leaves
         routing and the prefix index (its reservations still release cleanly). The
@@ -132,21 +143,43 @@ class DecisionCore:
             self.router.policy = make_policy(policy)
             self.policy_name = policy
         self.router.set_canaries(canaries)
+        self.tokenizers = dict(tokenizers or {})
         for st in states.values():
             self.index.set_capacity(st.name, self.router.capacity_blocks(st))
 
     # ---- one request -----------------------------------------------------------------
 
+    def tokenization(self, model: str, endpoint: str, data: dict) -> Tokenization | None:
+        """The start of request ``data``'s tokenization by ``model``'s own tokenizer
+        (``endpoint``: ``chat`` or ``completions``): rendered and looked up in the
+        prefix cache, its encoding still to do (:meth:`Tokenization.encode`, off the
+        event loop when :attr:`Tokenization.offload`). ``None`` when the model has no
+        tokenizer or the prompt cannot be reproduced exactly (images, a per-request
+        chat template, a template that raises: see :mod:`routing.tokenize`); the
+        request is then estimated as without a tokenizer."""
+        tok = self.tokenizers.get(model)
+        if tok is None:
+            return None
+        try:
+            tz = tok.tokenization(endpoint, data)
+        except Unsupported:
+            self.tokenizations["unsupported"] += 1
+            return None
+        self.tokenizations["exact"] += 1
+        return tz
+
     def request(self, model: str, prompt_text: str, max_tokens: int | None,
-                cache_salt: str | None = None, stream: bool = True) -> tuple[PromptEstimate, RouteRequest]:
+                cache_salt: str | None = None, stream: bool = True,
+                token_ids: Sequence[int] | None = None) -> tuple[PromptEstimate, RouteRequest]:
         """Estimate a request (prompt tokens, prefix block hashes, expected output
         tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take
-        (``stream``: its first token will be seen)."""
+        (``stream``: its first token will be seen). ``token_ids``: the prompt's ids from
+        :meth:`tokenization`, when there are: its token count is then exact."""
         estimator = self.estimator
-        est = estimator.estimate(model, prompt_text, max_tokens, cache_salt)
+        est = estimator.estimate(model, prompt_text, max_tokens, cache_salt, token_ids)
         tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
         return est, RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
-                                 est.output_tokens, tokens_per_block, stream=stream)
+                                 est.output_tokens, tokens_per_block, stream=stream, token_ids=token_ids)
 
     def prompt_tokens(self, model: str, prompt_text: str) -> int:
         """The estimated prompt tokens of ``prompt_text`` (the same estimate routing

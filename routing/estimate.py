@@ -1,9 +1,10 @@
 """Token estimation, canonical prompt rendering and chained block hashes.
 
-The gateway never runs the model's tokenizer: it estimates prompt tokens from the
-canonical prompt's UTF-8 length with a bytes-per-token ratio learned per model from
-the ``usage`` that backends return (seeded with 4.0 bytes per token, OpenAI's rule of
-thumb for English: "one token generally corresponds to ~4 characters").
+Without the model's own tokenizer (:mod:`routing.tokenize`, configured per model), the
+gateway estimates prompt tokens from the canonical prompt's UTF-8 length with a
+bytes-per-token ratio learned per model from the ``usage`` that backends return (seeded
+with 4.0 bytes per token, OpenAI's rule of thumb for English: "one token generally
+corresponds to ~4 characters"); with it, the prompt's token count is exact.
 
 Prefix blocks are cut from the canonical text every ``block_bytes`` bytes (fixed at
 start-up so that hashes stay stable while the ratio is learned) and hashed as a chain,
@@ -193,12 +194,14 @@ class TokenEstimator:
         bytes per token (at least 1)."""
         return _tokens(len(text.encode("utf-8", "surrogatepass")), self.stats(model).bytes_per_token)
 
-    def estimate(self, model: str, text: str, max_tokens: int | None, cache_salt: str | None = None) -> PromptEstimate:
+    def estimate(self, model: str, text: str, max_tokens: int | None, cache_salt: str | None = None,
+                 token_ids: Sequence[int] | None = None) -> PromptEstimate:
         """Estimate a request. ``max_tokens`` caps the expected output. The prompt's
-        tokens are counted as :meth:`prompt_tokens` counts them."""
+        tokens are ``len(token_ids)`` when the model's tokenizer gave them (exact),
+        else counted as :meth:`prompt_tokens` counts them."""
         raw = text.encode("utf-8", "surrogatepass")
         s = self.stats(model)
-        prompt_tokens = _tokens(len(raw), s.bytes_per_token)
+        prompt_tokens = len(token_ids) if token_ids is not None else _tokens(len(raw), s.bytes_per_token)
         out = round(s.output_tokens)
         if max_tokens is not None:
             out = min(out, max_tokens)

@@ -6,7 +6,7 @@ read and parse the body, admit the request (the batch gate, the caller's limits,
 admission queue) and hand it to :func:`forward`; every :class:`ClientError` becomes an
 OpenAI error answer here and nowhere else. :func:`forward` carries it:
 
-    estimate -> plan (pools) -> [prefill leg] -> route -> attempt (retry) -> relay -> settle
+    [tokenize] -> estimate -> plan (pools) -> [prefill leg] -> route -> attempt (retry) -> relay -> settle
 
 Each step is a call into the decision core (:mod:`routing.core`) or a module of this
 package named after it: :mod:`~gateway.pipeline.attempt`, :mod:`~gateway.pipeline.retry`,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -230,6 +230,19 @@ def fallback_trigger(err: UpstreamError | None, no_backend: NoBackendAvailable |
     return None
 
 
+async def _token_ids(state: GatewayState, ex: Exchange) -> Sequence[int] | None:
+    """The prompt's token ids by ``ex.model``'s own tokenizer, or ``None`` (no
+    tokenizer, or a prompt it cannot reproduce). A long encoding runs in the loop's
+    default executor (``tokenizers`` releases the GIL), so other requests go on
+    meanwhile; the prefix cache makes a conversation's next turn short."""
+    tz = state.core.tokenization(ex.model, ex.parsed.endpoint, ex.data or ex.parsed.data)
+    if tz is None:
+        return None
+    if tz.offload:
+        await state.loop.run_in_executor(None, tz.encode)
+    return tz.token_ids()
+
+
 async def _on_model(state: GatewayState, ex: Exchange,
                     t0: float) -> tuple[UpstreamError | None, NoBackendAvailable | None] | None:
     """Estimate, plan, route, attempt and retry on ``ex.model``, within the retry
@@ -241,7 +254,9 @@ async def _on_model(state: GatewayState, ex: Exchange,
     core, policy, m = state.core, state.retry, state.metrics
     parsed = ex.parsed
     first = len(ex.attempts)  # the attempts on earlier models do not count against this one's
-    ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt, parsed.stream)
+    token_ids = await _token_ids(state, ex)
+    ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt, parsed.stream,
+                                    token_ids)
     ex.request = req
     req.subset = ex.subset
     now = loop.time()

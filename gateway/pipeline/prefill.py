@@ -54,7 +54,8 @@ async def run(state: GatewayState, ex: Exchange, base: RouteRequest) -> dict[str
     started = loop.time()
     for attempts in range(1, policy.max_attempts + 1):
         req = RouteRequest(ex.model, frozenset(excluded), base.prompt_text, base.prompt_bytes, base.block_hashes,
-                           base.prompt_tokens, 1, base.tokens_per_block, PREFILL, stream=False)
+                           base.prompt_tokens, 1, base.tokens_per_block, PREFILL, stream=False,
+                           token_ids=base.token_ids, token_keys=base.token_keys)
         try:
             decision, reservation = state.core.route(req, loop.time())
         except NoBackendAvailable:
