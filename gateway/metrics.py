@@ -296,6 +296,41 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
+class TokenizerCollector(Collector):
+    """The models' own tokenizers (``models[].tokenizer``), read from the decision
+    core at scrape time: requests tokenized exactly or not, the exact prompt tokens,
+    and the prefix cache of rendered segments."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        core = self.core
+        done = CounterMetricFamily(
+            "turbo_gateway_tokenizations", "Requests of a model with a tokenizer, by result: exact (token ids as the "
+            "engine computes them) or unsupported (images, a per-request template...: estimated instead)",
+            labels=["model", "result"])
+        tokens = CounterMetricFamily("turbo_gateway_tokenized_prompt_tokens",
+                                     "Prompt tokens counted by the models' own tokenizers", labels=["model"])
+        hits = CounterMetricFamily("turbo_gateway_tokenizer_cache_hits",
+                                   "Rendered prompt segments found in the tokenizer's prefix cache", labels=["model"])
+        misses = CounterMetricFamily("turbo_gateway_tokenizer_cache_misses",
+                                     "Rendered prompt segments encoded (not in the prefix cache)", labels=["model"])
+        held = GaugeMetricFamily("turbo_gateway_tokenizer_cache_tokens", "Token ids held by the tokenizer's prefix cache",
+                                 labels=["model"])
+        for model, st in core.tokenize_stats.items():
+            done.add_metric([model, "exact"], st.exact)
+            done.add_metric([model, "unsupported"], st.unsupported)
+            tokens.add_metric([model], st.prompt_tokens)
+            tok = core.tokenizers.get(model)
+            cache = tok.cache if tok is not None else None
+            if cache is not None:
+                hits.add_metric([model], cache.hits)
+                misses.add_metric([model], cache.misses)
+                held.add_metric([model], cache.tokens)
+        yield from (done, tokens, hits, misses, held)
+
+
 class HardeningCollector(Collector):
     """Metrics of keys, limits, admission, breakers, draining and reloads, read from
     the live state at scrape time (key *names* only, never keys)."""

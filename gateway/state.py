@@ -23,7 +23,7 @@ from gateway.auth import KeyRing
 from gateway.config import Backend, GatewayConfig
 from gateway.health import HealthChecker
 from gateway.limits import Limiter, LimiterSync
-from gateway.metrics import GatewayMetrics, HardeningCollector
+from gateway.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
 from gateway.pipeline.relay import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
 from gateway.scraper import MetricsScraper
@@ -114,6 +114,7 @@ def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str
                          config_path=config_path)
     configure(state, cfg)
     metrics.registry.register(HardeningCollector(state))
+    metrics.registry.register(TokenizerCollector(core))
     return state
 
 

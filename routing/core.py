@@ -57,7 +57,7 @@ from routing.state import (
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "POLICIES", "PREFILL", "SERVING", "BackendSpec", "BackendState",
     "Decision", "DecisionCore", "EngineSample", "Fleet", "ModelTokenizer", "NoBackendAvailable", "Plan", "PrefixIndex",
-    "PromptEstimate", "Reservation", "RouteRequest", "StoreSettings", "Tokenization", "TokenizerError", "UnknownModel",
+    "PromptEstimate", "Reservation", "RouteRequest", "StoreSettings", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel",
     "canonical_prompt", "estimate_ttft", "load_tokenizer", "parse_sentinel_url", "raise_if_cancel_swallowed",
     "redis_client", "stop_sync", "sync_forever",
 ]
@@ -75,6 +75,16 @@ class StoreSettings:
     timeout_s: float = 0.25
     prefix_stream_maxlen: int = 20000
     cluster: bool = False
+
+
+@dataclass(slots=True)
+class TokenizeStats:
+    """What one model's tokenizer did: requests tokenized exactly, requests it could
+    not reproduce (estimated instead), and the exact prompt tokens counted."""
+
+    exact: int = 0
+    unsupported: int = 0
+    prompt_tokens: int = 0
 
 
 class DecisionCore:
@@ -103,7 +113,7 @@ class DecisionCore:
             self.store = InProcessStore()
         self.policy_name = policy
         self.tokenizers: dict[str, ModelTokenizer] = {}
-        self.tokenizations: dict[str, int] = {"exact": 0, "unsupported": 0}
+        self.tokenize_stats: dict[str, TokenizeStats] = {}
         self.router = Router(self.fleet, make_policy(policy), self.index, block_tokens=block_tokens,
                              store=self.store if store is not None else None)
         self.apply(specs, policy, canaries or {})
@@ -144,6 +154,8 @@ class DecisionCore:
             self.policy_name = policy
         self.router.set_canaries(canaries)
         self.tokenizers = dict(tokenizers or {})
+        for model in self.tokenizers:
+            self.tokenize_stats.setdefault(model, TokenizeStats())
         for st in states.values():
             self.index.set_capacity(st.name, self.router.capacity_blocks(st))
 
@@ -160,12 +172,13 @@ class DecisionCore:
         tok = self.tokenizers.get(model)
         if tok is None:
             return None
+        stats = self.tokenize_stats[model]
         try:
             tz = tok.tokenization(endpoint, data)
         except Unsupported:
-            self.tokenizations["unsupported"] += 1
+            stats.unsupported += 1
             return None
-        self.tokenizations["exact"] += 1
+        stats.exact += 1
         return tz
 
     def request(self, model: str, prompt_text: str, max_tokens: int | None,
@@ -177,6 +190,8 @@ class DecisionCore:
         :meth:`tokenization`, when there are: its token count is then exact."""
         estimator = self.estimator
         est = estimator.estimate(model, prompt_text, max_tokens, cache_salt, token_ids)
+        if token_ids is not None and model in self.tokenize_stats:
+            self.tokenize_stats[model].prompt_tokens += len(token_ids)
         tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
         return est, RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
                                  est.output_tokens, tokens_per_block, stream=stream, token_ids=token_ids)

@@ -93,3 +93,46 @@ def test_cli_port_in_use_says_so(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in r.stderr
+
+
+# ---- models: the models' own tokenizers ------------------------------------------------
+
+TINY_TOKENIZER = ROOT / "tests" / "data" / "tiny-tokenizer"
+
+
+def _with_models(models: dict) -> dict:
+    return {"backends": [{"name": "a", "url": "http://x", "models": ["m"]}], "models": models}
+
+
+def test_model_tokenizer_paths_are_relative_to_the_config_file(tmp_path):
+    (tmp_path / "tok").symlink_to(TINY_TOKENIZER)
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
+    path = tmp_path / "backends.yaml"
+    path.write_text("backends: [{name: a, url: 'http://x', models: [m]}]\n"
+                    "models: {m: {tokenizer: tok, chat_template: t.jinja, prefix_cache_tokens: 0}}\n")
+    cfg = load_config(path)
+    assert cfg.models["m"].tokenizer == str(tmp_path / "tok")
+    assert cfg.models["m"].chat_template == str(tmp_path / "t.jinja")
+    assert parse_config(_with_models({})).models == {}
+
+
+@pytest.mark.parametrize("models,fragment", [
+    ({"m": {"tokenizer": "/nonexistent/tok"}}, "`models.m`: /nonexistent/tok: no such file or directory"),
+    ({"m": {"chat_template": "t.jinja"}}, "`chat_template` needs `tokenizer`"),
+    ({"other": {"tokenizer": str(TINY_TOKENIZER)}}, "model 'other' is served by no backend"),
+    ({"m": {"tokenizer": str(TINY_TOKENIZER), "prefix_cache_tokens": -1}}, "`models.m.prefix_cache_tokens`"),
+])
+def test_bad_model_settings_are_config_errors(models, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_config(_with_models(models))
+    assert fragment in str(e.value)
+
+
+def test_bad_tokenizer_files_are_config_errors(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{oops")
+    with pytest.raises(ConfigError, match="tokenizer.json: invalid JSON"):
+        parse_config(_with_models({"m": {"tokenizer": str(tmp_path)}}))
+    (tmp_path / "tokenizer.json").write_text((TINY_TOKENIZER / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{% if %}"}')
+    with pytest.raises(ConfigError, match="chat template syntax error"):
+        parse_config(_with_models({"m": {"tokenizer": str(tmp_path)}}))
