@@ -1,7 +1,7 @@
 """What a routing decision costs, and what sharing state through Redis costs.
 
-    python -m loadtest.routing_cost            # all three parts
-    python -m loadtest.routing_cost --part decision|store|replicas
+    python -m loadtest.routing_cost            # all four parts
+    python -m loadtest.routing_cost --part decision|store|replicas|tokenize
 
 1. **decision**: microseconds per request of estimate + ``Router.route`` + release with
    the default ``estimated_ttft`` policy, for 10, 100 and 1,000 backends and 10^4 to
@@ -16,6 +16,14 @@
    half of a Mooncake trace in the offline replay, once with shared state (each sees
    the other's load and prefix blocks 50 ms late, as the Redis store's default bound)
    and once with private state: TTFT and load imbalance side by side.
+
+4. **tokenize**: microseconds per request of the model's own tokenizer
+   (:mod:`routing.tokenize`: render the chat template, look up the prefix cache,
+   encode, assemble the ids) for a short chat, an 8k-token completion prompt and a
+   20-turn conversation with a 2k-token system prompt, with the prefix cache on and
+   off, and how much of it runs on the event loop when long encodings go to the
+   executor (``--tokenizer``: a ``tokenizer.json`` or model directory; default: the
+   tests' tiny byte-level BPE).
 
 Network traffic goes to 127.0.0.1 only; every loop is bounded in count.
 """
@@ -168,17 +176,95 @@ def part_replicas(trace: str = "mooncake_conversation", n: int = 1500, scale: fl
     print(rp.format_table(rows))
 
 
+_WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+          "they you were her she there been one all we their has would when if so no what up out who them some "
+          "could into time only new other about then two more these may first any like now my such over "
+          "prefill decode cache token block backend Zürich café naïve 世界 🙂 def return x = 1 2 3").split()
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def _tokenize_us(tok, requests: list[tuple[str, dict]], offload: bool = False) -> tuple[float, float]:
+    """(microseconds per request in all, of them on the calling thread) to turn each
+    request into token ids, in order, as the director does (long encodings in an
+    executor thread when ``offload``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    total = on_loop = 0.0
+    try:
+        for endpoint, data in requests:
+            t0 = time.perf_counter()
+            tz = tok.tokenization(endpoint, data)
+            if offload and tz.offload:
+                t1 = time.perf_counter()
+                pool.submit(tz.encode).result()
+                away = time.perf_counter() - t1
+            else:
+                away = 0.0
+            tz.token_ids()
+            dt = time.perf_counter() - t0
+            total += dt
+            on_loop += dt - away
+    finally:
+        pool.shutdown()
+    return total / len(requests) * 1e6, on_loop / len(requests) * 1e6
+
+
+def part_tokenize(path: str | None = None) -> None:
+    from pathlib import Path
+
+    from routing.tokenize import load_tokenizer
+
+    path = path or str(Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny-tokenizer")
+    rng = random.Random(5)
+    system = {"role": "system", "content": _words(rng, 1400)}
+    short = [("chat", {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                                    {"role": "user", "content": _words(rng, 25) + f" ({i})"}]}) for i in range(400)]
+    long = [("completions", {"prompt": f"{i}: " + _words(rng, 6300)}) for i in range(12)]
+    convo: list[dict] = [system]
+    turns = []
+    for i in range(20):
+        convo = convo + [{"role": "user", "content": _words(rng, 80)}]
+        turns.append(("chat", {"messages": convo}))
+        convo = convo + [{"role": "assistant", "content": _words(rng, 120)}]
+    probe = load_tokenizer(path, cache_tokens=0)
+    sizes = {name: statistics.mean(len(probe.tokenization(e, d).token_ids()) for e, d in reqs)
+             for name, reqs in (("short", short), ("long", long), ("turns", turns))}
+    print(f"\n## Tokenization cost ({path}), microseconds per request\n")
+    print("| request | tokens | cache off | cache on | of which on the event loop (cache on, long encodings in the executor) |")
+    print("|---|---|---|---|---|")
+    for name, label, reqs in (("short", "short chat (system + one question)", short),
+                              ("long", "8k-token completion prompt (each one new)", long),
+                              ("turns", "20-turn conversation, 2k-token system prompt (each turn's whole history)", turns)):
+        cells = []
+        for cache in (0, 1 << 21):
+            runs = []
+            for _ in range(3):
+                tok = load_tokenizer(path, cache_tokens=cache + len(runs) * (cache > 0))  # a fresh, empty cache
+                runs.append(_tokenize_us(tok, reqs)[0])
+            cells.append(statistics.median(runs))
+        loop_us = statistics.median(_tokenize_us(load_tokenizer(path, cache_tokens=(1 << 21) + 10 + i), reqs, True)[1]
+                                    for i in range(3))
+        print(f"| {label} | {sizes[name]:.0f} | {cells[0]:.0f} | {cells[1]:.0f} | {loop_us:.0f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.routing_cost", description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["decision", "store", "replicas"], action="append")
+    ap.add_argument("--part", choices=["decision", "store", "replicas", "tokenize"], action="append")
+    ap.add_argument("--tokenizer", help="tokenizer.json or model directory of the tokenize part")
     args = ap.parse_args(argv)
-    parts = args.part or ["decision", "store", "replicas"]
+    parts = args.part or ["decision", "store", "replicas", "tokenize"]
     if "decision" in parts:
         part_decision()
     if "store" in parts:
         asyncio.run(_store_part())
     if "replicas" in parts:
         part_replicas()
+    if "tokenize" in parts:
+        part_tokenize(args.tokenizer)
     return 0
 
 
