@@ -30,8 +30,9 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.state import STATE, GatewayState, configure
+from gateway.state import STATE, GatewayState, configure, model_tokenizers
 from gateway.transport import BackendClient
+from routing.core import TokenizerError
 
 log = logging.getLogger("gateway.reload")
 
@@ -65,6 +66,10 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[BackendClient
     why = _restart_only(state.cfg, new, state.urls)
     if why:
         raise ReloadRejected(f"{why}; that needs a restart")
+    try:
+        model_tokenizers(new)  # loaded when the config was validated, unless a file changed since
+    except TokenizerError as e:
+        raise ReloadRejected(str(e)) from None
     retired = configure(state, new)
     app._client_max_size = new.limits.max_body_bytes  # read by aiohttp for each new request
     return retired

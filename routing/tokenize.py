@@ -621,12 +621,10 @@ def load_tokenizer(path: str | os.PathLike[str], chat_template: str | os.PathLik
 
 
 def _load(tok_json: Path, cfg_path: Path | None, tpl_path: Path | None, cache_tokens: int) -> ModelTokenizer:
-    raw = _read_json(tok_json)
-    if not isinstance(raw, dict):
-        raise TokenizerError(f"{tok_json}: not a tokenizers tokenizer (a JSON object is expected)")
     try:
-        tokenizer = Tokenizer.from_str(json.dumps(raw))
-    except Exception as e:  # tokenizers raises its own Exception type for a malformed tokenizer
+        tokenizer = Tokenizer.from_file(str(tok_json))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        _read_json(tok_json)  # raises with a clear message when the file is not JSON at all
         raise TokenizerError(f"{tok_json}: not a valid tokenizers tokenizer: {e}") from None
     cfg: dict[str, Any] = {}
     template: str | None = None
