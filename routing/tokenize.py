@@ -9,7 +9,8 @@ does:
   ``entrypoints/chat_utils.py`` parses them (text parts joined by ``"\\n"`` for
   templates that take string content, kept as ``{"type": "text", "text"}`` parts for
   templates that loop over ``message['content']``; assistant ``tool_calls`` with their
-  ``arguments`` parsed from JSON; ``tool_call_id``, ``name``, ``reasoning``), then
+  ``arguments`` parsed from JSON (``_postprocess_messages``), an empty list dropped;
+  ``tool_call_id``, ``name``, ``reasoning``), then
   rendered with the chat template in the Jinja environment of transformers'
   ``apply_chat_template`` (``utils/chat_template_utils.py``:
   ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -24,21 +25,21 @@ does:
   prompt that is already token ids passes through unchanged.
 - ``truncate_prompt_tokens`` (vLLM) keeps the last *n* ids.
 
-What cannot be reproduced exactly gives ``None`` (the caller keeps the approximate
-estimate): images, audio and other non-text parts (the engine expands them into
-placeholder tokens), a per-request ``chat_template``, several prompts in one
+What cannot be reproduced exactly raises :class:`Unsupported` (the caller keeps the
+approximate estimate): images, audio and other non-text parts (the engine expands them
+into placeholder tokens), a per-request ``chat_template``, several prompts in one
 completions request, a template that raises.
 
-**Prefix cache.** Rendering is cheap; tokenizing is not (about a microsecond per
-token). The rendered text is cut into segments just before the tokenizer's special
-tokens (``<|im_start|>``...), and each segment's ids are kept in an LRU keyed by the
-segment's 128-bit hash, so a conversation's next turn encodes only its new text.
-Cutting there is exact: ``tokenizers`` splits the input at added tokens before the
-normalizer, pre-tokenizer and model see it, so no BPE merge crosses such a point; only
-special tokens that do not absorb the whitespace before them (``lstrip``), match only
-as whole words (``single_word``), match on normalized text (``normalized``) or
-overlap another added token are excluded as cut points. Special tokens the
-post-processor adds (BOS...) are added once around the whole prompt.
+**Prefix cache.** Rendering a template costs little; encoding costs in proportion to
+the prompt's tokens (``loadtest/README.md`` has the numbers). The rendered text is cut
+into segments just before the tokenizer's special tokens (``<|im_start|>``...), and
+each segment's ids are kept in an LRU keyed by the segment's 128-bit hash, so a
+conversation's next turn encodes only its new text. Cutting there is exact:
+``tokenizers`` splits its input at added tokens before the normalizer, pre-tokenizer
+and model see it, so no BPE merge crosses such a point. Special tokens that absorb the
+whitespace before them (``lstrip``), match only as whole words (``single_word``), match
+on normalized text (``normalized``) or can overlap another added token are not cut
+points. Special tokens the post-processor adds (BOS...) go once around the whole prompt.
 """
 
 from __future__ import annotations
@@ -398,10 +399,13 @@ class ModelTokenizer:
             out["content"] = "\n".join(parts)
         if role == "assistant":
             calls = m.get("tool_calls")
-            if calls is not None:
-                out["tool_calls"] = [_tool_call(c) for c in calls] if isinstance(calls, list) else calls
-            if m.get("reasoning") is not None:
-                out["reasoning"] = out["reasoning_content"] = m["reasoning"]
+            if calls:  # an empty list is dropped, so the template takes its plain assistant path
+                if not isinstance(calls, list):
+                    raise Unsupported("tool_calls that are not a list")
+                out["tool_calls"] = [_tool_call(c) for c in calls]
+            reasoning = m.get("reasoning", m.get("reasoning_content"))
+            if reasoning is not None:
+                out["reasoning"] = out["reasoning_content"] = reasoning
         elif role == "tool" and "tool_call_id" in m:
             out["tool_call_id"] = m["tool_call_id"]
         if isinstance(m.get("name"), str):
@@ -460,6 +464,7 @@ class ModelTokenizer:
         points and looked up segment by segment in the prefix cache."""
         cache = self.cache
         if cache is None:
+            _check_unicode(text)
             return Tokenization(self, [0] if text else [], [(b"", text)] if text else [], add_special_tokens, truncate)
         parts: list[array | int] = []
         todo: list[tuple[bytes, str]] = []
@@ -472,7 +477,10 @@ class ModelTokenizer:
             if cut == start:
                 continue
             seg = text[start:cut]
-            key = xxhash.xxh3_128_digest(seg.encode("utf-8", "surrogatepass"))
+            try:
+                key = xxhash.xxh3_128_digest(seg.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise Unsupported("text with lone surrogates (not valid Unicode)") from None
             ids = cache.get(key)
             if ids is None:
                 parts.append(len(todo))
@@ -488,6 +496,15 @@ class ModelTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
+def _check_unicode(text: str) -> None:
+    """Raises :class:`Unsupported` for text ``tokenizers`` cannot take: lone
+    surrogates, which JSON's ``\\ud800`` escapes can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Unsupported("text with lone surrogates (not valid Unicode)") from None
+
+
 def _overlaps(other: str, token: str) -> bool:
     """Whether an occurrence of added token ``other`` can cover the start of
     ``token`` without starting there (``token`` inside it, or a suffix of it being a
@@ -501,7 +518,7 @@ def _tool_call(c: Any) -> Any:
     """An assistant tool call as vLLM passes it to the template: ``arguments`` parsed
     from its JSON string (``{}`` when empty), as transformers' templates expect."""
     if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
-        return c
+        raise Unsupported("a tool call that is not a function call")
     fn = dict(c["function"])
     args = fn.get("arguments")
     if not args:

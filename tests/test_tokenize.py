@@ -161,6 +161,7 @@ def test_token_id_prompts_pass_through_unchanged():
     {"prompt": [1, True]},
     {"prompt": None},
     {"prompt": "x", "prompt_embeds": "AAAA"},
+    {"prompt": "lone \ud800 surrogate"},
 ])
 def test_completions_that_cannot_be_reproduced(data):
     with pytest.raises(Unsupported):
@@ -192,6 +193,7 @@ def test_continue_final_message_leaves_the_last_message_open():
     {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}},
     {"messages": [{"content": "no role"}]},
     {"messages": "hi"},
+    {"messages": [{"role": "user", "content": "lone \udfff surrogate " * 10}]},
 ])
 def test_chat_requests_that_cannot_be_reproduced(data):
     with pytest.raises(Unsupported):
