@@ -81,7 +81,10 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"  # where transformers >= 4.47 saves the template
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_TEXT_PARTS = frozenset({"text"})
+# vLLM's text content parts and the field holding each one's text (chat_utils.MM_PARSER_MAP)
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "thinking": "thinking",
+               "refusal": "refusal"}
+_BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request line, dropped by vLLM
 # chat_template_kwargs may not replace what the renderer itself passes
 _RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "chat_template", "tokenize"})
 
@@ -281,12 +284,17 @@ class ModelTokenizer:
         self.special_tokens = dict(special_tokens or {})
         self.template: jinja2.Template | None = None
         self.openai_content = False
+        self.developer_to_system = False
         if chat_template is not None:
             try:
                 self.template = compile_chat_template(chat_template)
             except jinja2.TemplateSyntaxError as e:
                 raise TokenizerError(f"{source}: chat template syntax error at line {e.lineno}: {e.message}") from None
             self.openai_content = _loops_over_content(chat_template)
+        # vLLM's safe_apply_chat_template: a template that never names the developer
+        # role gets developer messages as system messages, merged into one
+        self.developer_to_system = chat_template is not None and not (
+            '"developer"' in chat_template or "'developer'" in chat_template)
         self.cache = SegmentCache(cache_tokens) if cache_tokens > 0 else None
         sp = self._post_processor_specials(add_bos_token, add_eos_token)
         self.head, self.tail = sp.head, sp.tail
@@ -355,61 +363,74 @@ class ModelTokenizer:
         if not isinstance(messages, list):
             raise Unsupported("no messages")
         conversation = [self._message(m) for m in messages]
-        tools = data.get("tools")
-        kwargs: dict[str, Any] = {
-            "add_generation_prompt": data.get("add_generation_prompt", True),
-            "continue_final_message": bool(data.get("continue_final_message", False)),
-        }
-        if kwargs["add_generation_prompt"] is None:
+        if self.developer_to_system and any(m["role"] == "developer" for m in conversation):
+            conversation = _developer_as_system(conversation)
+        user = data.get("chat_template_kwargs")
+        if user is None:
+            user = {}
+        if not isinstance(user, dict) or _RESERVED_KWARGS & user.keys():
+            raise Unsupported("chat_template_kwargs")
+        # the request's own fields win over chat_template_kwargs unless null or "auto"
+        # (vLLM's ChatCompletionRequest.build_chat_params and merge_kwargs)
+        effort = data.get("reasoning_effort")
+        fields = {"add_generation_prompt": data.get("add_generation_prompt", True),
+                  "continue_final_message": data.get("continue_final_message", False),
+                  "documents": data.get("documents"), "reasoning_effort": effort}
+        if effort is not None and "enable_thinking" not in user:
+            fields["enable_thinking"] = effort != "none"
+        kwargs = {**user, **{k: v for k, v in fields.items() if v is not None and v != "auto"}}
+        if kwargs.get("add_generation_prompt") is None:
             kwargs["add_generation_prompt"] = True
-        documents = data.get("documents")
-        extra = data.get("chat_template_kwargs")
-        if extra is not None:
-            if not isinstance(extra, dict) or _RESERVED_KWARGS & extra.keys():
-                raise Unsupported("chat_template_kwargs")
-            kwargs.update(extra)
-        if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        if kwargs.get("continue_final_message") and kwargs["add_generation_prompt"]:
             raise Unsupported("add_generation_prompt with continue_final_message")  # vLLM answers 400
-        return self._render(conversation, _tools(tools), documents, **kwargs)
+        documents = kwargs.pop("documents", None)
+        return self._render(conversation, _tools(data.get("tools")), documents, **kwargs)
 
     def _message(self, m: Any) -> dict[str, Any]:
+        """One message as vLLM's ``_parse_chat_message_content`` makes it."""
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise Unsupported("a message without a role")
         role = m["role"]
         content = m.get("content")
         if content is None:
-            parts: list[str] = []
+            content = []
         elif isinstance(content, str):
-            parts = [content]
-        elif isinstance(content, list):
-            parts = []
-            for p in content:
-                if isinstance(p, str):
-                    parts.append(p)
-                elif isinstance(p, dict) and p.get("type") in _TEXT_PARTS and isinstance(p.get("text"), str):
-                    parts.append(p["text"])
-                else:
-                    raise Unsupported("a non-text content part")
-        else:
+            content = [content]
+        elif not isinstance(content, list):
             raise Unsupported("content that is neither a string nor a list of parts")
+        parts: list[str] = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") in _TEXT_PARTS:
+                p = p.get(_TEXT_PARTS[p["type"]])
+                if p is None:
+                    continue
+            if not isinstance(p, str):
+                raise Unsupported("a non-text content part")
+            if role == "system" and p.startswith(_BILLING_HEADER):
+                p = p.partition("\n")[2]
+                if not p:
+                    continue
+            parts.append(p)
         out: dict[str, Any] = {"role": role}
         if self.openai_content and role != "tool":
             out["content"] = [{"type": "text", "text": t} for t in parts]
-        else:
-            out["content"] = "\n".join(parts)
+        else:  # joined as strings, where vLLM drops the empty ones
+            out["content"] = "\n".join(t for t in parts if t)
         if role == "assistant":
             calls = m.get("tool_calls")
             if calls:  # an empty list is dropped, so the template takes its plain assistant path
                 if not isinstance(calls, list):
                     raise Unsupported("tool_calls that are not a list")
                 out["tool_calls"] = [_tool_call(c) for c in calls]
-            reasoning = m.get("reasoning", m.get("reasoning_content"))
-            if reasoning is not None:
-                out["reasoning"] = out["reasoning_content"] = reasoning
+            if m.get("reasoning") is not None:
+                out["reasoning"] = out["reasoning_content"] = m["reasoning"]
         elif role == "tool" and "tool_call_id" in m:
             out["tool_call_id"] = m["tool_call_id"]
-        if isinstance(m.get("name"), str):
-            out["name"] = m["name"]
+        for key in ("name", "task"):
+            if isinstance(m.get(key), str):
+                out[key] = m[key]
+        if role == "developer":
+            out["tools"] = m.get("tools")
         return out
 
     def _render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -419,10 +440,17 @@ class ModelTokenizer:
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
         final = ""
         if continue_final_message:
-            if not conversation or not isinstance(conversation[-1].get("content"), str):
+            content = conversation[-1].get("content") if conversation else None
+            if isinstance(content, str):
+                final = content
+                conversation[-1] = {**conversation[-1], "content": final + tag}
+            elif isinstance(content, list) and any("text" in p for p in content):
+                at = max(i for i, p in enumerate(content) if "text" in p)  # the last text part
+                final = content[at]["text"]
+                content = [*content[:at], {**content[at], "text": final + tag}, *content[at + 1:]]
+                conversation[-1] = {**conversation[-1], "content": content}
+            else:
                 raise Unsupported("continue_final_message without a final text message")
-            final = conversation[-1]["content"]
-            conversation[-1] = {**conversation[-1], "content": final + tag}
         try:
             text = self.template.render(messages=conversation, tools=tools, documents=documents,
                                         **{**self.special_tokens, **kwargs})
@@ -496,6 +524,36 @@ class ModelTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
+def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Developer messages become system messages (without their ``tools``), and the
+    system messages are merged into one first message (``"\\n\\n"`` between their
+    texts) when there is more than one or one that is not first, as vLLM's
+    ``_convert_developer_to_system`` and ``_consolidate_system_messages`` do."""
+    out = []
+    for m in conversation:
+        if m["role"] == "developer":
+            m = {k: v for k, v in m.items() if k != "tools"}
+            m["role"] = "system"
+        out.append(m)
+    texts: list[str] = []
+    rest = []
+    merge = False
+    for i, m in enumerate(out):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                                if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+        if content:
+            texts.append(content)
+    if not merge:
+        return out
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
 def _check_unicode(text: str) -> None:
     """Raises :class:`Unsupported` for text ``tokenizers`` cannot take: lone
     surrogates, which JSON's ``\\ud800`` escapes can carry."""
@@ -514,40 +572,57 @@ def _overlaps(other: str, token: str) -> bool:
     return any(token.startswith(other[i:]) for i in range(1, len(other)))
 
 
-def _tool_call(c: Any) -> Any:
-    """An assistant tool call as vLLM passes it to the template: ``arguments`` parsed
-    from its JSON string (``{}`` when empty), as transformers' templates expect."""
-    if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+def _tool_call(c: Any) -> dict[str, Any]:
+    """An assistant tool call as vLLM passes it to the template: the fields of the
+    OpenAI type in its declaration order (``id``, ``function`` with ``arguments`` and
+    ``name``, ``type``; others dropped, as pydantic validates the request), then
+    ``arguments`` parsed from their JSON string (``{}`` when empty) by
+    ``_postprocess_messages``, as transformers' templates expect."""
+    if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
         raise Unsupported("a tool call that is not a function call")
-    fn = dict(c["function"])
+    fn = c["function"]
     args = fn.get("arguments")
     if not args:
-        fn["arguments"] = {}
+        args = {}
     elif not isinstance(args, (dict, list)):
         try:
-            fn["arguments"] = json.loads(args)
+            args = json.loads(args)
         except (TypeError, ValueError):
             raise Unsupported("tool call arguments that are not JSON") from None
-    return {**c, "function": fn}
+    out: dict[str, Any] = {"id": c["id"]} if "id" in c else {}
+    out["function"] = {"arguments": args, **({"name": fn["name"]} if "name" in fn else {})}
+    if "type" in c:
+        out["type"] = c["type"]
+    return out
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    """``tools`` as vLLM dumps its pydantic models for the template: ``type``, then
+    """``tools`` as vLLM dumps its pydantic models for the template
+    (``ChatCompletionToolsParam``, ``FunctionDefinition``): ``type``, then
     ``function`` with ``name``, ``description`` and ``parameters`` (``None`` when
-    absent) and any extra fields after them."""
+    absent), ``strict`` and ``defer_loading`` only when set; other fields dropped."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise Unsupported("tools that are not a list")
     out = []
     for t in tools:
-        if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
-            raise Unsupported("a tool without a function")
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise Unsupported("a tool that is not a function")
         fn = t["function"]
-        f = {"name": fn.get("name"), "description": fn.get("description"), "parameters": fn.get("parameters")}
-        f.update((k, v) for k, v in fn.items() if k not in f)
-        tool = {"type": t.get("type", "function"), "function": f}
-        tool.update((k, v) for k, v in t.items() if k not in tool)
+        if not isinstance(fn.get("name"), str):
+            raise Unsupported("a function without a name")
+        f = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+        defer = fn.get("defer_loading")
+        if defer is None:
+            defer = t.get("defer_loading")
+        if fn.get("strict") is not None:
+            f["strict"] = fn["strict"]
+        if defer is not None:
+            f["defer_loading"] = defer
+        tool: dict[str, Any] = {"type": "function", "function": f}
+        if t.get("defer_loading") is not None:
+            tool["defer_loading"] = t["defer_loading"]
         out.append(tool)
     return out
 
