@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -18,10 +17,8 @@ from tokenizers import Tokenizer
 from routing.core import BackendSpec, DecisionCore
 from routing.tokenize import (MIN_SEGMENT_CHARS, OFFLOAD_CHARS, ModelTokenizer, TokenizerError, Unsupported,
                               load_tokenizer)
+from tests.chat_cases import TINY, TOOLS_TEMPLATE
 
-DATA = Path(__file__).resolve().parent / "data"
-TINY = DATA / "tiny-tokenizer"
-TOOLS_TEMPLATE = DATA / "templates" / "chatml_tools.jinja"
 TINY_JSON = json.loads((TINY / "tokenizer.json").read_text())
 TINY_CONFIG = json.loads((TINY / "tokenizer_config.json").read_text())
 CHATML = TINY_CONFIG["chat_template"]

@@ -10,16 +10,13 @@ and a model without a tokenizer, are served as before.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
 
 from loadtest.sim.server import SimBackendConfig, start_backends
 from routing.tokenize import OFFLOAD_CHARS, load_tokenizer
+from tests.chat_cases import TINY
 from tests.servers import gateway_config, running_gateway
-
-TINY = Path(__file__).resolve().parent / "data" / "tiny-tokenizer"
 
 
 @pytest.fixture

@@ -33,41 +33,15 @@ if engines.missing_model_deps():
                 "pip install -e '.[test]'", allow_module_level=True)
 
 from routing.tokenize import load_tokenizer  # noqa: E402
-
-DATA = Path(__file__).resolve().parent / "data"
-TINY = DATA / "tiny-tokenizer"
-TOOLS_TEMPLATE = DATA / "templates" / "chatml_tools.jinja"
-
-SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer in one short paragraph."}
-CONVERSATIONS = [
-    [{"role": "user", "content": "Hello!"}],
-    [SYSTEM, {"role": "user", "content": "What is the capital of Switzerland?"}],
-    [SYSTEM, {"role": "user", "content": "Grüß Gott — ça va? 世界 🙂 naïve café"},
-     {"role": "assistant", "content": "Très bien, merci! 😊"},
-     {"role": "user", "content": "Und jetzt: 日本語で答えて。"}],
-    [SYSTEM, {"role": "user", "content": "def f(x):\n    return x * 2\n\n\tprint(f(3))  "},
-     {"role": "assistant", "content": "  It prints 6.\n\n"},
-     {"role": "user", "content": [{"type": "text", "text": "And f(4)?"}, {"type": "text", "text": "Explain."}]},
-     {"role": "assistant", "content": "8"},
-     {"role": "user", "content": "   spaces   and\n\n\nnewlines\r\n"}],
-    [{"role": "user", "content": "The words " + " ".join(f"w{i}" for i in range(400))}],
-]
-COMPLETIONS = ["Once upon a time", " leading space", "Zürich 世界 🙂\n\n  code:\tx = 1",
-               "text with <|im_start|>special<|im_end|> tokens", "", "a" * 3000]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather <city> & more",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}},
-         {"type": "function", "function": {"name": "now", "description": "", "parameters": {}}}]
-# (every field given: for an absent description or parameters, vLLM passes null to the
-# template, as its pydantic models dump them, and llama.cpp "" and {})
-TOOL_CONVERSATIONS = [
-    [{"role": "user", "content": "Weather in Zürich?"}],
-    [SYSTEM, {"role": "user", "content": "Weather in Zürich?"},
-     {"role": "assistant", "content": None, "tool_calls": [
-         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Zürich\"}"}}]},
-     {"role": "tool", "tool_call_id": "c1", "content": "12 °C, föhn"},
-     {"role": "user", "content": "Thanks! And the time?"}],
-]
+from tests.chat_cases import (  # noqa: E402
+    COMPLETIONS,
+    CONVERSATIONS,
+    SYSTEM,
+    TINY,
+    TOOL_CONVERSATIONS,
+    TOOLS,
+    TOOLS_TEMPLATE,
+)
 
 
 def post(url: str, body: dict) -> dict:

