@@ -58,6 +58,55 @@ def test_cached_segments_concatenate_to_the_whole_encoding():
     assert tok.cache.hits > 0 and len(tok.cache) > 0
 
 
+def _family(name: str) -> Tokenizer:
+    """A small tokenizer of another family, trained here: SentencePiece-style BPE
+    (Metaspace, as Llama 2 and Mistral), Unigram with a prepending normalizer, BERT's
+    WordPiece with a lower-casing normalizer and [CLS]/[SEP]-style specials."""
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    rng = random.Random(3)
+    corpus = [random_text(rng) for _ in range(300)]
+    specials = ["<s>", "</s>", "[INST]", "[/INST]", "<unk>"]
+    if name.startswith("metaspace"):
+        scheme = name.split("-")[1]
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+        tok.decoder = decoders.Metaspace(prepend_scheme=scheme)
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                            show_progress=False))
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    elif name == "unigram":
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" ", "\u2581"),
+                                               normalizers.Prepend("\u2581")])
+        tok.train_from_iterator(corpus[:40], trainers.UnigramTrainer(vocab_size=200, special_tokens=specials,
+                                                                     unk_token="<unk>", max_piece_length=8,
+                                                                     show_progress=False))
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=600, special_tokens=specials,
+                                                                  show_progress=False))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))])
+    return tok
+
+
+@pytest.mark.parametrize("family", ["metaspace-first", "metaspace-always", "unigram", "wordpiece"])
+def test_cached_segments_are_exact_for_other_tokenizer_families(family):
+    tok = ModelTokenizer(_family(family), None, {})
+    assert tok._cuts is not None and "INST" in tok._cuts.pattern
+    rng = random.Random(4)
+    texts = ["[INST]" + random_text(rng) + "[/INST]" + random_text(rng) + "</s><s>[INST] " + random_text(rng)
+             for _ in range(100)]
+    for text in texts + texts:
+        for add_special in (False, True):
+            assert list(tok.text_tokenization(text, add_special).token_ids()) == tok.encode(text, add_special), text
+    assert tok.cache.hits > len(texts)
+
+
 def test_a_conversations_next_turn_encodes_only_its_new_text():
     tok = fresh()
     system = {"role": "system", "content": "You answer questions about Zürich. " * 60}
