@@ -658,22 +658,20 @@ def _config_template(cfg: dict[str, Any], path: Path) -> str | None:
     raise TokenizerError(f"{path}: `chat_template` must be a string or a list of {{name, template}}")
 
 
-_loaded: dict[tuple, ModelTokenizer] = {}
+# (tokenizer.json, template file, cache bound) -> (the files' versions, the tokenizer)
+_loaded: dict[tuple[str, str | None, int], tuple[tuple, ModelTokenizer]] = {}
 _loaded_lock = threading.Lock()
 
 
-def _identity(*paths: Path | None) -> tuple:
+def _versions(*paths: Path | None) -> tuple:
+    """Each file's (mtime, size), or ``None`` when absent: what says a file changed."""
     out = []
     for p in paths:
-        if p is None:
-            out.append(None)
-            continue
         try:
-            st = p.stat()
+            st = p.stat() if p is not None else None
         except OSError:
-            out.append((str(p), None))
-        else:
-            out.append((str(p), st.st_mtime_ns, st.st_size))
+            st = None
+        out.append((st.st_mtime_ns, st.st_size) if st is not None else None)
     return tuple(out)
 
 
@@ -700,15 +698,14 @@ def load_tokenizer(path: str | os.PathLike[str], chat_template: str | os.PathLik
         raise TokenizerError(f"{p}: no such file or directory")
     tpl_path = Path(chat_template) if chat_template is not None else None
     extra = (p / "special_tokens_map.json", p / CHAT_TEMPLATE_JINJA) if cfg_path is not None else (None, None)
-    key = (_identity(tok_json, cfg_path, tpl_path, *extra), cache_tokens)
+    key = (str(tok_json), str(tpl_path) if tpl_path is not None else None, cache_tokens)
+    versions = _versions(tok_json, cfg_path, tpl_path, *extra)
     with _loaded_lock:
-        tok = _loaded.get(key)
-        if tok is None:
-            tok = _load(tok_json, cfg_path, tpl_path, cache_tokens)
-            stale = [k for k in _loaded if k[0][0][0] == key[0][0][0]]
-            for k in stale:  # an older version of the same files
-                del _loaded[k]
-            _loaded[key] = tok
+        hit = _loaded.get(key)
+        if hit is not None and hit[0] == versions:
+            return hit[1]
+        tok = _load(tok_json, cfg_path, tpl_path, cache_tokens)
+        _loaded[key] = (versions, tok)  # replaces an older version of the same files
         return tok
 
 

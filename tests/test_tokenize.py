@@ -301,7 +301,12 @@ def test_load_a_model_directory_or_a_lone_tokenizer_json(tmp_path):
     (d / "tokenizer.json").write_text((TINY / "tokenizer.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<|endoftext|>"}}))
     (d / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0].content }}")
-    assert load_tokenizer(d).render_chat({"messages": [{"role": "user", "content": "x"}]}) == "<|endoftext|>x"
+    first = load_tokenizer(d)
+    assert first.render_chat({"messages": [{"role": "user", "content": "x"}]}) == "<|endoftext|>x"
+    assert load_tokenizer(d) is first
+    (d / "chat_template.jinja").write_text("{{ messages[0].content }}!")  # a changed file is read again
+    again = load_tokenizer(d)
+    assert again is not first and again.render_chat({"messages": [{"role": "user", "content": "x"}]}) == "x!"
 
 
 @pytest.mark.parametrize("write,fragment", [
