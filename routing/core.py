@@ -13,11 +13,20 @@ where the request goes; it then reports what happened, and the core learns from 
     decision, reservation = core.route(req, now)        # backend, explanation, load reserved
     reservation.first_token(t); reservation.outcome(ok, t); reservation.release(t, tokens)
     core.learn_usage(model, est.size_bytes, prompt_tokens, completion_tokens)
+    core.kv_event_batch(backend_name, rank, payload)    # an engine's KV events (ZMQ payload)
 
 ``Decision`` carries the chosen backend, the policy, the reason and the numbers behind
 it (``detail``: ``matched_tokens``, ``ttft_est_s``); ``Reservation`` is the request's
 load on that backend, released exactly once (:mod:`routing.fleet`). Startup and reload
 both go through :meth:`DecisionCore.apply`, so a fleet is built one way.
+
+Backends that publish KV-cache events (``BackendSpec.kv_block_size``) feed the prefix
+index's token-exact entries through :meth:`DecisionCore.kv_event_batch`,
+:meth:`DecisionCore.kv_event_gap` and :meth:`DecisionCore.kv_event_restart`; the
+subscriber that reads their sockets (``gateway/kv_events.py``) checks sequence numbers
+with :class:`SequenceTracker`. A request whose token ids are known gets its
+``token_keys`` for those backends' block sizes, computed once in :meth:`request`; a
+model without such backends costs nothing more.
 
 The names the data plane needs from ``routing/`` are re-exported here; ``gateway/``
 imports nothing else of this package (``tests/test_import_cycles.py`` checks it).
@@ -28,7 +37,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt
+import logging
+from collections.abc import Sequence
+
+from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt, chain_seed, token_block_keys
 from routing.fleet import (
     BackendSpec,
     BackendState,
@@ -36,6 +48,17 @@ from routing.fleet import (
     NoBackendAvailable,
     Reservation,
     UnknownModel,
+)
+from routing.kv_events import (
+    DUPLICATE,
+    GAP,
+    OK,
+    RESTART,
+    KVEventDecodeError,
+    KVEventStats,
+    SequenceTracker,
+    apply_batch,
+    decode_batch,
 )
 from routing.load import EngineSample
 from routing.policies import POLICIES, Decision, RouteRequest, make_policy
@@ -55,12 +78,15 @@ from routing.state import (
 )
 
 __all__ = [
-    "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "POLICIES", "PREFILL", "SERVING", "BackendSpec", "BackendState",
-    "Decision", "DecisionCore", "EngineSample", "Fleet", "ModelTokenizer", "NoBackendAvailable", "Plan", "PrefixIndex",
-    "PromptEstimate", "Reservation", "RouteRequest", "StoreSettings", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel",
-    "canonical_prompt", "estimate_ttft", "load_tokenizer", "parse_sentinel_url", "raise_if_cancel_swallowed",
-    "redis_client", "stop_sync", "sync_forever",
+    "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
+    "BackendSpec", "BackendState", "Decision", "DecisionCore", "EngineSample", "Fleet", "KVEventStats", "ModelTokenizer",
+    "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "SequenceTracker",
+    "StoreSettings", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel", "canonical_prompt",
+    "estimate_ttft", "load_tokenizer", "parse_sentinel_url", "raise_if_cancel_swallowed", "redis_client", "stop_sync",
+    "sync_forever",
 ]
+
+log = logging.getLogger("routing.kv_events")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +118,9 @@ class DecisionCore:
 
     ``specs``: the backends; ``policy``: a name from :data:`routing.policies.POLICIES`;
     ``block_tokens``, ``prefix_ttl_s`` and ``prefix_index_max_blocks`` shape the prefix
-    index (fixed for the core's life); ``store``: share the view through Redis, or
+    index (fixed for the core's life); ``speculative_s``: how long a token-exact entry
+    recorded at dispatch waits for the engine's event (0: none recorded; changeable
+    through ``core.index.speculative_s``); ``store``: share the view through Redis, or
     ``None`` for this process alone. Raises ``ValueError`` on duplicate backend names
     and ``KeyError`` on an unknown policy.
     """
@@ -100,10 +128,11 @@ class DecisionCore:
     def __init__(self, specs: list[BackendSpec], policy: str, *, block_tokens: int = 64,
                  prefix_ttl_s: float = 600.0, prefix_index_max_blocks: int = 2_000_000,
                  canaries: dict[str, tuple[str, str, float]] | None = None,
-                 store: StoreSettings | None = None) -> None:
+                 store: StoreSettings | None = None, speculative_s: float = 5.0) -> None:
         self.fleet = Fleet([])
         self.estimator = TokenEstimator(block_tokens=block_tokens)
-        self.index = PrefixIndex(ttl_s=prefix_ttl_s, max_blocks=prefix_index_max_blocks)
+        self.index = PrefixIndex(ttl_s=prefix_ttl_s, max_blocks=prefix_index_max_blocks, speculative_s=speculative_s)
+        self.kv_stats: dict[str, KVEventStats] = {}  # per backend publishing KV events
         if store is not None:
             self.store: InProcessStore | RedisStore = RedisStore(
                 self.fleet, self.index, store.url, namespace=store.namespace, staleness_s=store.staleness_s,
@@ -158,6 +187,21 @@ class DecisionCore:
             self.tokenize_stats.setdefault(model, TokenizeStats())
         for st in states.values():
             self.index.set_capacity(st.name, self.router.capacity_blocks(st))
+        events: dict[str, dict[int, list[str]]] = {}
+        for st in states.values():
+            size = st.spec.kv_block_size
+            before = self.index.engine(st.name)
+            self.index.set_engine(st.name, size, st.spec.kv_base_model)
+            if size is None:
+                self.kv_stats.pop(st.name, None)
+                continue
+            if before is None or before.block_size != size:
+                self.kv_stats[st.name] = KVEventStats()
+            for model in sorted(st.spec.models):
+                events.setdefault(model, {}).setdefault(size, []).append(st.name)
+        for name in set(self.kv_stats) - set(states):
+            del self.kv_stats[name]
+        self.router.event_backends = events
 
     # ---- one request -----------------------------------------------------------------
 
@@ -186,15 +230,31 @@ class DecisionCore:
                 token_ids: Sequence[int] | None = None) -> tuple[PromptEstimate, RouteRequest]:
         """Estimate a request (prompt tokens, prefix block hashes, expected output
         tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take
-        (``stream``: its first token will be seen). ``token_ids``: the prompt's ids from
-        :meth:`tokenization`, when there are: its token count is then exact."""
+        (``stream``: its first token will be seen). ``token_ids``: the prompt's ids (from
+        :meth:`tokenization`, or a completions prompt given as token ids), when there are:
+        its token count is then exact, and ``token_keys`` holds its token-exact block keys
+        for the block size of each backend of ``model`` that publishes KV events."""
         estimator = self.estimator
         est = estimator.estimate(model, prompt_text, max_tokens, cache_salt, token_ids)
         if token_ids is not None and model in self.tokenize_stats:
             self.tokenize_stats[model].prompt_tokens += len(token_ids)
         tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
-        return est, RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
-                                 est.output_tokens, tokens_per_block, stream=stream, token_ids=token_ids)
+        req = RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
+                           est.output_tokens, tokens_per_block, stream=stream, token_ids=token_ids)
+        if token_ids is not None:
+            self.set_token_keys(req, cache_salt)
+        return est, req
+
+    def set_token_keys(self, req: RouteRequest, cache_salt: str | None = None) -> None:
+        """Fill ``req.token_keys`` from ``req.token_ids`` for the block sizes of the
+        backends of ``req.model`` that publish KV events (nothing when none does),
+        keyed as the engines' events are (:func:`routing.estimate.token_block_keys`
+        chained from ``chain_seed(model, cache_salt)``)."""
+        sizes = self.router.event_backends.get(req.model)
+        if not sizes or req.token_ids is None:
+            return
+        seed = chain_seed(req.model, cache_salt)
+        req.token_keys = {size: token_block_keys(req.token_ids, size, seed) for size in sizes}
 
     def prompt_tokens(self, model: str, prompt_text: str) -> int:
         """The estimated prompt tokens of ``prompt_text`` (the same estimate routing
@@ -246,3 +306,53 @@ class DecisionCore:
         the index stays)."""
         self.index.forget_backend(backend.name)
         self.index.set_capacity(backend.name, self.router.capacity_blocks(backend))
+
+    # ---- engine KV-cache events -----------------------------------------------------------
+
+    def kv_event_batch(self, backend: str, rank: int, payload: bytes) -> None:
+        """Apply one KV-event payload (msgpack ``EventBatch``) from ``backend``'s
+        data-parallel ``rank`` to the prefix index. Never raises on bad input: an
+        undecodable payload or event is counted and logged once per backend."""
+        stats = self.kv_stats.get(backend)
+        if stats is None:
+            return  # not (or no longer) a backend with events
+        try:
+            batch = decode_batch(payload)
+        except KVEventDecodeError as e:
+            stats.batches += 1
+            stats.decode_errors += 1
+            stats.first_error = stats.first_error or str(e)
+            if "payload" not in stats.warned:
+                stats.warned.add("payload")
+                log.warning("undecodable KV event payload from %s (counted, skipped): %s", backend, e)
+            return
+        for msg in apply_batch(self.index, backend, rank, batch, stats):
+            log.warning("%s (counted, skipped; logged once)", msg)
+
+    def kv_event_gap(self, backend: str, rank: int, filled: bool) -> None:
+        """``backend``'s ``rank`` skipped sequence numbers; ``filled``: a replay
+        supplied them. Unfilled, its precise entries of that rank are dropped and its
+        lookups fall back to approximate until its next stored block."""
+        stats = self.kv_stats.get(backend)
+        if stats is None:
+            return
+        stats.gaps += 1
+        if filled:
+            stats.replays += 1
+            return
+        stats.replay_failures += 1
+        self.index.clear_precise(backend, rank)
+        self.index.set_live(backend, False)
+        if "gap" not in stats.warned:
+            stats.warned.add("gap")
+            log.warning("KV events of %s (rank %d) lost a gap that replay could not fill: its precise prefix "
+                        "entries were dropped (logged once)", backend, rank)
+
+    def kv_event_restart(self, backend: str, rank: int) -> None:
+        """``backend``'s ``rank`` restarted (its sequence numbers went back): its cache
+        is empty, so are its precise entries of that rank."""
+        stats = self.kv_stats.get(backend)
+        if stats is None:
+            return
+        stats.restarts += 1
+        self.index.clear_precise(backend, rank)

@@ -45,7 +45,10 @@ class BackendSpec:
     """The static description of one backend, taken from the config.
 
     ``weight`` is a relative capacity (unitless, > 0) used by load-aware policies to
-    normalise load; ``pool`` names the pool the backend belongs to.
+    normalise load; ``pool`` names the pool the backend belongs to. A backend that
+    publishes KV-cache events has ``kv_block_size`` (its engine's block size in tokens)
+    and ``kv_base_model`` (the model name its blocks without a LoRA adapter are keyed
+    under, see :mod:`routing.kv_events`).
     """
 
     name: str
@@ -56,6 +59,8 @@ class BackendSpec:
     prefill_tokens_per_s: float | None = None  # speed hints (seeds of the load model)
     decode_tokens_per_s: float | None = None
     kv_capacity_tokens: int | None = None
+    kv_block_size: int | None = None
+    kv_base_model: str = ""
 
 
 @dataclass(slots=True)

@@ -1,5 +1,7 @@
-"""Which backends probably hold which prefix blocks in their KV cache.
+"""Which backends hold which prefix blocks in their KV cache: one index, three kinds
+of evidence.
 
+*Approximate* (every backend, every model): blocks of canonical prompt bytes.
 Blocks are recorded when a request is *dispatched* (so a burst of siblings co-locates
 before any cache is warm). Each backend's set is an LRU bounded by its KV capacity in
 blocks, approximating the engine's own LRU of free cached blocks; entries older than
@@ -9,14 +11,31 @@ A request's blocks are touched from last to first, so that a prefix's first bloc
 are the most recently used and are evicted last, as in vLLM, which frees a finished
 request's blocks in reverse order so that the tail of a prefix goes first (vLLM docs,
 "Automatic Prefix Caching": "evict the block ... at the end of the longest prefix").
+
+*Speculative* and *precise* (backends that publish KV-cache events, requests whose
+token ids are known): blocks keyed by :func:`routing.estimate.token_block_keys` in the
+engine's own block size. Dispatch records a *speculative* entry at once (the engine
+reports a block only after prefilling it); the engine's ``BlockStored`` makes it
+*precise*; ``BlockRemoved`` removes it; a speculative entry that no event confirms
+within ``speculative_s`` decays. An engine's block hashes are mapped to our keys per
+backend and data-parallel rank (for ``BlockRemoved`` and for the ``parent_block_hash``
+that chains a new block to its prefix); a block held by several ranks is held until
+the last of them removes it. :meth:`PrefixIndex.clear_precise` drops a backend's
+engine-confirmed entries (``AllBlocksCleared``, an engine restart, a gap in its
+events that replay could not fill); until events flow again (:meth:`PrefixIndex.set_live`)
+its lookups fall back to the approximate entries, which are recorded for every
+backend regardless.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 _NEVER = float("-inf")
+PRECISE = math.inf  # a token entry's value: engine-confirmed (else: when its speculation decays, s)
 
 
 @dataclass(slots=True)
@@ -25,22 +44,43 @@ class _BackendBlocks:
     lru: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> last use (s)
 
 
+@dataclass(slots=True)
+class _EngineBlocks:
+    """A backend that publishes KV events: its token-exact entries."""
+
+    block_size: int
+    base_model: str  # the name a block without a LoRA adapter is keyed under
+    live: bool = False  # events flow and the entries are trusted
+    speculative: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> decays at (s)
+    holders: dict[int, int] = field(default_factory=dict)  # precise key -> ranks holding it
+    engine_keys: dict[int, dict[int | bytes, int]] = field(default_factory=dict)  # rank -> engine hash -> key
+
+
 class PrefixIndex:
-    """``record(backend, hashes, now)`` and ``match(hashes, now) -> {backend: blocks}``.
+    """``record(backend, hashes, now)`` and ``match(hashes, now) -> {backend: blocks}``
+    for approximate entries; ``record_speculative``, ``store``, ``remove``,
+    ``clear_precise`` and ``match_tokens`` for token-exact ones.
 
     - ``ttl_s``: seconds after which an unused block is considered evicted.
-    - ``max_blocks``: bound on entries over all backends (memory: about 100 bytes each).
+    - ``max_blocks``: bound on entries over all backends (memory: about 100 bytes
+      each), for each kind; a backend whose precise entries pass it (its engine's
+      removals are lost) has them cleared.
     - ``default_capacity_blocks``: per-backend bound until :meth:`set_capacity` says more.
+    - ``speculative_s``: seconds a speculative entry waits for the engine's event
+      (0: no speculative entries).
     """
 
     def __init__(self, *, ttl_s: float = 600.0, max_blocks: int = 2_000_000,
-                 default_capacity_blocks: int = 8192) -> None:
+                 default_capacity_blocks: int = 8192, speculative_s: float = 5.0) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self.default_capacity_blocks = default_capacity_blocks
+        self.speculative_s = speculative_s
         self.backends: dict[str, _BackendBlocks] = {}
         self.owners: dict[int, dict[str, float]] = {}  # hash -> {backend: last use}
         self.size = 0
+        self.engines: dict[str, _EngineBlocks] = {}  # backends with KV events
+        self.token_owners: dict[int, dict[str, float]] = {}  # key -> {backend: PRECISE or decay time}
 
     def _blocks(self, backend: str) -> _BackendBlocks:
         b = self.backends.get(backend)
@@ -114,7 +154,14 @@ class PrefixIndex:
         return dropped
 
     def forget_backend(self, backend: str) -> None:
-        """Drop everything known about ``backend`` (it restarted: its cache is empty)."""
+        """Drop everything known about ``backend`` (it restarted: its cache is empty).
+        Its KV-event settings stay (:meth:`set_engine`), its token entries go."""
+        e = self.engines.get(backend)
+        if e is not None:
+            self.clear_precise(backend)
+            for key in list(e.speculative):
+                self._drop_token(backend, key)
+            e.speculative.clear()
         b = self.backends.pop(backend, None)
         if b is None:
             return
@@ -146,4 +193,203 @@ class PrefixIndex:
             i += 1
         for b in alive:
             result[b] = i
+        return result
+
+    # ---- token-exact entries (backends with KV events) ------------------------------------
+
+    def set_engine(self, backend: str, block_size: int | None, base_model: str = "") -> None:
+        """Declare that ``backend`` publishes KV events in blocks of ``block_size``
+        tokens, its blocks without a LoRA adapter keyed under ``base_model``
+        (``block_size`` ``None``: it publishes none; its token entries go). A changed
+        block size drops its token entries."""
+        e = self.engines.get(backend)
+        if e is not None and (block_size is None or e.block_size != block_size):
+            self.clear_precise(backend)
+            for key in list(e.speculative):
+                self._drop_token(backend, key)
+            del self.engines[backend]
+            e = None
+        if block_size is None:
+            return
+        if e is None:
+            self.engines[backend] = _EngineBlocks(block_size, base_model)
+        else:
+            e.base_model = base_model
+
+    def set_live(self, backend: str, live: bool) -> None:
+        """Whether ``backend``'s events are flowing (its token entries decide its
+        lookups) or not (its approximate entries do)."""
+        e = self.engines.get(backend)
+        if e is not None:
+            e.live = live
+
+    def engine(self, backend: str) -> _EngineBlocks | None:
+        """``backend``'s KV-event state, or ``None`` when it publishes none."""
+        return self.engines.get(backend)
+
+    def _drop_token(self, backend: str, key: int) -> None:
+        o = self.token_owners.get(key)
+        if o is not None:
+            o.pop(backend, None)
+            if not o:
+                del self.token_owners[key]
+
+    def record_speculative(self, backend: str, keys: tuple[int, ...], now: float) -> None:
+        """``backend`` was sent a prompt whose blocks are ``keys`` at ``now`` (s): each
+        block it does not hold precisely is held speculatively until ``now +
+        speculative_s``."""
+        e = self.engines.get(backend)
+        if e is None or not keys or self.speculative_s <= 0:
+            return
+        until = now + self.speculative_s
+        owners = self.token_owners
+        spec = e.speculative
+        for k in keys:
+            o = owners.get(k)
+            if o is None:
+                owners[k] = {backend: until}
+            elif o.get(backend) != PRECISE:
+                o[backend] = until
+            else:
+                continue
+            if k in spec:
+                spec.move_to_end(k)
+            spec[k] = until
+        if len(spec) > self.max_blocks:
+            self._decay(backend, e, math.inf, len(spec) - self.max_blocks)
+
+    def _decay(self, backend: str, e: _EngineBlocks, now: float, most: int | None = None) -> int:
+        spec = e.speculative
+        owners = self.token_owners
+        n = 0
+        while spec and (most is None or n < most):
+            k, until = next(iter(spec.items()))
+            if until > now and most is None:
+                break
+            spec.popitem(last=False)
+            o = owners.get(k)
+            if o is not None and o.get(backend, PRECISE) != PRECISE:
+                self._drop_token(backend, k)
+            n += 1
+        return n
+
+    def expire_speculative(self, now: float) -> int:
+        """Drop speculative entries that no event confirmed in time; returns how many."""
+        return sum(self._decay(name, e, now) for name, e in self.engines.items() if e.speculative)
+
+    def store(self, backend: str, rank: int, engine_hashes: Iterable[int | bytes], keys: Iterable[int]) -> int:
+        """The engine of ``backend`` (data-parallel ``rank``) stored the blocks
+        ``engine_hashes``, whose token keys are ``keys``: they become precise (a
+        speculative entry is confirmed). Returns the blocks newly held."""
+        e = self.engines.get(backend)
+        if e is None:
+            return 0
+        emap = e.engine_keys.setdefault(rank, {})
+        holders = e.holders
+        owners = self.token_owners
+        n = 0
+        for h, k in zip(engine_hashes, keys):
+            if h in emap:
+                if emap[h] == k:
+                    continue
+                self._release(backend, e, emap[h])
+            emap[h] = k
+            c = holders.get(k, 0)
+            holders[k] = c + 1
+            if c == 0:
+                o = owners.get(k)
+                if o is None:
+                    owners[k] = {backend: PRECISE}
+                else:
+                    o[backend] = PRECISE
+                e.speculative.pop(k, None)
+                n += 1
+        if len(holders) > self.max_blocks:
+            self.clear_precise(backend)
+        return n
+
+    def _release(self, backend: str, e: _EngineBlocks, key: int) -> None:
+        c = e.holders.get(key, 0) - 1
+        if c > 0:
+            e.holders[key] = c
+            return
+        e.holders.pop(key, None)
+        self._drop_token(backend, key)
+
+    def remove(self, backend: str, rank: int, engine_hashes: Iterable[int | bytes]) -> int:
+        """The engine of ``backend`` (``rank``) evicted ``engine_hashes``. Returns how
+        many of them were known."""
+        e = self.engines.get(backend)
+        if e is None:
+            return 0
+        emap = e.engine_keys.get(rank)
+        if not emap:
+            return 0
+        n = 0
+        for h in engine_hashes:
+            k = emap.pop(h, None)
+            if k is not None:
+                self._release(backend, e, k)
+                n += 1
+        return n
+
+    def key_of(self, backend: str, rank: int, engine_hash: int | bytes) -> int | None:
+        """Our key of the block ``engine_hash`` of ``backend``'s ``rank``, if known."""
+        e = self.engines.get(backend)
+        if e is None:
+            return None
+        emap = e.engine_keys.get(rank)
+        return None if emap is None else emap.get(engine_hash)
+
+    def clear_precise(self, backend: str, rank: int | None = None) -> int:
+        """Drop ``backend``'s engine-confirmed entries (of one data-parallel ``rank``,
+        or of all). Returns how many blocks it no longer holds."""
+        e = self.engines.get(backend)
+        if e is None:
+            return 0
+        before = len(e.holders)
+        ranks = list(e.engine_keys) if rank is None else [rank]
+        for r in ranks:
+            emap = e.engine_keys.pop(r, None)
+            if emap:
+                for k in emap.values():
+                    self._release(backend, e, k)
+        return before - len(e.holders)
+
+    def counts(self, backend: str) -> tuple[int, int]:
+        """(precise, speculative) blocks ``backend`` holds (0, 0 without events)."""
+        e = self.engines.get(backend)
+        if e is None:
+            return 0, 0
+        return len(e.holders), len(e.speculative)
+
+    def match_tokens(self, keys: tuple[int, ...], backends: Iterable[str], now: float) -> dict[str, tuple[int, bool]]:
+        """For each of ``backends`` (live, with events, whose block size ``keys`` were
+        cut in), ``(leading blocks held, all of them precise)``; a backend holding none
+        is absent. Cost: O(matched blocks x backends)."""
+        owners = self.token_owners
+        alive: dict[str, bool] = {}
+        first = owners.get(keys[0]) if keys else None
+        if not first:
+            return {}
+        for b in backends:
+            v = first.get(b)
+            if v is not None and v >= now:
+                alive[b] = v == PRECISE
+        result: dict[str, tuple[int, bool]] = {}
+        i = 1
+        n = len(keys)
+        while alive and i < n:
+            o = owners.get(keys[i])
+            if o is None:
+                break
+            for b in list(alive):
+                v = o.get(b)
+                if v is None or v < now:
+                    result[b] = (i, alive.pop(b))
+                elif v != PRECISE:
+                    alive[b] = False
+            i += 1
+        for b, precise in alive.items():
+            result[b] = (i, precise)
         return result

@@ -49,6 +49,8 @@ class Router:
         self.block_tokens = block_tokens
         self.store = store  # publishes dispatched prefix blocks to other replicas (routing.state)
         self._next_expire = 0.0
+        # model -> {engine block size: backends publishing KV events in it}, set by the core
+        self.event_backends: dict[str, dict[int, list[str]]] = {}
         self.canaries: dict[str, tuple[str, str, float]] = {}
         self._canary_rng = random.Random()
         for b in fleet.backends.values():
@@ -126,11 +128,39 @@ class Router:
             return
         if now >= self._next_expire:
             self.index.expire(now)
+            self.index.expire_speculative(now)
             self.refresh_speeds(now)
             self._next_expire = now + EXPIRE_EVERY_S
         request.now = now
         request.matched_blocks = self.index.match(request.block_hashes, now)
+        if request.token_keys:
+            self._match_tokens(request, request.token_keys, now)
         request.matched_at = now
+
+    def _match_tokens(self, request: RouteRequest, token_keys: dict[int, tuple[int, ...]], now: float) -> None:
+        """Token-exact evidence for the backends whose KV events are live: it decides
+        their matched tokens (none held is a precise zero); the others keep the
+        approximate match."""
+        by_size = self.event_backends.get(request.model)
+        if not by_size:
+            return
+        engines = self.index.engines
+        exact: dict[str, int] = {}
+        evidence: dict[str, str] = {}
+        for size, names in by_size.items():
+            keys = token_keys.get(size)
+            if keys is None:
+                continue
+            live = [n for n in names if engines[n].live]
+            if not live:
+                continue
+            held = self.index.match_tokens(keys, live, now)
+            for n in live:
+                blocks, precise = held.get(n, (0, True))
+                exact[n] = blocks * size
+                evidence[n] = "precise" if precise else "speculative"
+        request.exact_tokens = exact
+        request.evidence = evidence
 
     def refresh_speeds(self, now: float) -> None:
         """Age every backend's learned speeds by the time passed, and note each
@@ -190,7 +220,8 @@ class Router:
     def route(self, request: RouteRequest, now: float) -> tuple[Decision, Reservation]:
         """Choose a backend and reserve its load: the request's uncached prompt tokens
         join the backend's prefill queue and its blocks are recorded in the prefix
-        index. Raises what :meth:`eligible` raises."""
+        index (approximate blocks always; token-exact blocks, speculatively, when the
+        backend publishes KV events). Raises what :meth:`eligible` raises."""
         candidates = self.eligible(request, now)
         self._match(request, now)
         decision = self.policy.choose(request, candidates)
@@ -209,6 +240,13 @@ class Router:
         load = b.load.admit(uncached_tokens=request.prompt_tokens - cached, prompt_tokens=request.prompt_tokens,
                             output_tokens=request.output_tokens, now=now, stream=request.stream)
         self.index.record(b.name, request.block_hashes, now)
+        if request.token_keys:
+            e = self.index.engines.get(b.name)
+            if e is not None:
+                keys = request.token_keys.get(e.block_size)
+                if keys:
+                    self.index.record_speculative(b.name, keys, now)
+            decision.evidence = request.evidence.get(b.name, "approximate")
         if self.store is not None:
             self.store.record_dispatch(b.name, request.block_hashes)
         return self.fleet.reserve(b, load, now)

@@ -37,8 +37,12 @@ class RouteRequest:
       computed from ``token_ids``: the key of precise prefix entries.
     - ``stream``: the answer is streamed, so its first token will be seen (a whole
       answer shows only its end).
-    - Set by the router before ``choose``: ``now`` (monotonic seconds) and
-      ``matched_blocks`` (per backend, leading blocks it probably holds).
+    - Set by the router before ``choose``: ``now`` (monotonic seconds),
+      ``matched_blocks`` (per backend, leading approximate blocks it probably holds)
+      and, for backends whose KV events are live and whose block size ``token_keys``
+      has, ``exact_tokens`` (leading prompt tokens held, from token-exact entries) and
+      ``evidence`` (``precise`` when every one of those blocks was confirmed by the
+      engine, ``speculative`` otherwise); these override ``matched_blocks``.
     """
 
     model: str
@@ -59,11 +63,17 @@ class RouteRequest:
     now: float = 0.0
     matched_blocks: dict[str, int] = field(default_factory=dict)
     matched_at: float | None = None
+    exact_tokens: dict[str, int] = field(default_factory=dict)
+    evidence: dict[str, str] = field(default_factory=dict)
 
     def cached_tokens(self, backend: str) -> float:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
         if self.remote_prefill:
             return float(self.prompt_tokens)
+        if self.exact_tokens:
+            exact = self.exact_tokens.get(backend)
+            if exact is not None:
+                return float(min(exact, self.prompt_tokens))
         blocks = self.matched_blocks.get(backend)
         if not blocks:
             return 0.0
@@ -75,13 +85,16 @@ class Decision:
     """A policy's choice and why it was made.
 
     ``reason`` is a short token for metrics (``round_robin``, ``least_requests``,
-    ``tie``...); ``detail`` carries numbers for the explanation header.
+    ``tie``...); ``detail`` carries numbers for the explanation header; ``evidence``
+    (set by the router) is the kind of prefix-index evidence behind the chosen
+    backend's matched tokens: ``precise``, ``speculative`` or ``approximate``.
     """
 
     backend: BackendState
     policy: str
     reason: str
     detail: dict[str, float] = field(default_factory=dict)
+    evidence: str = "approximate"
 
 
 class Policy(Protocol):

@@ -144,14 +144,16 @@ class EstimatedTTFT(BasePolicy):
 
     def _sample(self, request: RouteRequest, candidates: Sequence[BackendState]) -> list[BackendState]:
         matched = request.matched_blocks
-        holders: list[tuple[int, BackendState]] = []
+        exact = request.exact_tokens
+        holders: list[tuple[float, BackendState]] = []
         rest: list[BackendState] = []
         for b in candidates:
-            m = matched.get(b.spec.name)
+            name = b.spec.name
+            m = matched.get(name) if not exact or name not in exact else exact[name] or None
             if m is None:
                 rest.append(b)
             else:
-                holders.append((m, b))
+                holders.append((request.cached_tokens(name), b))
         holders.sort(key=lambda mb: -mb[0])
         picked = [b for _, b in holders[:SAMPLE_MATCHED]]
         rest = rest or [b for _, b in holders[SAMPLE_MATCHED:]]

@@ -1,0 +1,397 @@
+"""Engine KV-cache events (vLLM's wire format): decoding and sequence tracking. No I/O.
+
+An engine started with ``--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", ...}'`` publishes, on a ZMQ PUB socket, multipart messages
+``[topic, seq (8-byte big-endian), payload]``. The payload is msgpack of an
+``EventBatch`` (source of truth: ``vllm/distributed/kv_events.py`` in
+vllm-project/vllm, msgspec structs with ``omit_defaults=True`` and, for events,
+``tag=True``):
+
+- ``EventBatch``: ``ts`` (float seconds), ``events`` (list), ``data_parallel_rank``
+  (int or ``None``, default ``None``);
+- ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``,
+  ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``extra_keys`` (default
+  ``None``), ``group_idx`` (default ``None``), ``kv_cache_spec_kind`` (default
+  ``None``), ``kv_cache_spec_sliding_window`` (default ``None``);
+- ``BlockRemoved``: ``block_hashes``, ``medium``, ``group_idx`` (default ``None``);
+- ``AllBlocksCleared``: no field.
+
+Engines encode these either as arrays (``array_like=True``: a batch is ``[ts,
+events, rank]``, an event ``["BlockStored", field, field, ...]`` in the order above)
+or as maps (``{"ts": ..., "events": ...}``, an event ``{"type": "BlockStored",
+...}``); the two mix (vLLM 0.32 sends an array batch of map events). With
+``omit_defaults`` a field holding its default is absent: a map lacks the key, an
+array is cut short. Older engines had fewer fields (``medium``, ``lora_name`` and
+what follows them came later): a short array decodes with the missing fields at
+their defaults. Block hashes are 64-bit ints by default, bytes with a non-default
+hash function; both are kept as they come (they only name blocks).
+
+:func:`decode_batch` turns a payload into :class:`EventBatch`; an event it cannot
+read is counted in ``EventBatch.undecodable`` (with the first reason) and skipped,
+never raised; a payload that is not a batch at all raises :class:`KVEventDecodeError`.
+:class:`SequenceTracker` checks a publisher's sequence numbers (gaps, engine
+restarts, replay duplicates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from routing.estimate import chain_seed, token_block_keys
+from routing.prefix_index import PrefixIndex
+
+_MAX_TOKEN_ID = 2**32
+
+
+class KVEventDecodeError(ValueError):
+    """A payload is not an ``EventBatch`` (not msgpack, or not an array/map with a
+    list of events)."""
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks the engine stored in its prefix cache: ``block_hashes`` (int or bytes,
+    one per block), their chain parent (``None``: the first block of a prompt), the
+    ``token_ids`` of all the blocks (``len(block_hashes) * block_size`` of them)."""
+
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Blocks the engine evicted from its prefix cache (on ``medium``)."""
+
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The engine dropped its whole prefix cache (e.g. ``/reset_prefix_cache``)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+# field order of the array encoding (the msgspec struct's declaration order)
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                  "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}  # leading fields without a default
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One decoded payload: ``ts`` (engine wall clock, seconds), the ``events`` that
+    decoded, ``data_parallel_rank`` (``None`` when absent), how many events were
+    ``undecodable`` and why the first one was."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+    undecodable: int = 0
+    first_error: str = ""
+
+
+def _hash(v: Any) -> int | bytes:
+    if isinstance(v, bool) or not isinstance(v, (int, bytes)):
+        raise ValueError(f"a block hash must be an int or bytes, not {type(v).__name__}")
+    return v
+
+
+def _hashes(v: Any) -> list[int | bytes]:
+    if not isinstance(v, list):
+        raise ValueError("block_hashes must be a list")
+    return [_hash(h) for h in v]
+
+
+def _opt_int(name: str, v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int or null")
+    return v
+
+
+def _opt_str(name: str, v: Any) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    raise ValueError(f"{name} must be a string or null")
+
+
+def _stored(f: dict[str, Any]) -> BlockStored:
+    hashes = _hashes(f["block_hashes"])
+    parent = f.get("parent_block_hash")
+    if parent is not None:
+        parent = _hash(parent)
+    size = f["block_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError("block_size must be a positive int")
+    tokens = f["token_ids"]
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < _MAX_TOKEN_ID for t in tokens):
+        raise ValueError("token_ids must be a list of token ids in [0, 2**32)")
+    if len(tokens) != len(hashes) * size:
+        raise ValueError(f"{len(tokens)} token_ids for {len(hashes)} blocks of {size}")
+    extra = f.get("extra_keys")
+    if extra is not None and not isinstance(extra, list):
+        raise ValueError("extra_keys must be a list or null")
+    return BlockStored(hashes, parent, tokens, size, _opt_int("lora_id", f.get("lora_id")),
+                       _opt_str("medium", f.get("medium")), _opt_str("lora_name", f.get("lora_name")), extra,
+                       _opt_int("group_idx", f.get("group_idx")),
+                       _opt_str("kv_cache_spec_kind", f.get("kv_cache_spec_kind")),
+                       _opt_int("kv_cache_spec_sliding_window", f.get("kv_cache_spec_sliding_window")))
+
+
+def _removed(f: dict[str, Any]) -> BlockRemoved:
+    return BlockRemoved(_hashes(f["block_hashes"]), _opt_str("medium", f.get("medium")),
+                        _opt_int("group_idx", f.get("group_idx")))
+
+
+def decode_event(raw: Any) -> KVEvent:
+    """One event, from either encoding (a tagged array or a map with ``"type"``).
+    Raises ``ValueError`` (with the reason) for anything else: an unknown tag, a
+    missing field without a default, a field of the wrong type."""
+    if isinstance(raw, list):
+        if not raw or not isinstance(raw[0], str):
+            raise ValueError("an array event must start with its type tag")
+        tag, values = raw[0], raw[1:]
+        if tag not in _REQUIRED:
+            raise ValueError(f"unknown event type {tag!r}")
+        if len(values) < _REQUIRED[tag]:
+            raise ValueError(f"{tag} has {len(values)} fields, needs at least {_REQUIRED[tag]}")
+        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        fields = dict(zip(names, values))  # fields past the known ones (a newer engine's) are ignored
+    elif isinstance(raw, dict):
+        tag = raw.get("type")
+        if tag not in _REQUIRED:
+            raise ValueError(f"unknown event type {tag!r}")
+        fields = raw
+        missing = [n for n in (_STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS)[:_REQUIRED[tag]]
+                   if n not in raw]
+        if missing:
+            raise ValueError(f"{tag} lacks {', '.join(missing)}")
+    else:
+        raise ValueError(f"an event must be an array or a map, not {type(raw).__name__}")
+    if tag == "BlockStored":
+        return _stored(fields)
+    if tag == "BlockRemoved":
+        return _removed(fields)
+    return AllBlocksCleared()
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one message payload. Events that cannot be decoded are skipped and
+    counted (``undecodable``, ``first_error``). Raises :class:`KVEventDecodeError`
+    when the payload is not an ``EventBatch``."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise KVEventDecodeError(f"not msgpack: {e}") from None
+    if isinstance(raw, list) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict) and "events" in raw:
+        ts, events, rank = raw.get("ts", 0.0), raw["events"], raw.get("data_parallel_rank")
+    else:
+        raise KVEventDecodeError("not an EventBatch (an array [ts, events, rank] or a map with events)")
+    if not isinstance(events, list) or isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise KVEventDecodeError("an EventBatch needs a numeric ts and a list of events")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise KVEventDecodeError("data_parallel_rank must be an int or null")
+    batch = EventBatch(float(ts), [], rank)
+    for ev in events:
+        try:
+            batch.events.append(decode_event(ev))
+        except (ValueError, KeyError, TypeError) as e:
+            batch.undecodable += 1
+            if not batch.first_error:
+                batch.first_error = str(e)
+    return batch
+
+
+def cache_salt_of(stored: BlockStored) -> str | None:
+    """The ``cache_salt`` of a prompt's first block, from its extra keys. vLLM builds a
+    block's extra keys as LoRA name, then multimodal keys, then (first block only) the
+    cache salt, then prompt-embedding hashes (``generate_block_hash_extra_keys`` in
+    ``vllm/v1/core/kv_cache_utils.py``): the salt is the last string after the LoRA
+    name. ``None`` when the event has no extra keys or no such string."""
+    if stored.parent_block_hash is not None or not stored.extra_keys:
+        return None
+    first = stored.extra_keys[0]
+    if not isinstance(first, list):
+        return None
+    keys = first[1:] if first and stored.lora_name is not None and first[0] == stored.lora_name else first
+    strings = [k for k in keys if isinstance(k, str)]
+    return strings[-1] if strings else None
+
+
+def token_only(stored: BlockStored, i: int) -> bool:
+    """Whether block ``i`` of ``stored`` is keyed by its tokens alone (plus LoRA name
+    and cache salt): no multimodal input or prompt embedding in its extra keys, so
+    that the gateway's token keys can name it."""
+    if not stored.extra_keys or i >= len(stored.extra_keys):
+        return True
+    keys = stored.extra_keys[i]
+    if keys is None:
+        return True
+    if not isinstance(keys, list):
+        return False
+    rest = keys[1:] if keys and stored.lora_name is not None and keys[0] == stored.lora_name else keys
+    if i == 0 and stored.parent_block_hash is None:
+        return all(isinstance(k, str) for k in rest) and len(rest) <= 1
+    return not rest
+
+
+OK, GAP, RESTART, DUPLICATE = "ok", "gap", "restart", "duplicate"
+
+
+@dataclass(slots=True)
+class SequenceTracker:
+    """A publisher's sequence numbers, one stream (one backend's data-parallel rank).
+
+    :meth:`observe` classifies each live message's ``seq``:
+
+    - ``ok``: the next one (or the first one seen);
+    - ``gap``: later than expected: ``expected`` .. ``seq - 1`` were missed (fill them
+      by replay, then :meth:`replayed`);
+    - ``duplicate``: already applied through a replay (the live socket queued it
+      meanwhile): skip it;
+    - ``restart``: lower than anything of this engine's run: the engine restarted (its
+      sequence starts at 0 again) with an empty cache.
+    """
+
+    expected: int | None = None
+    dup_floor: int | None = None  # seqs in [dup_floor, expected) came by replay
+    seen: int = field(default=0)
+
+    def observe(self, seq: int) -> str:
+        """Classify live ``seq`` and advance. Never raises."""
+        self.seen += 1
+        exp = self.expected
+        if exp is None or seq == exp:
+            self.expected = seq + 1
+            self.dup_floor = None
+            return OK
+        if seq > exp:
+            return GAP  # expected stays: the caller replays, then calls replayed() or reset_to()
+        if self.dup_floor is not None and seq >= self.dup_floor:
+            return DUPLICATE
+        self.expected = seq + 1
+        self.dup_floor = None
+        return RESTART
+
+    def replayed(self, start: int, through: int) -> None:
+        """Batches ``start`` .. ``through`` were applied from a replay."""
+        if self.dup_floor is None:
+            self.dup_floor = start
+        self.expected = max(self.expected or 0, through + 1)
+
+    def reset_to(self, seq: int) -> None:
+        """Continue from live ``seq`` (applied) after a gap that replay could not fill."""
+        self.expected = seq + 1
+        self.dup_floor = None
+
+
+@dataclass(slots=True)
+class KVEventStats:
+    """What one backend's events did (counters since the gateway started)."""
+
+    batches: int = 0  # payloads received
+    events: int = 0  # events decoded
+    decode_errors: int = 0  # undecodable payloads and events
+    ignored: int = 0  # decoded, not indexed: another medium, group or block size, or an unknown parent
+    gaps: int = 0  # sequence gaps seen
+    replays: int = 0  # gaps filled by replay
+    replay_failures: int = 0  # gaps replay could not fill (precise entries dropped)
+    restarts: int = 0  # sequence numbers went back: the engine restarted
+    clears: int = 0  # AllBlocksCleared
+    first_error: str = ""  # why the first undecodable payload or event was
+    groups: set[int] = field(default_factory=set)  # the full-attention KV-cache groups indexed
+    warned: set[str] = field(default_factory=set)  # the kinds of trouble logged once already
+
+
+_GPU = (None, "GPU")
+_FULL = (None, "full_attention")
+
+
+def apply_batch(index: PrefixIndex, backend: str, rank: int, batch: EventBatch, stats: KVEventStats) -> list[str]:
+    """Apply a decoded batch of ``backend``'s data-parallel ``rank`` to ``index`` (a
+    :class:`~routing.prefix_index.PrefixIndex`); returns the warnings worth logging
+    once (the kinds not yet in ``stats.warned``).
+
+    A ``BlockStored`` is indexed when it is on the GPU (``medium`` ``GPU`` or absent),
+    of a full-attention KV-cache group, in the backend's block size, and its parent's
+    key is known (or it has none): its keys are :func:`routing.estimate.token_block_keys`
+    of its ``token_ids`` chained from the parent's key, or from ``chain_seed(lora_name
+    or the backend's base model, cache_salt)`` for a prompt's first block; blocks with
+    multimodal or prompt-embedding extra keys (and what follows them) are not indexed."""
+    e = index.engine(backend)
+    warnings: list[str] = []
+
+    def warn(kind: str, msg: str) -> None:
+        if kind not in stats.warned:
+            stats.warned.add(kind)
+            warnings.append(msg)
+
+    stats.batches += 1
+    stats.events += len(batch.events)
+    if batch.undecodable:
+        stats.decode_errors += batch.undecodable
+        stats.first_error = stats.first_error or batch.first_error
+        warn("decode", f"{batch.undecodable} undecodable KV event(s) from {backend}: {batch.first_error}")
+    if e is None:
+        return warnings
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            if ev.medium not in _GPU or ev.kv_cache_spec_kind not in _FULL:
+                stats.ignored += 1
+                continue
+            group = ev.group_idx or 0
+            if group not in stats.groups:
+                if stats.groups and ev.kv_cache_spec_kind is None:
+                    stats.ignored += 1  # a second group of unknown kind: not the one indexed
+                    continue
+                stats.groups.add(group)
+            if ev.block_size != e.block_size:
+                stats.ignored += 1
+                warn("block_size", f"{backend} stores blocks of {ev.block_size} tokens, configured "
+                     f"kv_events.block_size is {e.block_size}: its events are not indexed")
+                continue
+            if ev.parent_block_hash is None:
+                seed = chain_seed(ev.lora_name or e.base_model, cache_salt_of(ev))
+            else:
+                seed = index.key_of(backend, rank, ev.parent_block_hash)
+                if seed is None:
+                    stats.ignored += 1
+                    continue
+            n = len(ev.block_hashes)
+            usable = next((i for i in range(n) if not token_only(ev, i)), n)
+            if usable < n:
+                stats.ignored += 1
+            if usable:
+                keys = token_block_keys(ev.token_ids[:usable * ev.block_size], ev.block_size, seed)
+                index.store(backend, rank, ev.block_hashes[:usable], keys)
+            e.live = True
+        elif isinstance(ev, BlockRemoved):
+            if ev.medium not in _GPU or (ev.group_idx or 0) not in (stats.groups or {0}):
+                stats.ignored += 1
+                continue
+            index.remove(backend, rank, ev.block_hashes)
+        else:
+            stats.clears += 1
+            index.clear_precise(backend, rank)
+            e.live = True
+    return warnings
