@@ -115,6 +115,8 @@ def _lifecycle(backend_urls: dict[str, str]):
                 for t in pending:
                     log.warning("background task %s did not stop within 5 s of its cancel", t.get_name())
             await state.store.stop()
+            if state.kv_events is not None:
+                await state.kv_events.stop()
             if state.limiter_sync is not None:
                 await state.limiter_sync.stop()
             if state.usage_sync is not None:

@@ -95,6 +95,59 @@ class SpeedHints(_Strict):
         "backend); learned from the engine's `/metrics` when it exports it.")
 
 
+class KVEvents(_Strict):
+    """Where a backend's engine publishes its KV-cache events (vLLM's
+    ``--kv-events-config``; SGLang, LMCache and TensorRT-LLM publish the same
+    format). The gateway subscribes to them itself: its prefix index then knows what
+    the engine holds (``evidence=precise`` in ``x-turbo-route``) for requests whose
+    token ids are known; see docs/architecture.md, "The precise prefix index"."""
+
+    endpoint: str = Field(
+        description="The engine's ZMQ PUB address as the gateway reaches it, e.g. `tcp://10.0.0.11:5557` "
+        "(the engine binds `tcp://*:5557`; give its host here).")
+    replay_endpoint: str | None = Field(
+        None, description="The engine's replay (ROUTER) address, e.g. `tcp://10.0.0.11:5558`: a gap in the "
+        "sequence numbers (a dropped message, a late start) is filled from it. Unset: a gap drops this "
+        "backend's precise entries.")
+    topic: str = Field("", description="The engine's `topic` (a prefix of the first frame to subscribe to).")
+    block_size: int = Field(
+        16, ge=1, le=4096, description="The engine's KV block size in tokens (vLLM `--block-size`; 16 by "
+        "default): the blocks its events describe.")
+    data_parallel_size: int = Field(
+        1, ge=1, le=256, description="Data-parallel ranks of the engine: rank `r` publishes on the endpoint's "
+        "port + `r` (and replays on the replay port + `r`).")
+    base_model: str | None = Field(
+        None, description="The model name the engine's blocks without a LoRA adapter belong to; unset: the "
+        "backend's first `models` entry. A LoRA adapter's blocks belong to the adapter's name.")
+    replay_timeout_s: float = Field(
+        1.0, gt=0, description="A replay that sends nothing for this long has failed.")
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not (v.startswith("tcp://") or v.startswith("ipc://")):
+            raise ValueError("must be a ZMQ address starting with tcp:// or ipc://")
+        if "*" in v:
+            raise ValueError("give the engine's host, not the `*` it binds to")
+        if v.startswith("tcp://"):
+            port = v.rpartition(":")[2]
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("a tcp:// address needs a port, e.g. tcp://10.0.0.11:5557")
+        return v
+
+    @model_validator(mode="after")
+    def _ranks_need_ports(self) -> "KVEvents":
+        if self.data_parallel_size > 1:
+            for v in (self.endpoint, self.replay_endpoint):
+                if v is not None and not v.startswith("tcp://"):
+                    raise ValueError("data_parallel_size > 1 needs tcp:// addresses (rank r publishes on port + r)")
+                if v is not None and int(v.rpartition(":")[2]) + self.data_parallel_size > 65536:
+                    raise ValueError("port + data_parallel_size passes 65535")
+        return self
+
+
 class Backend(_Strict):
     """One upstream OpenAI-compatible server.
 
@@ -128,6 +181,9 @@ class Backend(_Strict):
     timeouts: TimeoutOverrides = Field(
         TimeoutOverrides(), description="Per-backend overrides of any `timeouts` field.")
     health_path: str | None = Field(None, description="This backend's health-check path; unset: `health.path`.")
+    kv_events: KVEvents | None = Field(
+        None, description="Subscribe to this backend's KV-cache events (ZMQ, vLLM format) for a precise prefix "
+        "index. Unset: its prefix entries stay approximate.")
     simulate: dict[str, Any] | None = Field(
         None, description="Instead of `url`: a demo backend that the gateway starts itself on a free loopback "
         "port (`python -m loadtest.sim`). Takes the simulator's backend spec fields: `profile` (`demo`, "
@@ -275,6 +331,10 @@ class Routing(_Strict):
     prefix_index_max_blocks: int = Field(
         2_000_000, ge=1000, description="Memory bound of the prefix index (about 100 bytes a block). "
         "Changing it needs a restart.")
+    speculative_s: float = Field(
+        5.0, ge=0, le=600, description="For backends with `kv_events`: a prefix block recorded when a request is "
+        "dispatched counts as held (`evidence=speculative`) for this long unless the engine's event confirms it "
+        "(then `precise`); 0: only engine-confirmed blocks count.")
     long_prompt_tokens: int = Field(
         8192, ge=1, description="A request with more uncached prompt tokens than this goes to a `prefill` "
         "pool when one exists (with a `decode` pool too, it runs the disaggregated two-step flow).")

@@ -127,7 +127,8 @@ def Histogram(name: str, documentation: str, labelnames: Sequence[str], buckets:
 
 
 class _FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None) -> None:
+    def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None,
+                 kv_stats: dict | None = None) -> None:
         self.fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -212,11 +213,57 @@ class _StoreCollector(Collector):
         yield from (up, lag, calls, errors, replicas, blocks, applied)
 
 
+class _KVEventsCollector(Collector):
+    """The engines' KV events and the token-exact prefix entries they keep, per
+    backend with ``kv_events``, read at scrape time."""
+
+    COUNTERS = (
+        ("batches", "turbo_gateway_kv_events_batches", "KV-event messages received from the engine"),
+        ("events", "turbo_gateway_kv_events", "KV events decoded (BlockStored, BlockRemoved, AllBlocksCleared)"),
+        ("decode_errors", "turbo_gateway_kv_events_decode_errors", "KV-event payloads and events that could not be "
+         "decoded (skipped)"),
+        ("ignored", "turbo_gateway_kv_events_ignored", "KV events decoded but not indexed: another medium, KV-cache "
+         "group or block size, an unknown parent block, multimodal blocks"),
+        ("gaps", "turbo_gateway_kv_events_gaps", "Gaps in the engine's sequence numbers"),
+        ("restarts", "turbo_gateway_kv_events_restarts", "Engine restarts seen in the sequence numbers (precise "
+         "entries dropped)"),
+        ("clears", "turbo_gateway_kv_events_cleared", "AllBlocksCleared events (precise entries dropped)"),
+    )
+
+    def __init__(self, kv_stats: dict, index: PrefixIndex) -> None:
+        self.kv_stats = kv_stats
+        self.index = index
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        families = [(attr, CounterMetricFamily(name, doc, labels=["backend"])) for attr, name, doc in self.COUNTERS]
+        replays = CounterMetricFamily("turbo_gateway_kv_events_replays", "Gaps in the engine's sequence numbers, by "
+                                      "whether its replay filled them (failed: precise entries dropped)",
+                                      labels=["backend", "outcome"])
+        live = GaugeMetricFamily("turbo_gateway_kv_events_live", "1 while the backend's events decide its prefix "
+                                 "lookups (0: approximate, e.g. after a gap replay could not fill)", labels=["backend"])
+        blocks = GaugeMetricFamily("turbo_gateway_prefix_blocks", "Token-exact prefix blocks a backend holds, by "
+                                   "evidence (precise: confirmed by the engine; speculative: dispatched, not yet "
+                                   "confirmed)", labels=["backend", "evidence"])
+        for name, st in list(self.kv_stats.items()):
+            for attr, fam in families:
+                fam.add_metric([name], getattr(st, attr))
+            replays.add_metric([name, "filled"], st.replays)
+            replays.add_metric([name, "failed"], st.replay_failures)
+            e = self.index.engine(name)
+            live.add_metric([name], 1.0 if e is not None and e.live else 0.0)
+            precise, speculative = self.index.counts(name)
+            blocks.add_metric([name, "precise"], precise)
+            blocks.add_metric([name, "speculative"], speculative)
+        yield from (fam for _, fam in families)
+        yield from (replays, live, blocks)
+
+
 class GatewayMetrics:
     """All metric families of the gateway. Label values are cached per
     (model, backend) by prometheus_client itself."""
 
-    def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None) -> None:
+    def __init__(self, fleet: Fleet, store=None, index: PrefixIndex | None = None,
+                 kv_stats: dict | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple, object] = {}
         self.build_info = Gauge("turbo_gateway_build_info", "Always 1; the labels say the version and routing policy",
@@ -252,6 +299,16 @@ class GatewayMetrics:
                                   "counts in this process): kind prompt, cached_prompt (of the prompt tokens, those "
                                   "served from the prefix cache) or completion",
                                   ["key_name", "model", "kind"], registry=r)
+        self.prefix_predicted_tokens = Counter(
+            "turbo_gateway_prefix_predicted_tokens",
+            "Prompt tokens the prefix index predicted cached on the chosen backend, by the evidence behind the "
+            "prediction (precise, speculative, approximate); counted for responses that report cached_tokens",
+            ["evidence"], registry=r)
+        self.prefix_reported_tokens = Counter(
+            "turbo_gateway_prefix_reported_cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens of the same responses, by the evidence behind the "
+            "prediction: beside turbo_gateway_prefix_predicted_tokens, how right each kind of evidence is",
+            ["evidence"], registry=r)
         self.disaggregated = Counter("turbo_gateway_disaggregated",
                                      "Requests planned for disaggregated prefill/decode, by outcome of the prefill leg "
                                      "(ok, or fallback: served by a decode or mixed backend that recomputed the prompt)",
@@ -281,6 +338,8 @@ class GatewayMetrics:
         r.register(_FleetCollector(fleet))
         if store is not None and index is not None:
             r.register(_StoreCollector(store, index))
+        if kv_stats is not None and index is not None:
+            r.register(_KVEventsCollector(kv_stats, index))
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, cached: the request path asks for the same few

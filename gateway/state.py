@@ -4,7 +4,8 @@
 :func:`configure` applies a config to it, at startup and on every reload, in one
 synchronous step (no request sees half of it): the decision core's fleet and policy,
 retries, keys and limits, admission, breakers, and, once the event loop runs and
-:func:`connect` has made them, the backends' clients, health checks and scraping.
+:func:`connect` has made them, the backends' clients, health checks, scraping and
+KV-event subscriptions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gateway.admission import AdmissionControl
 from gateway.auth import KeyRing
 from gateway.config import Backend, GatewayConfig
 from gateway.health import HealthChecker
+from gateway.kv_events import KVEventSubscribers
 from gateway.limits import Limiter, LimiterSync
 from gateway.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
 from gateway.pipeline.relay import KeepAlives
@@ -55,6 +57,7 @@ class GatewayState:
     limiter_sync: LimiterSync | None = None
     usage: UsageLedger = field(default_factory=UsageLedger)  # the usage ledger's counts (gateway.usage)
     usage_sync: UsageSync | None = None  # flushes them to Redis when state.url is set
+    kv_events: KVEventSubscribers | None = None  # the engines' KV-event subscribers, made by connect()
     batch_gate: Any = None  # gateway.batch.admission.BatchGate when batch is enabled
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read
@@ -84,7 +87,9 @@ def backend_specs(cfg: GatewayConfig) -> list[BackendSpec]:
     """The config's backends as the decision core takes them."""
     roles = {p.name: p.role for p in cfg.pools}
     return [BackendSpec(b.name, frozenset(b.models), b.pool, b.weight, roles[b.pool], b.hints.prefill_tokens_per_s,
-                        b.hints.decode_tokens_per_s, b.hints.kv_capacity_tokens) for b in cfg.backends]
+                        b.hints.decode_tokens_per_s, b.hints.kv_capacity_tokens,
+                        b.kv_events.block_size if b.kv_events else None,
+                        (b.kv_events.base_model or b.models[0]) if b.kv_events else "") for b in cfg.backends]
 
 
 def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
@@ -107,8 +112,8 @@ def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str
     store = StoreSettings(st.url, st.namespace, st.staleness_s, st.lease_s, st.timeout_s, st.prefix_stream_maxlen,
                           st.cluster) if st.url else None
     core = DecisionCore([], r.policy, block_tokens=r.block_tokens, prefix_ttl_s=r.prefix_ttl_s,
-                        prefix_index_max_blocks=r.prefix_index_max_blocks, store=store)
-    metrics = GatewayMetrics(core.fleet, core.store, core.index)
+                        prefix_index_max_blocks=r.prefix_index_max_blocks, store=store, speculative_s=r.speculative_s)
+    metrics = GatewayMetrics(core.fleet, core.store, core.index, core.kv_stats)
     metrics.build_info.labels(version, r.policy).set(1)
     state = GatewayState(cfg, core, metrics, Limiter(), AdmissionControl(cfg.admission, core.fleet),
                          config_path=config_path)
@@ -126,6 +131,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     backend names."""
     core = state.core
     core.apply(backend_specs(cfg), cfg.routing.policy, canary_splits(cfg), model_tokenizers(cfg))
+    core.index.speculative_s = cfg.routing.speculative_s
     b = cfg.breaker
     for backend in core.fleet.backends.values():
         backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)
@@ -138,6 +144,8 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     retired = _connect(state, cfg) if state.clients else []
     if state.health is not None:
         _configure_health(state.health, state, cfg)
+    if state.kv_events is not None:
+        state.kv_events.configure(cfg)
     if state.scraper is not None:
         state.scraper.interval_s = cfg.routing.scrape_interval_s or state.scraper.interval_s
         for backend in core.fleet.backends.values():
@@ -191,7 +199,8 @@ def _configure_health(h: HealthChecker, state: GatewayState, cfg: GatewayConfig)
 
 def connect(state: GatewayState, urls: dict[str, str]) -> None:
     """Inside the running loop: the backends' clients (``urls`` overrides backends'
-    base URLs by name), their health checker and, when configured, the scraper."""
+    base URLs by name), their health checker, when configured the scraper, and the
+    subscriptions to the engines' KV events (started at once)."""
     state.loop = asyncio.get_running_loop()
     state.keepalives = KeepAlives(state.loop)
     state.urls = dict(urls)
@@ -201,6 +210,8 @@ def connect(state: GatewayState, urls: dict[str, str]) -> None:
     _configure_health(state.health, state, cfg)
     if cfg.routing.scrape_interval_s > 0:
         state.scraper = MetricsScraper(state.core, state.clients, cfg.routing.scrape_interval_s)
+    state.kv_events = KVEventSubscribers(state.core)
+    state.kv_events.configure(cfg)
 
 
 def limiter_sync(state: GatewayState) -> LimiterSync | None:

@@ -348,6 +348,13 @@ class DecisionCore:
             log.warning("KV events of %s (rank %d) lost a gap that replay could not fill: its precise prefix "
                         "entries were dropped (logged once)", backend, rank)
 
+    def kv_event_reset(self, backend: str) -> None:
+        """``backend``'s subscription changed (maybe to another engine): its precise
+        entries go and its lookups are approximate until it stores again."""
+        if backend in self.kv_stats:
+            self.index.clear_precise(backend)
+            self.index.set_live(backend, False)
+
     def kv_event_restart(self, backend: str, rank: int) -> None:
         """``backend``'s ``rank`` restarted (its sequence numbers went back): its cache
         is empty, so are its precise entries of that rank."""

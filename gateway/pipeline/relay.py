@@ -190,12 +190,13 @@ class StreamRelay:
 
 
 def route_header(decision: Decision, fallback: str = "", fallback_reason: str = "") -> str:
-    """The explanation header: policy, backend, reason, matched prefix tokens, the
+    """The explanation header: policy, backend, reason, matched prefix tokens and the
+    kind of evidence behind them (``precise``, ``speculative`` or ``approximate``), the
     estimate that decided (when the policy made one) and, for a request served by a
     fallback model, that model and the failure that sent it there."""
     d = decision.detail
     parts = [f"policy={decision.policy}", f"backend={decision.backend.name}", f"reason={decision.reason}",
-             f"matched_tokens={int(d.get('matched_tokens', 0))}"]
+             f"matched_tokens={int(d.get('matched_tokens', 0))}", f"evidence={decision.evidence}"]
     if "ttft_est_s" in d:
         parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
     if "metrics_stale" in d:

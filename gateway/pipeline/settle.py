@@ -105,8 +105,12 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
             cached = max(details["cached_tokens"], 0)
             m.child(m.cached_tokens, model).inc(cached)
             if ex.decision is not None:
-                m.child(m.predicted_cached_tokens, model).inc(ex.decision.detail.get("matched_tokens", 0))
+                predicted = ex.decision.detail.get("matched_tokens", 0)
+                m.child(m.predicted_cached_tokens, model).inc(predicted)
                 m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
+                evidence = ex.decision.evidence
+                m.child(m.prefix_predicted_tokens, evidence).inc(predicted)
+                m.child(m.prefix_reported_tokens, evidence).inc(details["cached_tokens"])
     if completion:
         s.completion_tokens.inc(completion)
     est = ex.estimate

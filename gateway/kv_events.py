@@ -1,0 +1,218 @@
+"""Subscriptions to the engines' KV-cache events (ZMQ, vLLM's format).
+
+For every backend with ``kv_events`` in the config and every data-parallel rank of it
+(rank ``r`` publishes on the endpoint's port + ``r``, as vLLM's
+``ZmqEventPublisher.offset_endpoint_port`` places it), one task of the gateway's own
+event loop reads a pyzmq asyncio SUB socket: multipart messages ``[topic, seq
+(8-byte big-endian), payload]``. No thread of ours; libzmq's I/O thread queues what
+arrives while the loop is busy.
+
+Sequence numbers are checked (:class:`routing.core.SequenceTracker`):
+
+- a gap (``seq`` later than the next expected) is filled from the engine's replay
+  socket: vLLM's ROUTER takes the start seq as 8 bytes big-endian and answers
+  ``[seq, payload]`` for each buffered batch from there, then ``seq = -1`` with an
+  empty payload. We speak it from a DEALER with REQ's empty delimiter frame (a REQ
+  socket accepts one reply per request; the ROUTER sends many). When the replay
+  does not start at the missing seq (its buffer moved on), fails or sends nothing
+  for ``replay_timeout_s``, the backend's precise entries of that rank are dropped
+  and its lookups fall back to approximate until it stores again;
+- the first message of a subscription asks for a replay from 0, so that a gateway
+  started after the engine learns what the engine's buffer still holds (whatever the
+  replay cannot give is simply not known: nothing to drop);
+- a ``seq`` lower than this engine run's (vLLM counts from 0 at start) is an engine
+  restart: that rank's precise entries are dropped;
+- replayed batches that the live socket delivers again are skipped.
+
+Payloads go to the decision core (:meth:`routing.core.DecisionCore.kv_event_batch`),
+which decodes them and updates the prefix index; a bad payload is counted there,
+never raised here. :class:`KVEventSubscribers` follows the config: started by
+:func:`gateway.state.connect`, changed by every reload, stopped at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from gateway.config import GatewayConfig, KVEvents
+from routing.core import DUPLICATE, GAP, OK, RESTART, DecisionCore, SequenceTracker
+
+log = logging.getLogger("gateway.kv_events")
+
+END_SEQ = -1
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """``endpoint`` with its port moved up by ``rank`` (``tcp://h:5557``, 2 ->
+    ``tcp://h:5559``); rank 0 and ``ipc://`` addresses are unchanged."""
+    if rank == 0 or not endpoint.startswith("tcp://"):
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
+
+
+class RankSubscriber:
+    """One data-parallel rank of one backend: its SUB socket, its sequence numbers,
+    its replays. :meth:`run` until cancelled."""
+
+    def __init__(self, core: DecisionCore, ctx: zmq.asyncio.Context, backend: str, rank: int, spec: KVEvents) -> None:
+        self.core = core
+        self.ctx = ctx
+        self.backend = backend
+        self.rank = rank
+        self.endpoint = rank_endpoint(spec.endpoint, rank)
+        self.replay_endpoint = rank_endpoint(spec.replay_endpoint, rank) if spec.replay_endpoint else None
+        self.topic = spec.topic.encode()
+        self.replay_timeout_s = spec.replay_timeout_s
+        self.tracker = SequenceTracker()
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        log.info("subscribed to the KV events of %s (rank %d) at %s", self.backend, self.rank, self.endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) == 3:
+                    await self.on_live(frames[1], frames[2])
+                else:  # not [topic, seq, payload]: counted as undecodable
+                    self.core.kv_event_batch(self.backend, self.rank, b"")
+        finally:
+            sub.close(linger=0)
+
+    async def on_live(self, seq_bytes: bytes, payload: bytes) -> None:
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        first = self.tracker.expected is None
+        verdict = self.tracker.observe(seq)
+        if verdict == DUPLICATE:
+            return
+        if verdict == RESTART:
+            log.info("KV events of %s (rank %d) restarted at seq %d: its precise entries are dropped",
+                     self.backend, self.rank, seq)
+            self.core.kv_event_restart(self.backend, self.rank)
+        elif verdict == GAP or (first and seq > 0 and self.replay_endpoint is not None):
+            start = 0 if first else self.tracker.expected
+            assert start is not None
+            if await self.fill(start, seq, initial=first):
+                return  # the replay brought seq itself too, or it was applied after it
+        self.core.kv_event_batch(self.backend, self.rank, payload)
+        if verdict == GAP:
+            self.tracker.reset_to(seq)
+
+    async def fill(self, start: int, live_seq: int, *, initial: bool) -> bool:
+        """Replay from ``start`` and apply it. For a gap, the replay must cover
+        ``start`` .. ``live_seq - 1`` without a hole (else the rank's precise entries
+        are dropped); for a new subscription's catch-up (``initial``), the longest run
+        without a hole that ends just before ``live_seq`` is applied (an earlier part
+        after a hole could hold a store whose removal is in the hole). Returns whether
+        ``live_seq`` itself was applied."""
+        batches = await self.replay(start) if self.replay_endpoint is not None else None
+        batches = batches or []
+        if initial:
+            run: list[tuple[int, bytes]] = []
+            for s, payload in reversed([b for b in batches if b[0] < live_seq]):
+                if s != live_seq - 1 - len(run):
+                    break
+                run.append((s, payload))
+            run.reverse()
+        else:
+            run = []
+            for s, payload in batches:
+                if s != start + len(run):
+                    break
+                run.append((s, payload))
+            filled = bool(run) and run[-1][0] >= live_seq - 1
+            self.core.kv_event_gap(self.backend, self.rank, filled)
+            if not filled:
+                return False
+        for _, payload in run:
+            self.core.kv_event_batch(self.backend, self.rank, payload)
+        if not run:
+            return False
+        self.tracker.replayed(run[0][0], run[-1][0])
+        return run[-1][0] >= live_seq
+
+    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The batches the engine's replay socket holds from ``start`` on, in order, or
+        ``None`` when the replay failed (no answer within ``replay_timeout_s``)."""
+        assert self.replay_endpoint is not None
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+            out: list[tuple[int, bytes]] = []
+            while True:
+                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
+                    log.warning("the KV-event replay of %s (rank %d) from %s sent nothing for %.1f s",
+                                self.backend, self.rank, self.replay_endpoint, self.replay_timeout_s)
+                    return None
+                frames = await dealer.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != 8:
+                    return None
+                s = int.from_bytes(frames[0], "big", signed=True)
+                if s == END_SEQ:
+                    out.sort(key=lambda sp: sp[0])
+                    return out
+                if s >= start:
+                    out.append((s, frames[1]))
+        finally:
+            dealer.close(linger=0)
+
+
+class KVEventSubscribers:
+    """Every backend's subscriptions, following the config (:meth:`configure`)."""
+
+    def __init__(self, core: DecisionCore) -> None:
+        self.core = core
+        self.ctx = zmq.asyncio.Context()
+        self.running: dict[str, tuple[KVEvents, list[asyncio.Task]]] = {}
+
+    def configure(self, cfg: GatewayConfig) -> None:
+        """Start the subscriptions of new or changed ``kv_events`` and stop the ones
+        gone, in the running loop (synchronously). A backend whose subscription
+        changes forgets its precise entries: the new address may be another engine."""
+        wanted = {b.name: b.kv_events for b in cfg.backends if b.kv_events is not None}
+        for name in list(self.running):
+            spec, tasks = self.running[name]
+            if wanted.get(name) != spec:
+                for t in tasks:
+                    t.cancel()
+                del self.running[name]
+                if name in wanted:
+                    self.core.kv_event_reset(name)
+        for name, spec in wanted.items():
+            if name in self.running:
+                continue
+            tasks = [asyncio.create_task(self._run(RankSubscriber(self.core, self.ctx, name, r, spec)),
+                                         name=f"kv-events-{name}-{r}")
+                     for r in range(spec.data_parallel_size)]
+            self.running[name] = (spec, tasks)
+
+    async def _run(self, sub: RankSubscriber) -> None:
+        try:
+            await sub.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not end the subscription silently
+            log.exception("the KV-event subscription of %s (rank %d) failed", sub.backend, sub.rank)
+            raise
+
+    async def stop(self) -> None:
+        """Cancel every subscription, wait for them (bounded), close the context."""
+        tasks = [t for _, ts in self.running.values() for t in ts]
+        self.running.clear()
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        self.ctx.term()
