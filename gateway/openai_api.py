@@ -159,6 +159,19 @@ def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any]) -
                          salt if isinstance(salt, str) else None)
 
 
+def prompt_token_ids(data: dict[str, Any]) -> list[int] | None:
+    """A completions request's prompt when it is given as token ids (one flat array
+    of ints in ``[0, 2**32)``, the OpenAI ``prompt`` form an engine takes as is), else
+    ``None``: the token ids the engine will see, with no tokenizer needed."""
+    prompt = data.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    for t in prompt:
+        if type(t) is not int or not 0 <= t < 2**32:
+            return None
+    return prompt
+
+
 def models_list(models: list[str], created: int) -> dict[str, Any]:
     """The ``GET /v1/models`` body (OpenAI list format)."""
     return {"object": "list",

@@ -245,6 +245,11 @@ class DecisionCore:
             self.set_token_keys(req, cache_salt)
         return est, req
 
+    def wants_token_ids(self, model: str) -> bool:
+        """Whether a backend of ``model`` publishes KV events (its requests' token ids,
+        when known, make token-exact prefix keys); ``False`` costs a request nothing."""
+        return model in self.router.event_backends
+
     def set_token_keys(self, req: RouteRequest, cache_salt: str | None = None) -> None:
         """Fill ``req.token_keys`` from ``req.token_ids`` for the block sizes of the
         backends of ``req.model`` that publish KV events (nothing when none does),

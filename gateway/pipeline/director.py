@@ -38,7 +38,8 @@ from gateway.errors import (
     UpstreamError,
     error_body,
 )
-from gateway.openai_api import ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object
+from gateway.openai_api import (ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object,
+                                prompt_token_ids)
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
 from gateway.pipeline.relay import KeepAlives, StreamScan, close_comment
@@ -234,9 +235,14 @@ async def _token_ids(state: GatewayState, ex: Exchange) -> Sequence[int] | None:
     """The prompt's token ids by ``ex.model``'s own tokenizer, or ``None`` (no
     tokenizer, or a prompt it cannot reproduce). A long encoding runs in the loop's
     default executor (``tokenizers`` releases the GIL), so other requests go on
-    meanwhile; the prefix cache makes a conversation's next turn short."""
-    tz = state.core.tokenization(ex.model, ex.parsed.endpoint, ex.data or ex.parsed.data)
+    meanwhile; the prefix cache makes a conversation's next turn short. Without a
+    tokenizer, a completions prompt given as token ids is taken as it is when a
+    backend of the model publishes KV events (its token-exact keys need them)."""
+    data = ex.data or ex.parsed.data
+    tz = state.core.tokenization(ex.model, ex.parsed.endpoint, data)
     if tz is None:
+        if ex.parsed.endpoint == "completions" and state.core.wants_token_ids(ex.model):
+            return prompt_token_ids(data)
         return None
     if tz.offload:
         await state.loop.run_in_executor(None, tz.encode)
