@@ -7,6 +7,8 @@ the faults: drop a message, forget the buffer's head, restart with seq 0."""
 from __future__ import annotations
 
 import asyncio
+import random
+import socket
 from collections import deque
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
@@ -18,16 +20,17 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class KVPublisher:
-    def __init__(self, ctx: zmq.asyncio.Context, topic: str = "kv-events", buffer_steps: int = 10_000) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, topic: str = "kv-events", buffer_steps: int = 10_000,
+                 ports: tuple[int, int] | None = None) -> None:
         self.ctx = ctx
         self.topic = topic.encode()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind("tcp://127.0.0.1:*")
+        self.pub.bind(f"tcp://127.0.0.1:{ports[0] if ports else '*'}")
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind("tcp://127.0.0.1:*")
+        self.router.bind(f"tcp://127.0.0.1:{ports[1] if ports else '*'}")
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
@@ -90,6 +93,41 @@ async def kv_publisher(topic: str = "kv-events") -> AsyncIterator[KVPublisher]:
         yield p
     finally:
         await p.close()
+        ctx.term()
+
+
+def _port_pair_free(port: int) -> bool:
+    for p in (port, port + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                return False
+    return True
+
+
+@asynccontextmanager
+async def ranked_publishers(ranks: int, topic: str = "kv-events") -> AsyncIterator[list[KVPublisher]]:
+    """``ranks`` publishers as a data-parallel engine places them: rank ``r`` on the
+    PUB port + ``r`` and the replay port + ``r``."""
+    ctx = zmq.asyncio.Context()
+    pubs: list[KVPublisher] = []
+    try:
+        for _ in range(50):  # two free consecutive loopback ports, bounded search
+            base = random.randrange(20000, 60000, 2 * ranks)
+            if all(_port_pair_free(base + 2 * r) for r in range(ranks)):
+                break
+        else:
+            raise AssertionError("no free loopback ports")
+        for r in range(ranks):
+            # PUB ports base, base+1, ...; replay ports base+ranks, base+ranks+1, ...
+            p = KVPublisher(ctx, topic, ports=(base + r, base + ranks + r))
+            p.start()
+            pubs.append(p)
+        yield pubs
+    finally:
+        for p in pubs:
+            await p.close()
         ctx.term()
 
 

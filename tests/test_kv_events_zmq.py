@@ -16,7 +16,7 @@ from aiohttp import web
 from gateway.reload import apply_config
 from routing.estimate import chain_seed, token_block_keys
 from tests.kv_payloads import batch, cleared, removed, stored
-from tests.kv_publisher import KVPublisher, kv_publisher, publish_until
+from tests.kv_publisher import KVPublisher, kv_publisher, publish_until, ranked_publishers
 from tests.servers import ScriptedBackend, completion_body, gateway_config, running_gateway, wait_until
 
 BS = 16
@@ -242,3 +242,24 @@ async def test_reload_starts_changes_and_stops_subscriptions():
         apply_config(gw.app, config({"a": (a.url, None)}))
         assert subs.running == {} and gw.state.core.index.engine("a") is None
         await wait_until(lambda: all(t.done() for t in old))
+
+
+async def test_data_parallel_ranks_publish_on_port_plus_rank():
+    async with AsyncExitStack() as st:
+        a = await st.enter_async_context(ScriptedBackend().running())
+        ranks = await st.enter_async_context(ranked_publishers(2))
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": [MODEL],
+                               "kv_events": {**kv(ranks[0]), "data_parallel_size": 2}}],
+                             routing={"policy": "estimated_ttft"})
+        gw = await st.enter_async_context(running_gateway(cfg))
+        assert [t.get_name() for t in gw.state.kv_events.running["a"][1]] == ["kv-events-a-0", "kv-events-a-1"]
+        for r, pub in enumerate(ranks):
+            await connected(gw, pub, "a")
+            await pub.publish(batch([stored([100 + r], None, PREFIX[:16], BS)], rank=r))
+        index = gw.state.core.index
+        await wait_until(lambda: all(index.key_of("a", r, 100 + r) is not None for r in (0, 1)))
+        assert index.counts("a") == (1, 0)  # one block, held by both ranks
+        await ranks[1].publish(batch([removed([101])], rank=1))
+        await wait_until(lambda: index.key_of("a", 1, 101) is None)
+        _, h, _ = await complete(gw, PREFIX[:16] + [1, 2])
+        assert (route(h)["evidence"], route(h)["matched_tokens"]) == ("precise", "16")  # rank 0 still holds it
