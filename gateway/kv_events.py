@@ -208,11 +208,12 @@ class KVEventSubscribers:
             raise
 
     async def stop(self) -> None:
-        """Cancel every subscription, wait for them (bounded), close the context."""
+        """Cancel every subscription, wait for them (bounded), then close whatever
+        socket is left and the context (never blocking on unsent messages)."""
         tasks = [t for _, ts in self.running.values() for t in ts]
         self.running.clear()
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)

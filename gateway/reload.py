@@ -11,6 +11,9 @@ is applied **in place**, in one synchronous step (no request can see half of it)
   routing and the prefix index at once and finish what they carry;
 - a backend whose URL, timeouts or key changed gets a new connection pool; the old
   pool is closed once its requests are done (at most ``timeouts.total_s`` later);
+- a backend whose ``kv_events`` changed is subscribed anew (its precise prefix entries
+  are forgotten: the new address may be another engine); one whose ``kv_events`` went
+  away is unsubscribed and its lookups are approximate again;
 - the routing policy, retries, timeouts, health checks, breaker settings, body limit,
   client keys and their limits, admission settings and the admin key take effect for
   the next request; requests in flight finish under the settings they started with.

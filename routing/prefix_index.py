@@ -116,12 +116,16 @@ class PrefixIndex:
         if self.size > self.max_blocks:
             self._evict_global()
 
-    def _drop(self, backend: str, h: int) -> None:
-        o = self.owners.get(h)
+    @staticmethod
+    def _disown(owners: dict[int, dict[str, float]], key: int, backend: str) -> None:
+        o = owners.get(key)
         if o is not None:
             o.pop(backend, None)
             if not o:
-                del self.owners[h]
+                del owners[key]
+
+    def _drop(self, backend: str, h: int) -> None:
+        self._disown(self.owners, h, backend)
         self.size -= 1
 
     def _evict(self, backend: str, b: _BackendBlocks) -> None:
@@ -158,10 +162,7 @@ class PrefixIndex:
         Its KV-event settings stay (:meth:`set_engine`), its token entries go."""
         e = self.engines.get(backend)
         if e is not None:
-            self.clear_precise(backend)
-            for key in list(e.speculative):
-                self._drop_token(backend, key)
-            e.speculative.clear()
+            self._forget_tokens(backend, e)
         b = self.backends.pop(backend, None)
         if b is None:
             return
@@ -204,9 +205,7 @@ class PrefixIndex:
         block size drops its token entries."""
         e = self.engines.get(backend)
         if e is not None and (block_size is None or e.block_size != block_size):
-            self.clear_precise(backend)
-            for key in list(e.speculative):
-                self._drop_token(backend, key)
+            self._forget_tokens(backend, e)
             del self.engines[backend]
             e = None
         if block_size is None:
@@ -228,11 +227,13 @@ class PrefixIndex:
         return self.engines.get(backend)
 
     def _drop_token(self, backend: str, key: int) -> None:
-        o = self.token_owners.get(key)
-        if o is not None:
-            o.pop(backend, None)
-            if not o:
-                del self.token_owners[key]
+        self._disown(self.token_owners, key, backend)
+
+    def _forget_tokens(self, backend: str, e: _EngineBlocks) -> None:
+        self.clear_precise(backend)
+        for key in e.speculative:
+            self._drop_token(backend, key)
+        e.speculative.clear()
 
     def record_speculative(self, backend: str, keys: tuple[int, ...], now: float) -> None:
         """``backend`` was sent a prompt whose blocks are ``keys`` at ``now`` (s): each

@@ -32,6 +32,11 @@ keep flowing on local state, and the loop keeps retrying; when Redis answers aga
 replica republishes and re-reads the stream from its cursor (or from the start when
 the stream was trimmed past it).
 
+Token-exact prefix entries (backends with KV events) are not shared: every replica
+subscribes to the engines' events itself (a ZMQ PUB socket serves any number of
+subscribers), so each holds the same engine-confirmed view with no Redis round trip;
+dispatches reach the other replicas as approximate blocks through the stream above.
+
 Why a snapshot per replica and a stream, rather than per-request deltas: snapshots
 make crash-safety a key expiry and need no reconciliation; the stream gives late
 starters the recent prefix placement and every replica the blocks in arrival order.
