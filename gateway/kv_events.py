@@ -21,7 +21,8 @@ Sequence numbers are checked (:class:`routing.core.SequenceTracker`):
   started after the engine learns what the engine's buffer still holds (whatever the
   replay cannot give is simply not known: nothing to drop);
 - a ``seq`` lower than this engine run's (vLLM counts from 0 at start) is an engine
-  restart: that rank's precise entries are dropped;
+  restart: that rank's precise entries are dropped, and the new run's earlier messages
+  are asked for as on a first message;
 - replayed batches that the live socket delivers again are skipped.
 
 Payloads go to the decision core (:meth:`routing.core.DecisionCore.kv_event_batch`),
@@ -89,7 +90,7 @@ class RankSubscriber:
 
     async def on_live(self, seq_bytes: bytes, payload: bytes) -> None:
         seq = int.from_bytes(seq_bytes, "big", signed=True)
-        first = self.tracker.expected is None
+        catch_up = self.tracker.expected is None  # a new subscription
         verdict = self.tracker.observe(seq)
         if verdict == DUPLICATE:
             return
@@ -97,11 +98,12 @@ class RankSubscriber:
             log.info("KV events of %s (rank %d) restarted at seq %d: its precise entries are dropped",
                      self.backend, self.rank, seq)
             self.core.kv_event_restart(self.backend, self.rank)
-        elif verdict == GAP or (first and seq > 0 and self.replay_endpoint is not None):
-            start = 0 if first else self.tracker.expected
+            catch_up = True  # the new run's first messages may have come before this one
+        if verdict == GAP or (catch_up and seq > 0 and self.replay_endpoint is not None):
+            start = 0 if catch_up else self.tracker.expected
             assert start is not None
-            if await self.fill(start, seq, initial=first):
-                return  # the replay brought seq itself too, or it was applied after it
+            if await self.fill(start, seq, initial=catch_up):
+                return  # the replay brought seq itself too
         self.core.kv_event_batch(self.backend, self.rank, payload)
         if verdict == GAP:
             self.tracker.reset_to(seq)

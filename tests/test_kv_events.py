@@ -302,3 +302,27 @@ def test_mixed_fleet_compares_exact_and_approximate_matches():
     assert req.exact_tokens == {"a": 0} and req.cached_tokens("b") > 0 and req.cached_tokens("a") == 0
     d, r = c.route(req, 0.0)
     assert d.backend.name == "b" and d.evidence == "approximate"
+
+
+def test_the_approximate_path_is_unchanged_without_events():
+    """Requests of a model whose backends publish no events match, cost and record
+    exactly what a gateway without any KV-event backend does, even beside a model
+    that has them."""
+    plain = DecisionCore([BackendSpec(n, frozenset({"p"})) for n in "xyz"], "round_robin")
+    mixed = DecisionCore([BackendSpec(n, frozenset({"p"})) for n in "xyz"] +
+                         [BackendSpec("e", frozenset({MODEL}), kv_block_size=BS, kv_base_model=MODEL)], "round_robin")
+    mixed.kv_event_batch("e", 0, batch([cleared()]))
+    text = "shared system prompt " * 200
+    for i in range(12):
+        prompt = text + f"question {i % 3}" * 50
+        seen = []
+        for c in (plain, mixed):
+            assert not c.wants_token_ids("p")
+            _, req = c.request("p", prompt, 16)
+            d, r = c.route(req, float(i))
+            seen.append((d.backend.name, dict(req.matched_blocks), req.exact_tokens, req.token_keys, d.evidence,
+                         d.detail["matched_tokens"]))
+            r.release(float(i))
+        assert seen[0] == seen[1]
+        assert seen[0][2:5] == ({}, None, "approximate")
+    assert plain.index.owners == mixed.index.owners and mixed.index.token_owners == {}

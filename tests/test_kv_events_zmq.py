@@ -161,6 +161,13 @@ async def test_an_engine_restart_clears_its_entries():
         assert gw.metric("turbo_gateway_kv_events_restarts_total", backend="a") == 1
         await pa.publish(batch([cleared()], batch_shape="map", event_shape="array"))
         await wait_until(lambda: index.counts("a")[0] == 0)
+        # another restart whose first message is lost: the replay from 0 brings it
+        pa.restart()
+        await pa.publish(batch([stored([1], None, PREFIX[:16], BS)]), drop=True)
+        await pa.publish(batch([stored([2], 1, PREFIX[16:32], BS)]))
+        await wait_until(lambda: gw.state.core.kv_stats["a"].restarts == 2)
+        await wait_until(lambda: index.counts("a")[0] == 2)
+        assert pa.replay_requests[-1] == 0
 
 
 async def test_undecodable_payloads_are_counted_and_the_subscription_goes_on():
