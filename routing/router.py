@@ -226,13 +226,16 @@ class Router:
         self._match(request, now)
         decision = self.policy.choose(request, candidates)
         decision.detail.setdefault("matched_tokens", request.cached_tokens(decision.backend.name))
+        if request.evidence:
+            decision.evidence = request.evidence.get(decision.backend.name, "approximate")
         reservation = self.reserve(request, decision.backend, now)
         self.policy.on_dispatch(request, decision)
         return decision, reservation
 
     def reserve(self, request: RouteRequest, b: BackendState, now: float) -> Reservation:
         """Reserve ``request``'s load on ``b`` (its uncached prompt tokens join ``b``'s
-        prefill queue) and record its blocks in the prefix index: what :meth:`route`
+        prefill queue) and record its blocks in the prefix index (token-exact ones
+        speculatively when ``b`` publishes KV events): what :meth:`route`
         does once it chose, and what a data plane does when a request was served by
         another backend than the one routed to (a proxy's own retry)."""
         self._match(request, now)
@@ -246,7 +249,6 @@ class Router:
                 keys = request.token_keys.get(e.block_size)
                 if keys:
                     self.index.record_speculative(b.name, keys, now)
-            decision.evidence = request.evidence.get(b.name, "approximate")
         if self.store is not None:
             self.store.record_dispatch(b.name, request.block_hashes)
         return self.fleet.reserve(b, load, now)
