@@ -1,7 +1,7 @@
 """What a routing decision costs, and what sharing state through Redis costs.
 
-    python -m loadtest.routing_cost            # all four parts
-    python -m loadtest.routing_cost --part decision|store|replicas|tokenize
+    python -m loadtest.routing_cost            # all five parts
+    python -m loadtest.routing_cost --part decision|store|replicas|tokenize|kv_events
 
 1. **decision**: microseconds per request of estimate + ``Router.route`` + release with
    the default ``estimated_ttft`` policy, for 10, 100 and 1,000 backends and 10^4 to
@@ -16,7 +16,6 @@
    half of a Mooncake trace in the offline replay, once with shared state (each sees
    the other's load and prefix blocks 50 ms late, as the Redis store's default bound)
    and once with private state: TTFT and load imbalance side by side.
-
 4. **tokenize**: microseconds per request of the model's own tokenizer
    (:mod:`routing.tokenize`: render the chat template, look up the prefix cache,
    encode, assemble the ids) for a short chat, an 8k-token completion prompt and a
@@ -24,6 +23,13 @@
    off, and how much of it runs on the event loop when long encodings go to the
    executor (``--tokenizer``: a ``tokenizer.json`` or model directory; default: the
    tests' tiny byte-level BPE).
+5. **kv_events**: what the precise prefix index adds. Microseconds per request of
+   ``DecisionCore.request`` (given the prompt's token ids) + ``route`` + release, 10
+   backends, 2,048-token prompts half of which share a 1,024-token prefix, once with no
+   backend publishing KV events (the token ids are then not even looked at) and once
+   with all ten publishing (token keys, precise and speculative lookup, speculative
+   record); and microseconds per applied ``BlockStored`` (16 blocks) and
+   ``BlockRemoved`` payload (decode included).
 
 Network traffic goes to 127.0.0.1 only; every loop is bounded in count.
 """
@@ -251,12 +257,91 @@ def part_tokenize(path: str | None = None) -> None:
         print(f"| {label} | {sizes[name]:.0f} | {cells[0]:.0f} | {cells[1]:.0f} | {loop_us:.0f} |")
 
 
+def _stored_payload(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int) -> bytes:
+    import msgpack
+
+    ev = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": token_ids,
+          "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return msgpack.packb([time.time(), [ev], 0])
+
+
+def kv_events_cost(events: bool, n_requests: int = 2000, block_size: int = 16) -> float:
+    """Microseconds per request (request with token ids + route + release), median of
+    3 passes; ``events``: every backend publishes KV events (its engine stored the
+    shared prefixes, one backend each)."""
+    from routing.core import DecisionCore
+
+    rng = random.Random(3)
+    specs = [BackendSpec(f"b{i}", frozenset({"m"}), kv_block_size=block_size if events else None, kv_base_model="m")
+             for i in range(10)]
+    core = DecisionCore(specs, "estimated_ttft")
+    prefixes = [[rng.randrange(100_000) for _ in range(1024)] for _ in range(64)]
+    if events:
+        for j, p in enumerate(prefixes):
+            core.kv_event_batch(f"b{j % 10}", 0, _stored_payload(
+                [rng.getrandbits(63) for _ in range(1024 // block_size)], None, p, block_size))
+    prompts = [(rng.choice(prefixes) if i % 2 else [rng.randrange(100_000) for _ in range(1024)]) +
+               [rng.randrange(100_000) for _ in range(1024)] for i in range(n_requests)]
+    texts = [" ".join(map(str, p)) for p in prompts]
+    passes = []
+    for k in range(3):
+        t0 = time.perf_counter()
+        for i, (ids, text) in enumerate(zip(prompts, texts)):
+            now = 1.0 + (k * n_requests + i) * 1e-3
+            _, req = core.request("m", text, 128, None, True, ids if core.wants_token_ids("m") else None)
+            d, res = core.route(req, now)
+            res.release(now)
+        passes.append((time.perf_counter() - t0) / n_requests * 1e6)
+    return statistics.median(passes)
+
+
+def event_apply_cost(n: int = 5000, block_size: int = 16) -> tuple[float, float]:
+    """Microseconds per applied BlockStored payload (16 blocks chained from a stored
+    parent) and per BlockRemoved payload (16 blocks), decode included."""
+    import msgpack
+
+    from routing.core import DecisionCore
+
+    rng = random.Random(4)
+    core = DecisionCore([BackendSpec("b", frozenset({"m"}), kv_block_size=block_size, kv_base_model="m")],
+                        "estimated_ttft")
+    core.kv_event_batch("b", 0, _stored_payload([1], None, list(range(block_size)), block_size))
+    stores, removes = [], []
+    next_hash = 2
+    for _ in range(n):
+        hashes = list(range(next_hash, next_hash + 16))
+        next_hash += 16
+        stores.append(_stored_payload(hashes, 1, [rng.randrange(100_000) for _ in range(16 * block_size)], block_size))
+        removes.append(msgpack.packb([time.time(), [{"type": "BlockRemoved", "block_hashes": hashes,
+                                                     "medium": "GPU"}], 0]))
+    t0 = time.perf_counter()
+    for p in stores:
+        core.kv_event_batch("b", 0, p)
+    t1 = time.perf_counter()
+    for p in removes:
+        core.kv_event_batch("b", 0, p)
+    t2 = time.perf_counter()
+    assert core.index.counts("b") == (1, 0)
+    return (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6
+
+
+def part_kv_events() -> None:
+    print("\n## The precise prefix index (10 backends, 2,048-token prompts given as token ids, "
+          "block size 16), microseconds\n")
+    print("| | per request |")
+    print("|---|---|")
+    print(f"| no backend publishes KV events | {kv_events_cost(False):.0f} |")
+    print(f"| every backend publishes KV events | {kv_events_cost(True):.0f} |")
+    stored, removed = event_apply_cost()
+    print(f"\nPer event payload: BlockStored (16 blocks) {stored:.1f} us, BlockRemoved (16 blocks) {removed:.1f} us")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.routing_cost", description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["decision", "store", "replicas", "tokenize"], action="append")
+    ap.add_argument("--part", choices=["decision", "store", "replicas", "tokenize", "kv_events"], action="append")
     ap.add_argument("--tokenizer", help="tokenizer.json or model directory of the tokenize part")
     args = ap.parse_args(argv)
-    parts = args.part or ["decision", "store", "replicas", "tokenize"]
+    parts = args.part or ["decision", "store", "replicas", "tokenize", "kv_events"]
     if "decision" in parts:
         part_decision()
     if "store" in parts:
@@ -265,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         part_replicas()
     if "tokenize" in parts:
         part_tokenize(args.tokenizer)
+    if "kv_events" in parts:
+        part_kv_events()
     return 0
 
 

@@ -364,33 +364,44 @@ class PrefixIndex:
             return 0, 0
         return len(e.holders), len(e.speculative)
 
-    def match_tokens(self, keys: tuple[int, ...], backends: Iterable[str], now: float) -> dict[str, tuple[int, bool]]:
-        """For each of ``backends`` (live, with events, whose block size ``keys`` were
-        cut in), ``(leading blocks held, all of them precise)``; a backend holding none
-        is absent. Cost: O(matched blocks x backends)."""
+    def match_tokens(self, keys: tuple[int, ...], backends: Iterable[str], now: float) -> dict[str, int]:
+        """For each of ``backends`` (with events, whose block size ``keys`` were cut
+        in), the number of leading blocks of ``keys`` it holds, precisely or
+        speculatively; a backend holding none is absent. Speculative entries past their
+        bound are dropped first (they are kept in expiry order: this costs what decays).
+        Cost: one set comparison per matched block, O(backends) where one drops out."""
+        if not keys:
+            return {}
+        for name in backends:
+            e = self.engines.get(name)
+            if e is not None and e.speculative and next(iter(e.speculative.values())) < now:
+                self._decay(name, e, now)
         owners = self.token_owners
-        alive: dict[str, bool] = {}
-        first = owners.get(keys[0]) if keys else None
+        first = owners.get(keys[0])
         if not first:
             return {}
-        for b in backends:
-            v = first.get(b)
-            if v is not None and v >= now:
-                alive[b] = v == PRECISE
-        result: dict[str, tuple[int, bool]] = {}
+        alive = first.keys() & set(backends)
+        result: dict[str, int] = {}
         i = 1
         n = len(keys)
         while alive and i < n:
             o = owners.get(keys[i])
             if o is None:
                 break
-            for b in list(alive):
-                v = o.get(b)
-                if v is None or v < now:
-                    result[b] = (i, alive.pop(b))
-                elif v != PRECISE:
-                    alive[b] = False
+            if not alive <= o.keys():
+                gone = alive - o.keys()
+                for b in gone:
+                    result[b] = i
+                alive -= gone
             i += 1
-        for b, precise in alive.items():
-            result[b] = (i, precise)
+        for b in alive:
+            result[b] = i
         return result
+
+    def all_precise(self, backend: str, keys: tuple[int, ...]) -> bool:
+        """Whether ``backend``'s engine confirmed every block of ``keys``."""
+        e = self.engines.get(backend)
+        if e is None:
+            return False
+        holders = e.holders
+        return all(k in holders for k in keys)

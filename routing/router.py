@@ -146,7 +146,6 @@ class Router:
             return
         engines = self.index.engines
         exact: dict[str, int] = {}
-        evidence: dict[str, str] = {}
         for size, names in by_size.items():
             keys = token_keys.get(size)
             if keys is None:
@@ -156,11 +155,19 @@ class Router:
                 continue
             held = self.index.match_tokens(keys, live, now)
             for n in live:
-                blocks, precise = held.get(n, (0, True))
-                exact[n] = blocks * size
-                evidence[n] = "precise" if precise else "speculative"
+                exact[n] = held.get(n, 0) * size
         request.exact_tokens = exact
-        request.evidence = evidence
+
+    def evidence(self, request: RouteRequest, backend: str) -> str:
+        """What stands behind ``request``'s matched tokens on ``backend``: ``precise``
+        (every matched block confirmed by its engine; a zero of a live backend too),
+        ``speculative`` (some only dispatched) or ``approximate``."""
+        tokens = request.exact_tokens.get(backend) if request.exact_tokens else None
+        if tokens is None:
+            return "approximate"
+        e = self.index.engines[backend]
+        keys = request.token_keys.get(e.block_size, ()) if request.token_keys else ()
+        return "precise" if self.index.all_precise(backend, keys[:tokens // e.block_size]) else "speculative"
 
     def refresh_speeds(self, now: float) -> None:
         """Age every backend's learned speeds by the time passed, and note each
@@ -226,8 +233,8 @@ class Router:
         self._match(request, now)
         decision = self.policy.choose(request, candidates)
         decision.detail.setdefault("matched_tokens", request.cached_tokens(decision.backend.name))
-        if request.evidence:
-            decision.evidence = request.evidence.get(decision.backend.name, "approximate")
+        if request.exact_tokens:
+            decision.evidence = self.evidence(request, decision.backend.name)
         reservation = self.reserve(request, decision.backend, now)
         self.policy.on_dispatch(request, decision)
         return decision, reservation

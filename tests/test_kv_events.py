@@ -136,9 +136,10 @@ def request(c: DecisionCore, ids: list[int], salt: str | None = None, text: str 
 
 
 def held(c: DecisionCore, ids: list[int], now: float = 0.0, salt: str | None = None):
+    """(matched tokens, evidence) per backend whose events decide its match."""
     req = request(c, ids, salt)
     c.router._match(req, now)
-    return req.exact_tokens, req.evidence
+    return req.exact_tokens, {b: c.router.evidence(req, b) for b in req.exact_tokens}
 
 
 def test_block_stored_makes_precise_entries_chained_from_the_parent():
@@ -233,7 +234,7 @@ def test_gap_unfilled_falls_back_to_approximate_and_restart_clears():
     req = request(c, ids, text=text)
     c.router.index.record("a", req.block_hashes, 0.0)  # a dispatch seen by the approximate entries
     c.router._match(req, 0.0)
-    assert req.exact_tokens == {"a": 64} and req.evidence == {"a": "precise"}
+    assert req.exact_tokens == {"a": 64} and c.router.evidence(req, "a") == "precise"
     c.kv_event_gap("a", 0, filled=False)
     req = request(c, ids, text=text)
     c.router._match(req, 0.0)

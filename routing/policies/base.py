@@ -40,9 +40,8 @@ class RouteRequest:
     - Set by the router before ``choose``: ``now`` (monotonic seconds),
       ``matched_blocks`` (per backend, leading approximate blocks it probably holds)
       and, for backends whose KV events are live and whose block size ``token_keys``
-      has, ``exact_tokens`` (leading prompt tokens held, from token-exact entries) and
-      ``evidence`` (``precise`` when every one of those blocks was confirmed by the
-      engine, ``speculative`` otherwise); these override ``matched_blocks``.
+      has, ``exact_tokens`` (leading prompt tokens held, from token-exact entries,
+      precise or speculative), which overrides ``matched_blocks``.
     """
 
     model: str
@@ -64,7 +63,6 @@ class RouteRequest:
     matched_blocks: dict[str, int] = field(default_factory=dict)
     matched_at: float | None = None
     exact_tokens: dict[str, int] = field(default_factory=dict)
-    evidence: dict[str, str] = field(default_factory=dict)
 
     def cached_tokens(self, backend: str) -> float:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
