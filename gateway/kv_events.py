@@ -12,8 +12,9 @@ Sequence numbers are checked (:class:`routing.core.SequenceTracker`):
 - a gap (``seq`` later than the next expected) is filled from the engine's replay
   socket: vLLM's ROUTER takes the start seq as 8 bytes big-endian and answers
   ``[seq, payload]`` for each buffered batch from there, then ``seq = -1`` with an
-  empty payload. We speak it from a DEALER with REQ's empty delimiter frame (a REQ
-  socket accepts one reply per request; the ROUTER sends many). When the replay
+  empty payload (vLLM 0.32 puts the topic frame first: ``[topic, seq, payload]`` and
+  ``[b"", -1, b""]``; both are read). We speak it from a DEALER with REQ's empty
+  delimiter frame (a REQ socket accepts one reply per request; the ROUTER sends many). When the replay
   does not start at the missing seq (its buffer moved on), fails or sends nothing
   for ``replay_timeout_s``, the backend's precise entries of that rank are dropped
   and its lookups fall back to approximate until it stores again;
@@ -158,15 +159,17 @@ class RankSubscriber:
                     return None
                 frames = await dealer.recv_multipart()
                 if frames and frames[0] == b"":
-                    frames = frames[1:]
-                if len(frames) != 2 or len(frames[0]) != 8:
+                    frames = frames[1:]  # REQ's delimiter
+                if len(frames) not in (2, 3) or len(frames[-2]) != 8:  # [topic,] seq, payload
+                    log.warning("the KV-event replay of %s (rank %d) sent %d frames, not [topic,] seq, payload",
+                                self.backend, self.rank, len(frames))
                     return None
-                s = int.from_bytes(frames[0], "big", signed=True)
+                s = int.from_bytes(frames[-2], "big", signed=True)
                 if s == END_SEQ:
                     out.sort(key=lambda sp: sp[0])
                     return out
                 if s >= start:
-                    out.append((s, frames[1]))
+                    out.append((s, frames[-1]))
         finally:
             dealer.close(linger=0)
 

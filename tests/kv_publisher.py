@@ -36,6 +36,7 @@ class KVPublisher:
         self.seq = 0
         self.replay_requests: list[int] = []
         self.replay_silent = False  # answer no replay request (a hung replay socket)
+        self.replay_topic_frame = False  # vLLM 0.32 replies [topic, seq, payload], older ones [seq, payload]
         self._task: asyncio.Task | None = None
 
     async def publish(self, payload: bytes, *, drop: bool = False) -> int:
@@ -68,10 +69,12 @@ class KVPublisher:
             self.replay_requests.append(start)
             if self.replay_silent:
                 continue
+            head = [client, b"", self.topic] if self.replay_topic_frame else [client, b""]
             for seq, buf in list(self.buffer):
                 if seq >= start:
-                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), buf])
-            await self.router.send_multipart([client, b"", END_SEQ, b""])
+                    await self.router.send_multipart([*head, seq.to_bytes(8, "big"), buf])
+            end = [client, b"", b""] if self.replay_topic_frame else [client, b""]
+            await self.router.send_multipart([*end, END_SEQ, b""])
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._serve_replay())

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 
 from gateway.reload import apply_config
@@ -100,10 +101,12 @@ async def test_a_dispatch_is_speculative_until_the_engine_confirms_it():
         assert (route(h)["evidence"], route(h)["matched_tokens"]) == ("precise", "64")
 
 
-async def test_a_gap_is_filled_by_replay():
+@pytest.mark.parametrize("topic_frame", [False, True], ids=["seq-payload", "vllm-0.32-topic-seq-payload"])
+async def test_a_gap_is_filled_by_replay(topic_frame):
     async with AsyncExitStack() as st:
         a = await st.enter_async_context(ScriptedBackend().running())
         pa = await st.enter_async_context(kv_publisher())
+        pa.replay_topic_frame = topic_frame
         gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
         await connected(gw, pa, "a")
         stats = gw.state.core.kv_stats["a"]
