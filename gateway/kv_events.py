@@ -23,7 +23,11 @@ Sequence numbers are checked (:class:`routing.core.SequenceTracker`):
   replay cannot give is simply not known: nothing to drop);
 - a ``seq`` lower than this engine run's (vLLM counts from 0 at start) is an engine
   restart: that rank's precise entries are dropped, and the new run's earlier messages
-  are asked for as on a first message;
+  are asked for as on a first message. A restart can also hide behind a dropped
+  connection (the socket monitor says so) when the new run has sent more messages than
+  the old one by the time we hear from it: the first message after a reconnection is
+  checked by replaying the last batch applied and comparing it (xxh3 of the payload)
+  with what was applied; another batch there, or no replay, means a new run;
 - replayed batches that the live socket delivers again are skipped.
 
 Payloads go to the decision core (:meth:`routing.core.DecisionCore.kv_event_batch`),
@@ -37,8 +41,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from gateway.config import GatewayConfig, KVEvents
 from routing.core import DUPLICATE, GAP, OK, RESTART, DecisionCore, SequenceTracker
@@ -71,43 +77,77 @@ class RankSubscriber:
         self.topic = spec.topic.encode()
         self.replay_timeout_s = spec.replay_timeout_s
         self.tracker = SequenceTracker()
+        self.last_digest: int | None = None  # xxh3 of the last payload applied
+        self.reconnected = False  # the PUB connection dropped since the last message
 
     async def run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         log.info("subscribed to the KV events of %s (rank %d) at %s", self.backend, self.rank, self.endpoint)
         try:
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) == 3:
-                    await self.on_live(frames[1], frames[2])
-                else:  # not [topic, seq, payload]: counted as undecodable
-                    self.core.kv_event_batch(self.backend, self.rank, b"")
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    parse_monitor_message(await monitor.recv_multipart())  # only EVENT_DISCONNECTED is asked for
+                    self.reconnected = True
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    if len(frames) == 3:
+                        await self.on_live(frames[1], frames[2])
+                    else:  # not [topic, seq, payload]: counted as undecodable
+                        self.core.kv_event_batch(self.backend, self.rank, b"")
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    def apply(self, payload: bytes) -> None:
+        self.core.kv_event_batch(self.backend, self.rank, payload)
+        self.last_digest = xxhash.xxh3_64_intdigest(payload)
 
     async def on_live(self, seq_bytes: bytes, payload: bytes) -> None:
         seq = int.from_bytes(seq_bytes, "big", signed=True)
-        catch_up = self.tracker.expected is None  # a new subscription
+        expected = self.tracker.expected
+        verify = self.reconnected and expected is not None
+        self.reconnected = False
         verdict = self.tracker.observe(seq)
         if verdict == DUPLICATE:
             return
-        if verdict == RESTART:
+        restart = verdict == RESTART
+        if verify and not restart and not await self.same_run(expected - 1):
+            restart = True  # a new run whose sequence passed ours before we heard of it
+            self.tracker.reset_to(seq)
+        if restart:
             log.info("KV events of %s (rank %d) restarted at seq %d: its precise entries are dropped",
                      self.backend, self.rank, seq)
             self.core.kv_event_restart(self.backend, self.rank)
-            catch_up = True  # the new run's first messages may have come before this one
-        if verdict == GAP or (catch_up and seq > 0 and self.replay_endpoint is not None):
+        catch_up = expected is None or restart  # a new subscription, or a new run
+        gap = verdict == GAP and not restart
+        if gap or (catch_up and seq > 0 and self.replay_endpoint is not None):
             start = 0 if catch_up else self.tracker.expected
             assert start is not None
             if await self.fill(start, seq, initial=catch_up):
                 return  # the replay brought seq itself too
-        self.core.kv_event_batch(self.backend, self.rank, payload)
-        if verdict == GAP:
+        self.apply(payload)
+        if gap:
             self.tracker.reset_to(seq)
+
+    async def same_run(self, seq: int) -> bool:
+        """After the connection to the publisher dropped: whether the engine still
+        holds, at ``seq``, the batch applied last (the same run), rather than a new
+        run's (a restart whose sequence numbers passed ours meanwhile). Without a
+        replay socket, or when it fails, it counts as a new run."""
+        if self.replay_endpoint is None or self.last_digest is None:
+            return False
+        batches = await self.replay(seq)
+        return bool(batches) and batches[0][0] == seq and xxhash.xxh3_64_intdigest(batches[0][1]) == self.last_digest
 
     async def fill(self, start: int, live_seq: int, *, initial: bool) -> bool:
         """Replay from ``start`` and apply it. For a gap, the replay must cover
@@ -136,7 +176,7 @@ class RankSubscriber:
             if not filled:
                 return False
         for _, payload in run:
-            self.core.kv_event_batch(self.backend, self.rank, payload)
+            self.apply(payload)
         if not run:
             return False
         self.tracker.replayed(run[0][0], run[-1][0])

@@ -59,6 +59,36 @@ class KVPublisher:
         self.seq = 0
         self.buffer.clear()
 
+    async def restart_process(self) -> None:
+        """An engine process restart: the sockets close (subscribers see the
+        connection drop) and bind the same addresses again; sequence numbers start at
+        0, the buffer is empty."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.pub = await self._rebind(zmq.PUB, self.endpoint)
+        self.router = await self._rebind(zmq.ROUTER, self.replay_endpoint)
+        self.restart()
+        self.start()
+
+    async def _rebind(self, kind: int, endpoint: str, tries: int = 500) -> zmq.asyncio.Socket:
+        """A new socket bound to ``endpoint``, which libzmq's I/O thread releases a
+        moment after the old socket's close: retried while it is still in use
+        (bounded)."""
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        for _ in range(tries):
+            try:
+                sock.bind(endpoint)
+                return sock
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.01)
+        raise AssertionError(f"{endpoint} stayed in use")
+
     async def _serve_replay(self) -> None:
         while True:
             frames = await self.router.recv_multipart()

@@ -173,6 +173,47 @@ async def test_an_engine_restart_clears_its_entries():
         assert pa.replay_requests[-1] == 0
 
 
+async def test_a_restart_hidden_behind_a_reconnection_is_found_by_replay():
+    """The engine restarts and publishes more messages than its last run had before
+    the subscriber reconnects: the sequence does not go back, but the batch replayed
+    at the last applied seq is not the one applied."""
+    async with AsyncExitStack() as st:
+        a = await st.enter_async_context(ScriptedBackend().running())
+        pa = await st.enter_async_context(kv_publisher())
+        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
+        await connected(gw, pa, "a")
+        index, stats = gw.state.core.index, gw.state.core.kv_stats["a"]
+        await pa.publish(batch([stored([1, 2], None, PREFIX[:32], BS)]))
+        await wait_until(lambda: index.counts("a")[0] == 2)
+        old_run = pa.seq
+        await pa.restart_process()
+        for _ in range(old_run + 2):  # the new run's first messages, sent before we reconnected
+            await pa.publish(batch([removed([424242])]), drop=True)
+        await publish_until(pa, batch([stored([7], None, PREFIX[500:516], BS)]), lambda: stats.restarts > 0)
+        await wait_until(lambda: index.counts("a")[0] == 1)
+        assert stats.restarts == 1 and stats.replay_failures == 0
+        assert not any(k in index.token_owners for k in token_block_keys(PREFIX[:32], BS, chain_seed(MODEL)))
+
+
+async def test_a_reconnection_to_the_same_run_keeps_the_entries():
+    async with AsyncExitStack() as st:
+        a = await st.enter_async_context(ScriptedBackend().running())
+        pa = await st.enter_async_context(kv_publisher())
+        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
+        await connected(gw, pa, "a")
+        index, stats = gw.state.core.index, gw.state.core.kv_stats["a"]
+        await pa.publish(batch([stored([1, 2], None, PREFIX[:32], BS)]))
+        await wait_until(lambda: index.counts("a")[0] == 2)
+        # the same run's sockets go away and come back (a network blip), buffer kept
+        seq, buffer = pa.seq, list(pa.buffer)
+        await pa.restart_process()
+        pa.seq = seq
+        pa.buffer.extend(buffer)
+        await pa.publish(batch([removed([424242])]), drop=True)
+        await publish_until(pa, batch([stored([3], 2, PREFIX[32:48], BS)]), lambda: index.counts("a")[0] == 3)
+        assert stats.restarts == 0 and stats.gaps == 1 and stats.replays == 1
+
+
 async def test_undecodable_payloads_are_counted_and_the_subscription_goes_on():
     async with AsyncExitStack() as st:
         a = await st.enter_async_context(ScriptedBackend().running())

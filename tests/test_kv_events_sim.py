@@ -1,0 +1,162 @@
+"""End to end: the gateway in front of simulated engines (loadtest/sim) that publish
+KV-cache events in vLLM's wire format, over real HTTP and ZMQ on 127.0.0.1.
+
+The precise index holds the blocks an engine stored, for that backend and no other; a
+repeated prefix goes to its holder and the ``cached_tokens`` the engine reports equals
+the gateway's prediction to the block; blocks another client put in an engine are
+known too; an engine restart clears that backend's entries. Also the real vLLM 0.32
+payloads of ``tests/data/vllm_kv_events`` decode as the engine sent them."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import aiohttp
+import msgpack
+
+from loadtest.sim.server import SimBackend, start_backends
+from loadtest.sim.spec import SimBackendConfig
+from routing.estimate import chain_seed, token_block_keys
+from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from routing.prefix_index import PRECISE
+from tests.servers import gateway_config, running_gateway, wait_until
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "vllm_kv_events"
+MODEL = "sim-model"
+BS = 16
+
+
+def test_real_vllm_0_32_payloads_decode():
+    stored = decode_batch((GOLDEN / "block_stored.msgpack").read_bytes())
+    assert stored.undecodable == 0 and stored.data_parallel_rank == 0
+    (ev,) = stored.events
+    assert isinstance(ev, BlockStored) and ev.parent_block_hash is None and ev.block_size == 32
+    assert len(ev.block_hashes) == 5 and len(ev.token_ids) == 160 and ev.medium == "GPU"
+    assert ev.group_idx == 0 and ev.kv_cache_spec_kind == "full_attention" and ev.extra_keys == [None] * 5
+    removed = decode_batch((GOLDEN / "block_removed.msgpack").read_bytes())
+    assert removed.undecodable == 0
+    assert [type(e) for e in removed.events] == [BlockRemoved] * 25 + [BlockStored]
+    assert len(removed.events[-1].block_hashes) == 32
+    cleared = decode_batch((GOLDEN / "all_blocks_cleared.msgpack").read_bytes())
+    assert cleared.undecodable == 0 and [type(e) for e in cleared.events] == [AllBlocksCleared, BlockStored]
+    # and they are the shape the README says: an array batch of map events
+    raw = msgpack.unpackb((GOLDEN / "block_stored.msgpack").read_bytes())
+    assert isinstance(raw, list) and isinstance(raw[1][0], dict)
+
+
+@asynccontextmanager
+async def sim_fleet(*names: str, encoding: str = "map") -> AsyncIterator[list[SimBackend]]:
+    cfgs = [SimBackendConfig.from_dict({"name": n, "models": [MODEL], "speed": 50.0,
+                                        "profile_overrides": {"block_size": BS},
+                                        "kv_events": {"topic": "kv-events", "encoding": encoding}})
+            for n in names]
+    backends, _ = await start_backends(cfgs)
+    try:
+        yield backends
+    finally:
+        for b in backends:
+            await b.cleanup()
+
+
+def gateway_cfg(backends: list[SimBackend]):
+    return gateway_config([{"name": b.cfg.name, "url": b.url, "models": [MODEL],
+                            "kv_events": {"endpoint": b.kv_publisher.endpoint,
+                                          "replay_endpoint": b.kv_publisher.replay_endpoint,
+                                          "topic": "kv-events", "block_size": BS}} for b in backends],
+                          routing={"policy": "estimated_ttft"})
+
+
+async def post(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int = 2
+               ) -> tuple[dict[str, str], dict[str, Any]]:
+    async with session.post(url + "/v1/completions",
+                            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}) as r:
+        assert r.status == 200, await r.text()
+        return dict(r.headers), await r.json()
+
+
+def route(headers: dict[str, str]) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in headers["x-turbo-route"].split("; "))
+
+
+async def subscribed(gw, session: aiohttp.ClientSession, b: SimBackend, tries: int = 200) -> None:
+    """Send requests straight to ``b`` (another client of that engine) until the
+    gateway has received one of its events: a SUB socket gets only what is sent after
+    it connected. Bounded."""
+    stats = gw.state.core.kv_stats[b.cfg.name]
+    for i in range(tries):
+        await post(session, b.url, [20_000 + i] * 32 + [1], 1)  # new blocks: each probe publishes
+        if stats.batches > 0:
+            await wait_until(lambda: gw.state.core.index.engine(b.cfg.name).live)
+            return
+    raise AssertionError(f"no KV event of {b.cfg.name} reached the gateway")
+
+
+def holders(gw, prompt: list[int]) -> list[dict[str, float]]:
+    keys = token_block_keys(prompt, BS, chain_seed(MODEL))
+    return [dict(gw.state.core.index.token_owners.get(k, {})) for k in keys]
+
+
+async def test_precise_index_follows_the_engines_and_routes_to_the_holder():
+    async with AsyncExitStack() as st:
+        backends = await st.enter_async_context(sim_fleet("s1", "s2"))
+        gw = await st.enter_async_context(running_gateway(gateway_cfg(backends)))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        for b in backends:
+            await subscribed(gw, session, b)
+        prefix = [1000 + (i * 7919) % 30000 for i in range(1024)]  # 64 blocks
+        h, body = await post(session, gw.url, prefix + [5, 6, 7])
+        holder = h["x-turbo-backend"]
+        other = next(b.cfg.name for b in backends if b.cfg.name != holder)
+        # the engine's BlockStored made the prefix precise there, and nowhere else
+        await wait_until(lambda: all(o.get(holder) == PRECISE for o in holders(gw, prefix)))
+        assert all(other not in o for o in holders(gw, prefix))
+        # the same long prefix again, other questions: routed to its holder, the engine's
+        # cached_tokens equal to the gateway's prediction to the block
+        for i in range(4):
+            h, body = await post(session, gw.url, prefix + [20_000 + i] * 40)
+            r = route(h)
+            assert h["x-turbo-backend"] == holder and r["evidence"] == "precise"
+            assert int(r["matched_tokens"]) == 1024
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == int(r["matched_tokens"])
+        assert gw.metric("turbo_gateway_prefix_predicted_tokens_total", evidence="precise") == \
+            gw.metric("turbo_gateway_prefix_reported_cached_tokens_total", evidence="precise") == 4 * 1024
+
+
+async def test_blocks_another_client_put_in_an_engine_are_known():
+    async with AsyncExitStack() as st:
+        backends = await st.enter_async_context(sim_fleet("s1", "s2", encoding="array"))
+        gw = await st.enter_async_context(running_gateway(gateway_cfg(backends)))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        for b in backends:
+            await subscribed(gw, session, b)
+        s2 = backends[1]
+        prefix = [3000 + (i * 104729) % 30000 for i in range(512)]  # 32 blocks
+        await post(session, s2.url, prefix + [1])  # straight to the engine, not through the gateway
+        await wait_until(lambda: all(o.get("s2") == PRECISE for o in holders(gw, prefix)))
+        h, body = await post(session, gw.url, prefix + [2] * 30)
+        assert h["x-turbo-backend"] == "s2" and route(h)["evidence"] == "precise"
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == int(route(h)["matched_tokens"]) == 512
+
+
+async def test_an_engine_restart_clears_its_entries():
+    async with AsyncExitStack() as st:
+        backends = await st.enter_async_context(sim_fleet("s1"))
+        gw = await st.enter_async_context(running_gateway(gateway_cfg(backends)))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        (s1,) = backends
+        await subscribed(gw, session, s1)
+        prefix = [5000 + i for i in range(256)]
+        await post(session, gw.url, prefix + [1])
+        await wait_until(lambda: all(o.get("s1") == PRECISE for o in holders(gw, prefix)))
+        await s1.crash(0)  # a cold engine on the same addresses, sequence numbers from 0
+        stats = gw.state.core.kv_stats["s1"]
+        for i in range(200):  # the restarted engine's events: each probe stores new blocks (bounded)
+            await post(session, s1.url, [100 + i] * 32 + [1], 1)
+            if stats.restarts:
+                break
+        assert stats.restarts == 1
+        await wait_until(lambda: not any("s1" in o for o in holders(gw, prefix)))
+        h, _ = await post(session, gw.url, prefix + [2])
+        assert route(h)["evidence"] == "precise" and route(h)["matched_tokens"] == "0"
