@@ -136,3 +136,40 @@ def test_bad_tokenizer_files_are_config_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{% if %}"}')
     with pytest.raises(ConfigError, match="chat template syntax error"):
         parse_config(_with_models({"m": {"tokenizer": str(tmp_path)}}))
+
+
+def _kv(**kv_events):
+    return {"backends": [{"name": "a", "url": "http://x", "models": ["m"], "kv_events": kv_events}]}
+
+
+@pytest.mark.parametrize("data,fragment", [
+    (_kv(), "`backends.0.kv_events.endpoint`"),
+    (_kv(endpoint="tcp://*:5557"), "give the engine's host"),
+    (_kv(endpoint="http://10.0.0.11:5557"), "must be a ZMQ address"),
+    (_kv(endpoint="tcp://10.0.0.11"), "needs a port"),
+    (_kv(endpoint="tcp://h:5557", replay_endpoint="tcp://h:99999"), "needs a port"),
+    (_kv(endpoint="tcp://h:5557", block_size=0), "`backends.0.kv_events.block_size`"),
+    (_kv(endpoint="ipc:///tmp/kv", data_parallel_size=2), "data_parallel_size > 1 needs tcp://"),
+    (_kv(endpoint="tcp://h:65535", data_parallel_size=2), "passes 65535"),
+    ({**_kv(endpoint="tcp://h:5557"), "routing": {"speculative_s": -1}}, "`routing.speculative_s`"),
+])
+def test_invalid_kv_events_config_is_a_clear_error(data, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_config(data, "conf.yaml")
+    assert fragment in str(e.value)
+
+
+def test_kv_events_config_defaults_and_base_model():
+    from gateway.state import backend_specs
+
+    cfg = parse_config({"backends": [
+        {"name": "a", "url": "http://x", "models": ["llama", "alias"], "kv_events": {"endpoint": "tcp://h:5557"}},
+        {"name": "b", "url": "http://y", "models": ["llama"],
+         "kv_events": {"endpoint": "tcp://h:5557", "block_size": 32, "base_model": "base"}},
+        {"name": "c", "url": "http://z", "models": ["llama"]}]})
+    kv = cfg.backends[0].kv_events
+    assert (kv.topic, kv.block_size, kv.replay_endpoint, kv.data_parallel_size) == ("", 16, None, 1)
+    specs = {s.name: s for s in backend_specs(cfg)}
+    assert (specs["a"].kv_block_size, specs["a"].kv_base_model) == (16, "llama")
+    assert (specs["b"].kv_block_size, specs["b"].kv_base_model) == (32, "base")
+    assert (specs["c"].kv_block_size, specs["c"].kv_base_model) == (None, "")
