@@ -132,9 +132,13 @@ class KVEvents(_Strict):
         if "*" in v:
             raise ValueError("give the engine's host, not the `*` it binds to")
         if v.startswith("tcp://"):
-            port = v.rpartition(":")[2]
+            host, _, port = v[len("tcp://"):].rpartition(":")
             if not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError("a tcp:// address needs a port, e.g. tcp://10.0.0.11:5557")
+            if not host or any(c.isspace() for c in host):
+                raise ValueError("a tcp:// address needs a host without spaces, e.g. tcp://10.0.0.11:5557")
+        elif len(v) == len("ipc://") or any(c.isspace() for c in v):
+            raise ValueError("an ipc:// address needs a path without spaces, e.g. ipc:///run/vllm/kv-events")
         return v
 
     @model_validator(mode="after")

@@ -238,19 +238,27 @@ class KVEventSubscribers:
         for name, spec in wanted.items():
             if name in self.running:
                 continue
-            tasks = [asyncio.create_task(self._run(RankSubscriber(self.core, self.ctx, name, r, spec)),
-                                         name=f"kv-events-{name}-{r}")
+            tasks = [asyncio.create_task(self._run(name, r, spec), name=f"kv-events-{name}-{r}")
                      for r in range(spec.data_parallel_size)]
             self.running[name] = (spec, tasks)
 
-    async def _run(self, sub: RankSubscriber) -> None:
-        try:
-            await sub.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug here must not end the subscription silently
-            log.exception("the KV-event subscription of %s (rank %d) failed", sub.backend, sub.rank)
-            raise
+    async def _run(self, backend: str, rank: int, spec: KVEvents) -> None:
+        """One rank's subscription until cancelled. An unexpected error is logged and the
+        subscription starts again (after 1 s, doubling to 30 s while it keeps failing);
+        what it missed meanwhile counts as a gap replay could not fill."""
+        delay = 1.0
+        while True:
+            sub = RankSubscriber(self.core, self.ctx, backend, rank, spec)
+            try:
+                await sub.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("the KV-event subscription of %s (rank %d) failed; starting it again in %.0f s",
+                              backend, rank, delay)
+            self.core.kv_event_gap(backend, rank, filled=False)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
     async def stop(self) -> None:
         """Cancel every subscription, wait for them (bounded), then close whatever

@@ -15,6 +15,8 @@ import pytest
 from aiohttp import web
 
 from gateway.reload import apply_config
+from gateway.state import backend_specs
+from routing.core import DecisionCore
 from routing.estimate import chain_seed, token_block_keys
 from tests.kv_payloads import batch, cleared, removed, stored
 from tests.kv_publisher import KVPublisher, kv_publisher, publish_until, ranked_publishers
@@ -314,3 +316,26 @@ async def test_data_parallel_ranks_publish_on_port_plus_rank():
         await wait_until(lambda: index.key_of("a", 1, 101) is None)
         _, h, _ = await complete(gw, PREFIX[:16] + [1, 2])
         assert (route(h)["evidence"], route(h)["matched_tokens"]) == ("precise", "16")  # rank 0 still holds it
+
+
+async def test_a_subscription_that_fails_starts_again():
+    """An address libzmq refuses at connect (one the config's checks would stop, made
+    here past them) fails the subscription: it is logged, counted as a gap replay could
+    not fill, and started again, never left dead."""
+    from gateway.config import KVEvents
+    from gateway.kv_events import KVEventSubscribers
+
+    cfg = config({"a": ("http://127.0.0.1:9", None)})
+    bad = KVEvents.model_construct(endpoint="tcp://bad host:5557", replay_endpoint=None, topic="", block_size=BS,
+                                   data_parallel_size=1, base_model=None, replay_timeout_s=1.0)
+    cfg = cfg.model_copy(update={"backends": [cfg.backends[0].model_copy(update={"kv_events": bad})]})
+    core = DecisionCore(backend_specs(cfg), "estimated_ttft")
+    subs = KVEventSubscribers(core)
+    subs.configure(cfg)
+    try:
+        await wait_until(lambda: core.kv_stats["a"].replay_failures >= 1)
+        (task,) = subs.running["a"][1]
+        assert not task.done()
+    finally:
+        await subs.stop()
+    assert task.cancelled()
