@@ -374,7 +374,7 @@ class PrefixIndex:
             return {}
         for name in backends:
             e = self.engines.get(name)
-            if e is not None and e.speculative and next(iter(e.speculative.values())) < now:
+            if e is not None and e.speculative and next(iter(e.speculative.values())) <= now:
                 self._decay(name, e, now)
         owners = self.token_owners
         first = owners.get(keys[0])
