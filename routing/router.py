@@ -146,6 +146,9 @@ class Router:
             return
         engines = self.index.engines
         exact: dict[str, int] = {}
+        # an engine computes at least the prompt's last token: a prompt of whole blocks
+        # reuses all but its last block (vLLM: max_cache_hit_length = num_tokens - 1)
+        usable = len(request.token_ids) - 1 if request.token_ids is not None else None
         for size, names in by_size.items():
             keys = token_keys.get(size)
             if keys is None:
@@ -154,8 +157,9 @@ class Router:
             if not live:
                 continue
             held = self.index.match_tokens(keys, live, now)
+            cap = len(keys) if usable is None else max(usable, 0) // size
             for n in live:
-                exact[n] = held.get(n, 0) * size
+                exact[n] = min(held.get(n, 0), cap) * size
         request.exact_tokens = exact
 
     def evidence(self, request: RouteRequest, backend: str) -> str:

@@ -135,9 +135,11 @@ def request(c: DecisionCore, ids: list[int], salt: str | None = None, text: str 
     return c.request(MODEL, text if text is not None else " ".join(map(str, ids)), 16, salt, token_ids=ids)[1]
 
 
-def held(c: DecisionCore, ids: list[int], now: float = 0.0, salt: str | None = None):
-    """(matched tokens, evidence) per backend whose events decide its match."""
-    req = request(c, ids, salt)
+def held(c: DecisionCore, ids: list[int], now: float = 0.0, salt: str | None = None, question: bool = True):
+    """(matched tokens, evidence) per backend whose events decide its match, for a
+    prompt of ``ids`` followed (``question``) by one more token: an engine computes at
+    least the last prompt token, so ``ids`` alone would reuse one block less."""
+    req = request(c, ids + [0] if question else ids, salt)
     c.router._match(req, now)
     return req.exact_tokens, {b: c.router.evidence(req, b) for b in req.exact_tokens}
 
@@ -173,10 +175,10 @@ def test_bytes_hashes_and_lora_and_salt_keys():
     ids = tokens(8)
     h = [b"\xaa" * 32, b"\xbb" * 32]
     c.kv_event_batch("a", 0, batch([stored(h, None, ids, BS, extra_keys=[["ad", "s1"], ["ad"]], lora_name="ad")]))
-    req = c.request("ad", "x", 16, "s1", token_ids=ids)[1]
+    req = c.request("ad", "x", 16, "s1", token_ids=ids + [0])[1]
     c.router._match(req, 0.0)
     assert req.exact_tokens == {"a": 8}
-    req = c.request("ad", "x", 16, None, token_ids=ids)[1]  # another salt: another chain
+    req = c.request("ad", "x", 16, None, token_ids=ids + [0])[1]  # another salt: another chain
     c.router._match(req, 0.0)
     assert req.exact_tokens == {"a": 0}
     c.kv_event_batch("a", 0, batch([removed([h[1]])]))
@@ -231,7 +233,7 @@ def test_gap_unfilled_falls_back_to_approximate_and_restart_clears():
     ids = tokens(64)
     text = "x" * 4096
     c.kv_event_batch("a", 0, batch([stored(range(1, 17), None, ids, BS)]))
-    req = request(c, ids, text=text)
+    req = request(c, ids + [0], text=text)
     c.router.index.record("a", req.block_hashes, 0.0)  # a dispatch seen by the approximate entries
     c.router._match(req, 0.0)
     assert req.exact_tokens == {"a": 64} and c.router.evidence(req, "a") == "precise"
@@ -327,3 +329,14 @@ def test_the_approximate_path_is_unchanged_without_events():
         assert seen[0] == seen[1]
         assert seen[0][2:5] == ({}, None, "approximate")
     assert plain.index.owners == mixed.index.owners and mixed.index.token_owners == {}
+
+
+def test_a_prompt_of_whole_blocks_reuses_all_but_its_last():
+    """An engine computes at least the last prompt token (vLLM's max_cache_hit_length is
+    num_tokens - 1), so a fully cached prompt of whole blocks hits one block less."""
+    c = core(("a", BS))
+    ids = tokens(12)
+    c.kv_event_batch("a", 0, batch([stored([1, 2, 3], None, ids, BS)]))
+    assert held(c, ids, question=False)[0] == {"a": 8}
+    assert held(c, ids + [99], question=False)[0] == {"a": 12}
+    assert held(c, ids[:4], question=False)[0] == {"a": 0}

@@ -93,13 +93,13 @@ async def test_a_dispatch_is_speculative_until_the_engine_confirms_it():
         gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
         await connected(gw, pa, "a")
         prompt = PREFIX[:64]
-        _, h, _ = await complete(gw, prompt)
+        _, h, _ = await complete(gw, prompt + [1])
         assert (route(h)["evidence"], route(h)["matched_tokens"]) == ("precise", "0")
-        _, h, _ = await complete(gw, prompt)
+        _, h, _ = await complete(gw, prompt + [2])
         assert (route(h)["evidence"], route(h)["matched_tokens"]) == ("speculative", "64")
         await pa.publish(batch([stored([1, 2, 3, 4], None, prompt, BS)]))
         await wait_until(lambda: gw.state.core.index.counts("a") == (4, 0))
-        _, h, _ = await complete(gw, prompt)
+        _, h, _ = await complete(gw, prompt + [3])
         assert (route(h)["evidence"], route(h)["matched_tokens"]) == ("precise", "64")
 
 
