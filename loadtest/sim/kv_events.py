@@ -183,7 +183,11 @@ class KVEventPublisher:
         # mark ZMQ drops), so publishing needs no await.
         pub = ctx.socket(zmq.PUB, socket_class=zmq.Socket)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(self.endpoint)
+        try:
+            pub.bind(self.endpoint)
+        except zmq.ZMQError:
+            pub.close()
+            raise
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = pub
         if self.replay_endpoint is not None:

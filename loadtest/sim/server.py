@@ -44,6 +44,7 @@ Client disconnect aborts the request in the engine (its KV blocks are freed at o
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import random
 import time
@@ -389,11 +390,25 @@ class SimBackend:
         try:
             pub.start()
         except zmq.ZMQError as e:
-            raise OSError(f"backend {self.cfg.name!r}: cannot bind the KV-event sockets "
+            raise OSError(e.errno, f"backend {self.cfg.name!r}: cannot bind the KV-event sockets "
                           f"({pub.endpoint}, {pub.replay_endpoint}): {e}") from None
         pub.set_faults(self.faults.kv_events_drop_rate, self.faults.kv_events_stop)
         self._kv_addresses = (pub.endpoint, pub.replay_endpoint)
         self.kv_publisher = pub
+
+    async def _restart_kv_publisher(self, tries: int = 200) -> None:
+        """:meth:`_start_kv_publisher` on the addresses the old publisher just closed,
+        which libzmq's I/O thread releases a moment after the close: retried every
+        10 ms while they are still in use (bounded: ``tries``)."""
+        for _ in range(tries - 1):
+            try:
+                self._start_kv_publisher()
+                return
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+            await asyncio.sleep(0.01)
+        self._start_kv_publisher()
 
     async def _stop_kv_publisher(self) -> None:
         pub, self.kv_publisher = self.kv_publisher, None
@@ -481,7 +496,7 @@ class SimBackend:
         except asyncio.TimeoutError:
             pass
         self._new_engine()
-        self._start_kv_publisher()
+        await self._restart_kv_publisher()
         self.runner.start()
         self.site = web.TCPSite(self.app_runner, self.host, self.port, reuse_address=True)
         await self.site.start()
