@@ -46,11 +46,16 @@ def test_real_vllm_0_32_payloads_decode():
     assert isinstance(raw, list) and isinstance(raw[1][0], dict)
 
 
+TINY = Path(__file__).resolve().parent / "data" / "tiny-tokenizer"
+
+
 @asynccontextmanager
-async def sim_fleet(*names: str, encoding: str = "map") -> AsyncIterator[list[SimBackend]]:
-    cfgs = [SimBackendConfig.from_dict({"name": n, "models": [MODEL], "speed": 50.0,
+async def sim_fleet(*names: str, encoding: str = "map", model: str = MODEL,
+                    tokenizer: str | None = None) -> AsyncIterator[list[SimBackend]]:
+    extra = {"tokenizer": tokenizer} if tokenizer else {}
+    cfgs = [SimBackendConfig.from_dict({"name": n, "models": [model], "speed": 50.0,
                                         "profile_overrides": {"block_size": BS},
-                                        "kv_events": {"topic": "kv-events", "encoding": encoding}})
+                                        "kv_events": {"topic": "kv-events", "encoding": encoding}, **extra})
             for n in names]
     backends, _ = await start_backends(cfgs)
     try:
@@ -60,18 +65,18 @@ async def sim_fleet(*names: str, encoding: str = "map") -> AsyncIterator[list[Si
             await b.cleanup()
 
 
-def gateway_cfg(backends: list[SimBackend]):
-    return gateway_config([{"name": b.cfg.name, "url": b.url, "models": [MODEL],
+def gateway_cfg(backends: list[SimBackend], model: str = MODEL, **overrides: Any):
+    return gateway_config([{"name": b.cfg.name, "url": b.url, "models": [model],
                             "kv_events": {"endpoint": b.kv_publisher.endpoint,
                                           "replay_endpoint": b.kv_publisher.replay_endpoint,
                                           "topic": "kv-events", "block_size": BS}} for b in backends],
-                          routing={"policy": "estimated_ttft"})
+                          routing={"policy": "estimated_ttft"}, **overrides)
 
 
-async def post(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int = 2
-               ) -> tuple[dict[str, str], dict[str, Any]]:
+async def post(session: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int = 2,
+               model: str = MODEL) -> tuple[dict[str, str], dict[str, Any]]:
     async with session.post(url + "/v1/completions",
-                            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}) as r:
+                            json={"model": model, "prompt": prompt, "max_tokens": max_tokens}) as r:
         assert r.status == 200, await r.text()
         return dict(r.headers), await r.json()
 
@@ -85,8 +90,9 @@ async def subscribed(gw, session: aiohttp.ClientSession, b: SimBackend, tries: i
     gateway has received one of its events: a SUB socket gets only what is sent after
     it connected. Bounded."""
     stats = gw.state.core.kv_stats[b.cfg.name]
+    model = next(iter(b.cfg.models))
     for i in range(tries):
-        await post(session, b.url, [20_000 + i] * 32 + [1], 1)  # new blocks: each probe publishes
+        await post(session, b.url, [1000 + i] * 32 + [1], 1, model)  # new blocks: each probe publishes
         if stats.batches > 0:
             await wait_until(lambda: gw.state.core.index.engine(b.cfg.name).live)
             return
@@ -160,3 +166,37 @@ async def test_an_engine_restart_clears_its_entries():
         await wait_until(lambda: not any("s1" in o for o in holders(gw, prefix)))
         h, _ = await post(session, gw.url, prefix + [2])
         assert route(h)["evidence"] == "precise" and route(h)["matched_tokens"] == "0"
+
+
+async def test_chat_and_text_prompts_tokenized_by_the_gateway_match_the_engines_blocks():
+    """With the model's own tokenizer in the gateway and the same tokenizer in the
+    engine, chat and text prompts are token-exact: a shared system prompt is matched
+    precisely, and the engine's cached_tokens equal the prediction."""
+    async with AsyncExitStack() as st:
+        backends = await st.enter_async_context(sim_fleet("s1", "s2", model="tiny",
+                                                          tokenizer=str(TINY / "tokenizer.json")))
+        cfg = gateway_cfg(backends, "tiny", models={"tiny": {"tokenizer": str(TINY)}})
+        gw = await st.enter_async_context(running_gateway(cfg))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        for b in backends:
+            await subscribed(gw, session, b)
+        system = "You are a careful assistant for the billing team of a large company. " * 20
+        index = gw.state.core.index
+        seen = []
+        for i in range(4):
+            h, body = await post(session, gw.url, system + f"Question {i}: why?", model="tiny")
+            seen.append((h, body))
+            # the engine's events confirm every block dispatched to it (after its prefill)
+            await wait_until(lambda: index.counts(h["x-turbo-backend"])[1] == 0)
+            async with session.post(gw.url + "/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 2,
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": f"Question {i}: why?"}]}) as r:
+                assert r.status == 200
+                h, body = dict(r.headers), await r.json()
+            seen.append((h, body))
+            await wait_until(lambda: index.counts(h["x-turbo-backend"])[1] == 0)
+        for h, body in seen[2:]:  # after the first text and the first chat prompt
+            r = route(h)
+            assert r["evidence"] == "precise"
+            assert int(r["matched_tokens"]) == body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
