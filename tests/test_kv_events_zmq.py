@@ -6,8 +6,8 @@ x-turbo-route and /metrics say."""
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
-from typing import Any
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
@@ -45,6 +45,19 @@ async def connected(gw, pub: KVPublisher, name: str) -> None:
     before = stats.batches
     await publish_until(pub, batch([cleared()]), lambda: stats.batches > before)
     await wait_until(lambda: gw.state.core.index.engine(name).live)
+
+
+@asynccontextmanager
+async def one_engine(topic_frame: bool = False) -> AsyncIterator[tuple[Any, KVPublisher]]:
+    """The gateway in front of one scripted backend ``a`` whose engine publishes on a
+    test publisher, subscribed and live."""
+    async with AsyncExitStack() as st:
+        a = await st.enter_async_context(ScriptedBackend().running())
+        pa = await st.enter_async_context(kv_publisher())
+        pa.replay_topic_frame = topic_frame
+        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
+        await connected(gw, pa, "a")
+        yield gw, pa
 
 
 async def complete(gw, prompt: list[int], **extra: Any) -> tuple[int, dict[str, str], dict]:
@@ -87,11 +100,7 @@ async def test_a_repeated_prefix_is_routed_to_its_precise_holder():
 
 
 async def test_a_dispatch_is_speculative_until_the_engine_confirms_it():
-    async with AsyncExitStack() as st:
-        a = await st.enter_async_context(ScriptedBackend().running())
-        pa = await st.enter_async_context(kv_publisher())
-        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
-        await connected(gw, pa, "a")
+    async with one_engine() as (gw, pa):
         prompt = PREFIX[:64]
         _, h, _ = await complete(gw, prompt + [1])
         assert (route(h)["evidence"], route(h)["matched_tokens"]) == ("precise", "0")
@@ -105,12 +114,7 @@ async def test_a_dispatch_is_speculative_until_the_engine_confirms_it():
 
 @pytest.mark.parametrize("topic_frame", [False, True], ids=["seq-payload", "vllm-0.32-topic-seq-payload"])
 async def test_a_gap_is_filled_by_replay(topic_frame):
-    async with AsyncExitStack() as st:
-        a = await st.enter_async_context(ScriptedBackend().running())
-        pa = await st.enter_async_context(kv_publisher())
-        pa.replay_topic_frame = topic_frame
-        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
-        await connected(gw, pa, "a")
+    async with one_engine(topic_frame) as (gw, pa):
         stats = gw.state.core.kv_stats["a"]
         await pa.publish(batch([stored([1], None, PREFIX[:16], BS)]), drop=True)  # lost on the way
         await pa.publish(batch([stored([2], 1, PREFIX[16:32], BS)]))
@@ -124,11 +128,7 @@ async def test_a_gap_is_filled_by_replay(topic_frame):
 
 
 async def test_a_gap_replay_cannot_fill_drops_precise_entries_and_falls_back_to_approximate():
-    async with AsyncExitStack() as st:
-        a = await st.enter_async_context(ScriptedBackend().running())
-        pa = await st.enter_async_context(kv_publisher())
-        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
-        await connected(gw, pa, "a")
+    async with one_engine() as (gw, pa):
         stats, index = gw.state.core.kv_stats["a"], gw.state.core.index
         await pa.publish(batch([stored([1, 2], None, PREFIX[:32], BS)]))
         await wait_until(lambda: index.counts("a")[0] == 2)
@@ -151,11 +151,7 @@ async def test_a_gap_replay_cannot_fill_drops_precise_entries_and_falls_back_to_
 
 
 async def test_an_engine_restart_clears_its_entries():
-    async with AsyncExitStack() as st:
-        a = await st.enter_async_context(ScriptedBackend().running())
-        pa = await st.enter_async_context(kv_publisher())
-        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
-        await connected(gw, pa, "a")
+    async with one_engine() as (gw, pa):
         index = gw.state.core.index
         await pa.publish(batch([stored([1, 2, 3], None, PREFIX[:48], BS)]))
         await wait_until(lambda: index.counts("a")[0] == 3)
@@ -179,11 +175,7 @@ async def test_a_restart_hidden_behind_a_reconnection_is_found_by_replay():
     """The engine restarts and publishes more messages than its last run had before
     the subscriber reconnects: the sequence does not go back, but the batch replayed
     at the last applied seq is not the one applied."""
-    async with AsyncExitStack() as st:
-        a = await st.enter_async_context(ScriptedBackend().running())
-        pa = await st.enter_async_context(kv_publisher())
-        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
-        await connected(gw, pa, "a")
+    async with one_engine() as (gw, pa):
         index, stats = gw.state.core.index, gw.state.core.kv_stats["a"]
         await pa.publish(batch([stored([1, 2], None, PREFIX[:32], BS)]))
         await wait_until(lambda: index.counts("a")[0] == 2)
@@ -198,11 +190,7 @@ async def test_a_restart_hidden_behind_a_reconnection_is_found_by_replay():
 
 
 async def test_a_reconnection_to_the_same_run_keeps_the_entries():
-    async with AsyncExitStack() as st:
-        a = await st.enter_async_context(ScriptedBackend().running())
-        pa = await st.enter_async_context(kv_publisher())
-        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
-        await connected(gw, pa, "a")
+    async with one_engine() as (gw, pa):
         index, stats = gw.state.core.index, gw.state.core.kv_stats["a"]
         await pa.publish(batch([stored([1, 2], None, PREFIX[:32], BS)]))
         await wait_until(lambda: index.counts("a")[0] == 2)
@@ -217,11 +205,7 @@ async def test_a_reconnection_to_the_same_run_keeps_the_entries():
 
 
 async def test_undecodable_payloads_are_counted_and_the_subscription_goes_on():
-    async with AsyncExitStack() as st:
-        a = await st.enter_async_context(ScriptedBackend().running())
-        pa = await st.enter_async_context(kv_publisher())
-        gw = await st.enter_async_context(running_gateway(config({"a": (a.url, pa)})))
-        await connected(gw, pa, "a")
+    async with one_engine() as (gw, pa):
         await pa.publish(b"\xc1 not msgpack")
         await pa.publish(orjson.dumps({"ts": 1}))
         await pa.pub.send_multipart([b"kv-events", b"short"])  # not [topic, seq, payload]
