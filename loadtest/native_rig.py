@@ -718,12 +718,13 @@ def ttft_scenario(name: str, label: str, start, be: Backends, args, workdir: Pat
                    "core0_busy": (b.client_cpu_s + bcpu) / b.wall_s if b.wall_s else None,
                    "core1_other": core1_other, "req_per_s": b.streams / b.wall_s if b.wall_s else None,
                    "proxy_cores": pcpu / b.wall_s if proc is not None and b.wall_s else None,
+                   "cpu_s_per_1k": pcpu / b.streams * 1000 if proc is not None and b.streams else None,
                    "chunks_per_s": b.events / b.wall_s if b.wall_s else None}
             rows.append(row)
             print(f"  {name} (c, {c} streams): TTFT p50 {fmt(row['p50'])} ms, p99 {fmt(row['p99'])} ms, "
                   f"{b.streams} streams, {fmt(row['req_per_s'], '{:.0f}')} req/s, "
                   f"{fmt(row['chunks_per_s'], '{:.0f}')} events/s, proxy {fmt(row['proxy_cores'], '{:.0%}')} of "
-                  f"a core, core 0 {fmt(row['core0_busy'], '{:.0%}')}, "
+                  f"a core ({fmt(row['cpu_s_per_1k'], '{:.3f}')} CPU s/1k), core 0 {fmt(row['core0_busy'], '{:.0%}')}, "
                   f"core 1 other {fmt(core1_other, '{:.0%}')}, errors {b.errors}"
                   + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
     finally:
@@ -995,21 +996,22 @@ def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dic
               f"{args.ttft_tokens} tokens, nginx echo backends with {args.ttft_ms:g} ms TTFT and {args.itl_ms:g} ms "
               f"between tokens, {args.ttft_rounds * conc} measured streams per row; added = row - direct (1st run), "
               f"so direct (2nd run) shows the noise; events/s = SSE events the client read per second; proxy CPU "
-              f"= the proxy's CPU per wall second (near 100%: the proxy is saturated on core 1); core 0 busy = "
-              f"(client + backend nginx CPU) / wall.\n")
-        print("| target | TTFT p50 | TTFT p99 | added p50 | added p99 | req/s | events/s | proxy CPU | core 0 busy "
-              "| core 1 other | errors |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              f"= the proxy's CPU per wall second (near 100%: the proxy is saturated on core 1); CPU s/1k = the "
+              f"proxy's CPU seconds per 1,000 of these streams; core 0 busy = (client + backend nginx CPU) / wall.\n")
+        print("| target | TTFT p50 | TTFT p99 | added p50 | added p99 | req/s | events/s | proxy CPU | CPU s/1k "
+              "| core 0 busy | core 1 other | errors |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if r.get("missing"):
-                print(f"| {r['label']} | {r['missing']} | | | | | | | | | |")
+                print(f"| {r['label']} | {r['missing']} | | | | | | | | | | |")
                 continue
             err = str(r["errors"]) + (f" ({r['first_error'][:120]})" if r["errors"] else "")
             print(f"| {r['label']} | {fmt(r['p50'], '{:.1f}')} | {fmt(r['p99'], '{:.1f}')} "
                   f"| {r['p50'] - base.get('p50', float('nan')):+.1f} "
                   f"| {r['p99'] - base.get('p99', float('nan')):+.1f} "
                   f"| {fmt(r['req_per_s'], '{:.0f}')} | {fmt(r['chunks_per_s'], '{:.0f}')} "
-                  f"| {fmt(r['proxy_cores'], '{:.0%}')} | {fmt(r['core0_busy'], '{:.0%}')} "
+                  f"| {fmt(r['proxy_cores'], '{:.0%}')} | {fmt(r.get('cpu_s_per_1k'), '{:.3f}')} "
+                  f"| {fmt(r['core0_busy'], '{:.0%}')} "
                   f"| {fmt(r['core1_other'], '{:.0%}')} | {err} |")
 
     if workers:

