@@ -54,7 +54,8 @@ import httptools
 import yaml
 
 from loadtest import procs
-from loadtest.rig_common import MODEL, PROMPT, PROXY_CORE, core_busy, fmt, gather_bounded, percentile, spawn
+from loadtest.rig_common import (MODEL, PROMPT, PROXY_CORE, core_busy, cpu_split, fmt, gather_bounded, percentile,
+                                 print_split_table, spawn, split_text)
 
 TOKEN = b' tok"'  # a content token in the body as any proxy relays or re-serializes it
 WHOLE_TOKENS = 16
@@ -662,29 +663,32 @@ def cpu_scenario(name: str, start, be: Backends, set_name: str, stream: bool, to
         warm = run_wrk(url, script, args.wrk_warmup_seconds, 1, 64, client_cpus)
         time.sleep(0.3)
         be.hits()  # the warm-up's hits are not counted
+        by0 = procs.tree_cpu_by_process(proc.pid) if proc else None
         c0, b0, k0 = _tree_cpu(proc.pid if proc else None), be.cpu_seconds(), core_busy(PROXY_CORE)
         t0 = time.perf_counter()
         w = run_wrk(url, script, args.wrk_seconds, 1, 64, client_cpus)
         wall = time.perf_counter() - t0
         cpu = _tree_cpu(proc.pid) - c0 if proc else None
+        split = cpu_split(proc.pid if proc else None, by0, w.requests)
         bcpu, k1 = be.cpu_seconds() - b0, core_busy(PROXY_CORE)
         nprocs = len(procs.tree_pids(proc.pid)) if proc else None
     finally:
         if proc is not None:
             procs.stop(proc)
     time.sleep(0.3)
-    split = be.split(set_name)
+    backend_split = be.split(set_name)
     core1_other = (max(0.0, (k1 - k0) - (cpu or 0.0)) / wall) if k0 is not None and k1 is not None and wall else None
     row = {"cpu_s_per_1k": cpu / w.requests * 1000 if cpu is not None and w.requests else None, "cpu_s": cpu,
            "ok": w.requests, "req_per_s": w.rps, "errors": w.errors, "error_text": w.error_text(),
-           "warmup_errors": warm.error_text(), "check": check or "ok", "split": split,
+           "warmup_errors": warm.error_text(), "check": check or "ok", "split": backend_split, "cpu_by_process": split,
            "core0_busy": (bcpu + w.cpu_s) / wall if wall else None, "core1_other": core1_other,
            "latency_p50_ms": w.lat_p50_ms, "latency_p99_ms": w.lat_p99_ms, "nprocs": nprocs, "wall_s": wall}
     print(f"  {name} ({'b' if stream else 'a'}): {fmt(row['cpu_s_per_1k'], '{:.3f}')} CPU s/1k, "
           f"{w.requests} requests, {fmt(w.rps, '{:.0f}')} req/s, errors {w.error_text()} "
           f"(warm-up {warm.error_text()}), "
-          f"split {split}, core 0 busy {fmt(row['core0_busy'], '{:.0%}')}, core 1 other "
-          f"{fmt(core1_other, '{:.0%}')}, check {check or 'ok'}", file=sys.stderr, flush=True)
+          f"split {backend_split}, core 0 busy {fmt(row['core0_busy'], '{:.0%}')}, core 1 other "
+          f"{fmt(core1_other, '{:.0%}')}, check {check or 'ok'}"
+          + (f", CPU s/1k by process: {split_text(split)}" if split_text(split) else ""), file=sys.stderr, flush=True)
     return row
 
 
@@ -707,9 +711,11 @@ def ttft_scenario(name: str, label: str, start, be: Backends, args, workdir: Pat
         for c in concurrencies:
             n = rounds or args.ttft_rounds
             run_streams(urls, c, 1, args.ttft_tokens, args.batch_timeout, stagger)
+            by0 = procs.tree_cpu_by_process(proc.pid) if proc else None
             p0, b0, k0 = _tree_cpu(proc.pid if proc else None), be.cpu_seconds(), core_busy(PROXY_CORE)
             b = run_streams(urls, c, n, args.ttft_tokens, args.batch_timeout, stagger)
             pcpu, bcpu, k1 = _tree_cpu(proc.pid if proc else None) - p0, be.cpu_seconds() - b0, core_busy(PROXY_CORE)
+            split = cpu_split(proc.pid if proc else None, by0, b.streams)
             core1_other = (max(0.0, (k1 - k0) - pcpu) / b.wall_s) if k0 is not None and k1 is not None and b.wall_s \
                 else None
             row = {"name": name, "label": label, "concurrency": c, "p50": percentile(b.ttft_ms, 50),
@@ -719,6 +725,7 @@ def ttft_scenario(name: str, label: str, start, be: Backends, args, workdir: Pat
                    "core1_other": core1_other, "req_per_s": b.streams / b.wall_s if b.wall_s else None,
                    "proxy_cores": pcpu / b.wall_s if proc is not None and b.wall_s else None,
                    "cpu_s_per_1k": pcpu / b.streams * 1000 if proc is not None and b.streams else None,
+                   "cpu_by_process": split,
                    "chunks_per_s": b.events / b.wall_s if b.wall_s else None}
             rows.append(row)
             print(f"  {name} (c, {c} streams): TTFT p50 {fmt(row['p50'])} ms, p99 {fmt(row['p99'])} ms, "
@@ -726,7 +733,9 @@ def ttft_scenario(name: str, label: str, start, be: Backends, args, workdir: Pat
                   f"{fmt(row['chunks_per_s'], '{:.0f}')} events/s, proxy {fmt(row['proxy_cores'], '{:.0%}')} of "
                   f"a core ({fmt(row['cpu_s_per_1k'], '{:.3f}')} CPU s/1k), core 0 {fmt(row['core0_busy'], '{:.0%}')}, "
                   f"core 1 other {fmt(core1_other, '{:.0%}')}, errors {b.errors}"
-                  + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
+                  + (f" ({b.first_error})" if b.errors else "")
+                  + (f", CPU s/1k by process: {split_text(split)}" if split_text(split) else ""),
+                  file=sys.stderr, flush=True)
     finally:
         if proc is not None:
             procs.stop(proc)
@@ -982,6 +991,8 @@ def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dic
                           + ("" if x.get("check", "ok") == "ok" else f" (check: {x['check']})") for x in (a, b))
         print(f"| {r['label']} | {' | '.join(cells)} | {errs} | {'/'.join(map(str, a.get('split', [])))} "
               f"| {_pair(r, 'core0_busy', '{:.0%}')} | {_pair(r, 'core1_other', '{:.0%}')} |")
+
+    print_split_table(results, ttft_rows)
 
     if calibration:
         c = calibration[0]

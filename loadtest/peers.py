@@ -78,8 +78,8 @@ import aiohttp
 import yaml
 
 from loadtest import procs
-from loadtest.rig_common import (CLIENT_CORE, MODEL, PROMPT, PROXY_CORE, core_busy, fmt, gather_bounded, percentile,
-                                 spawn, wait_chat)
+from loadtest.rig_common import (CLIENT_CORE, MODEL, PROMPT, PROXY_CORE, core_busy, cpu_split, fmt, gather_bounded,
+                                 percentile, print_split_table, spawn, split_text, wait_chat)
 
 PEERS_HOME = Path(os.environ.get("TG_PEERS_HOME", "~/.cache/turbo-gateway/peers")).expanduser()
 
@@ -485,21 +485,25 @@ def main(argv: list[str] | None = None) -> int:
             for key, stream, tokens in scen:
                 _run(_drive(urls, args.warmup, 64, stream, tokens, args.batch_timeout))
                 s0 = _served(zero_urls)
+                by0 = procs.tree_cpu_by_process(proc.pid) if proc else None
                 c0 = procs.tree_cpu_seconds(proc.pid) if proc else None
                 b = _run(_drive(urls, args.requests, 64, stream, tokens, args.batch_timeout,
                                 proxy_pid=proc.pid if proc else None))
                 cpu = procs.tree_cpu_seconds(proc.pid) - c0 if proc else None
+                by = cpu_split(proc.pid if proc else None, by0, b.requests)
                 s1 = _served(zero_urls)
                 split = [y - x for x, y in zip(s0, s1)]
                 row[key] = {"cpu_s_per_1k": cpu / b.requests * 1000 if cpu is not None and b.requests else None,
                             "cpu_s": cpu, "ok": b.requests, "errors": b.errors, "first_error": b.first_error,
                             "req_per_s": b.requests / b.wall_s if b.wall_s else None, "split": split,
-                            "core1_other": b.core1_other,
+                            "core1_other": b.core1_other, "cpu_by_process": by,
                             "nprocs": len(procs.tree_pids(proc.pid)) if proc else None}
                 print(f"  {name} ({key}): {fmt(row[key]['cpu_s_per_1k'])} CPU s/1k, "
                       f"{fmt(row[key]['req_per_s'], '{:.0f}')} req/s, split {split}, "
                       f"core 1 other {fmt(b.core1_other, '{:.0%}')}, errors {b.errors}"
-                      + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
+                      + (f" ({b.first_error})" if b.errors else "")
+                      + (f", CPU s/1k by process: {split_text(by)}" if split_text(by) else ""),
+                      file=sys.stderr, flush=True)
             return row
 
         def ttft_pass(name: str, label: str, urls: list[str], proc: subprocess.Popen | None = None) -> None:
@@ -507,12 +511,15 @@ def main(argv: list[str] | None = None) -> int:
             for c in args.ttft_concurrency:
                 _run(_drive(urls, c, c, True, args.ttft_tokens, args.batch_timeout, measure_ttft=True,
                             stagger_s=stagger))
+                by0 = procs.tree_cpu_by_process(proc.pid) if proc else None
                 c0 = _proxy_cpu(proc.pid if proc else None)
                 b = _run(_drive(urls, args.ttft_rounds * c, c, True, args.ttft_tokens, args.batch_timeout,
                                 measure_ttft=True, stagger_s=stagger, proxy_pid=proc.pid if proc else None))
                 cpu = _proxy_cpu(proc.pid if proc else None) - c0
+                by = cpu_split(proc.pid if proc else None, by0, b.requests)
                 row = {"name": name, "label": label, "concurrency": c, "p50": percentile(b.ttft_ms, 50),
                        "cpu_s_per_1k": cpu / b.requests * 1000 if proc is not None and b.requests else None,
+                       "cpu_by_process": by,
                        "p99": percentile(b.ttft_ms, 99), "ok": b.requests, "errors": b.errors,
                        "first_error": b.first_error, "core0_busy": b.core0_busy, "core1_other": b.core1_other,
                        "req_per_s": b.requests / b.wall_s if b.wall_s else None}
@@ -521,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"proxy {fmt(row['cpu_s_per_1k'], '{:.3f}')} CPU s/1k, "
                       f"{fmt(row['req_per_s'], '{:.0f}')} req/s, core 0 {fmt(b.core0_busy, '{:.0%}')}, "
                       f"core 1 other {fmt(b.core1_other, '{:.0%}')}, "
-                      f"errors {b.errors}" + (f" ({b.first_error})" if b.errors else ""), file=sys.stderr, flush=True)
+                      f"errors {b.errors}" + (f" ({b.first_error})" if b.errors else "")
+                      + (f", CPU s/1k by process: {split_text(by)}" if split_text(by) else ""),
+                      file=sys.stderr, flush=True)
 
         print("\n(a) and (b): proxy CPU", file=sys.stderr)
         results["direct"] = {"label": "direct (client to backends)", **cpu_pass("direct", zero_urls, None)}
@@ -581,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| {fmt(b['cpu_s_per_1k'], '{:.3f}')} | {fmt(b['req_per_s'], '{:.0f}')} | {a['errors'] + b['errors']} "
               f"| {'/'.join(map(str, a['split']))} "
               f"| {fmt(a['core1_other'], '{:.0%}')} / {fmt(b['core1_other'], '{:.0%}')} |")
+    print_split_table(results, ttft_rows)
     for c in args.ttft_concurrency if ttft_rows else []:
         rows = [r for r in ttft_rows if r["concurrency"] == c]
         base = rows[0]

@@ -69,6 +69,31 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def process_label(pid: int) -> str:
+    """A short name of process ``pid`` from its command line: the module of ``python -m
+    MODULE``, else the executable's base name (``envoy``, ``nginx``); raises OSError
+    when it is gone."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    args = [a.decode(errors="replace") for a in argv]
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1]
+    return os.path.basename(args[0]) if args and args[0] else "?"
+
+
+def tree_cpu_by_process(pid: int) -> dict[str, float]:
+    """:func:`tree_cpu_seconds` split by :func:`process_label` (processes with the same
+    label summed): which part of a proxy path the CPU went to. Processes that end while
+    it reads are left out."""
+    out: dict[str, float] = {}
+    for p in tree_pids(pid):
+        try:
+            label = process_label(p)
+            out[label] = out.get(label, 0.0) + _stat_cpu(p)
+        except OSError:
+            pass
+    return out
+
+
 def pin_to(cpus: set[int] | None):
     """A ``preexec_fn`` for ``subprocess.Popen`` that restricts the child (and so every
     thread and process it starts) to ``cpus``; ``None`` when ``cpus`` is empty/None."""
@@ -197,6 +222,33 @@ def start_gateway(config: dict[str, Any] | str | Path, timeout_s: float = 30.0,
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1",
                              "--port", str(port), "--log-level", "warning"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", timeout_s, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url, path
+
+
+def start_envoy_epp(config: dict[str, Any] | str | Path, timeout_s: float = 60.0,
+                    workdir: str | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """Envoy in front of ``python -m gateway --epp`` (:mod:`loadtest.envoy_epp`, one process
+    tree) on a free loopback port; ``config`` as for :func:`start_gateway`. Returns the
+    launcher process, Envoy's URL and the config path once ``/health`` answers through
+    Envoy (the picker lets it through to a backend). Raises RuntimeError when it does
+    not come up within ``timeout_s``."""
+    if isinstance(config, dict):
+        fd, name = tempfile.mkstemp(prefix="loadtest-epp-", suffix=".yaml", dir=workdir)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        path = Path(name)
+    else:
+        path = Path(config)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.envoy_epp", "--config", str(path), "--port", str(port),
+                             "--ready-timeout", str(timeout_s)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

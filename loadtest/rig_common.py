@@ -118,3 +118,40 @@ def spawn(argv: list[str], workdir: str, tag: str, cpus: set[int] | None, ready_
         procs.stop(proc)
         raise
     return proc, url
+
+
+def cpu_split(pid: int | None, before: dict[str, float] | None, count: int) -> dict[str, float] | None:
+    """CPU seconds per 1,000 of ``count`` requests that each part of the proxy's process
+    tree used since ``before`` (:func:`loadtest.procs.tree_cpu_by_process` of ``pid``
+    then); ``None`` without a proxy, a reading or requests."""
+    if not pid or before is None or not count:
+        return None
+    try:
+        after = procs.tree_cpu_by_process(pid)
+    except OSError:
+        return None
+    return {k: (v - before.get(k, 0.0)) / count * 1000 for k, v in sorted(after.items())}
+
+
+def split_text(split: dict[str, float] | None) -> str:
+    """``"envoy 0.612, gateway 1.204"`` (CPU s/1k per part), or "" for one part or none."""
+    if not split or len(split) < 2:
+        return ""
+    return ", ".join(f"{k} {v:.3f}" for k, v in split.items())
+
+
+def print_split_table(results: dict[str, dict[str, Any]], ttft_rows: list[dict[str, Any]]) -> None:
+    """The Markdown table of :func:`cpu_split` for every target and scenario whose proxy
+    has several processes (Envoy + the endpoint picker), on stdout; nothing otherwise."""
+    rows = [(r["label"], k, r[k]["cpu_by_process"]) for r in results.values() if not r.get("missing")
+            for k in ("a", "b") if isinstance(r.get(k), dict) and split_text(r[k].get("cpu_by_process"))]
+    rows += [(r["label"], f"c, {r['concurrency']} streams", r["cpu_by_process"]) for r in ttft_rows
+             if split_text(r.get("cpu_by_process"))]
+    if not rows:
+        return
+    print("\nWhere the CPU of a proxy with several processes went, CPU s/1k by process (`python -m X` by its "
+          "module, else the executable):\n")
+    print("| target | scenario | CPU s/1k by process |")
+    print("|---|---|---|")
+    for label, scen, split in rows:
+        print(f"| {label} | {scen} | {split_text(split)} |")
