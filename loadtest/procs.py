@@ -70,14 +70,13 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def process_label(pid: int) -> str:
-    """A short name of process ``pid`` from its command line: the module of ``python -m
-    MODULE``, else the executable's base name (``envoy``, ``nginx``); raises OSError
-    when it is gone."""
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
-    args = [a.decode(errors="replace") for a in argv]
+    """A short name of process ``pid``: the module of ``python -m MODULE`` (its command
+    line), else its command name (``/proc/PID/comm``: ``envoy``, ``nginx`` for an nginx
+    master and its workers alike); raises OSError when it is gone."""
+    args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
     if "-m" in args[:-1]:
         return args[args.index("-m") + 1]
-    return os.path.basename(args[0]) if args and args[0] else "?"
+    return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
 def tree_cpu_by_process(pid: int) -> dict[str, float]:

@@ -44,6 +44,9 @@ def test_envoy_epp_target_serves_and_counts_both_processes(name, zeros, tmp_path
         # every request reached exactly one backend (the one the picker chose): none twice
         assert sum(peers._served(zeros)) - sum(served0) == 40
         assert cpu > 0
+        parts = procs.tree_cpu_by_process(proc.pid)  # what the harness splits the CPU column by
+        assert {"loadtest.envoy_epp", "gateway", "envoy"} <= set(parts)
+        assert parts["envoy"] > 0 and parts["gateway"] > 0
     finally:
         procs.stop(proc)
     assert proc.returncode == 0  # SIGTERM stops Envoy and the picker and exits cleanly
