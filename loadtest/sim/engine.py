@@ -287,12 +287,13 @@ class Request:
         "req_id", "token_ids", "prompt_len", "max_tokens", "output_tokens", "seed",
         "num_output", "num_computed", "blocks", "hashes", "num_registered", "status",
         "num_cached_tokens", "prefill_only", "remote_prefill_tokens", "kv_ready_at",
-        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
+        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "lora",
     )
 
     def __init__(self, req_id, prompt, max_tokens, arrival_time, prefill_only,
-                 remote_prefill_tokens, output_tokens, seed):
+                 remote_prefill_tokens, output_tokens, seed, lora=None):
         self.req_id = req_id
+        self.lora = lora
         self.token_ids = list(prompt)  # prompt + generated, grows
         self.prompt_len = len(prompt)
         self.max_tokens = max_tokens
@@ -312,6 +313,15 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+
+
+def _evict(lru: "collections.OrderedDict[str, None]", size: int, keep: set[str]) -> None:
+    """Drop the least recently used entries of ``lru`` not in ``keep`` down to ``size``."""
+    for k in list(lru):
+        if len(lru) <= size:
+            return
+        if k not in keep:
+            del lru[k]
 
 
 class Engine:
@@ -356,6 +366,18 @@ class Engine:
         }
         # Last step, for tests and debugging.
         self.last_step: dict = {}
+        # LoRA (vLLM's LoRAConfig): at most ``max_loras`` distinct adapters in one batch;
+        # ``max_cpu_loras`` adapters' weights kept in host memory (LRU); a scheduled
+        # request whose adapter is not there blocks its step for ``lora_load_s``
+        # (reading the weights), one not in a GPU slot for ``lora_swap_s`` (copying
+        # them in), both emulated seconds. None: LoRA off.
+        self.max_loras: int | None = None
+        self.max_cpu_loras = 0
+        self.lora_load_s = 0.0
+        self.lora_swap_s = 0.0
+        self.cpu_loras: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.gpu_loras: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.lora_loads = 0  # adapter weights read into host memory (sim:lora_loads)
 
     # --- public API -----------------------------------------------------------------
 
@@ -388,8 +410,10 @@ class Engine:
         remote_prefill_tokens: int = 0,
         output_tokens: int | None = None,
         seed: int | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queue a request (see module docstring for the flags). Units: tokens, seconds."""
+        """Queue a request (see module docstring for the flags; ``lora``: the adapter
+        it runs with, LoRA must be on). Units: tokens, seconds."""
         p = self.profile
         n = len(prompt_token_ids)
         if req_id in self.requests:
@@ -410,8 +434,10 @@ class Engine:
             raise ValueError(f"request needs more KV blocks than the cache has ({p.num_gpu_blocks})")
         if seed is None:
             seed = zlib.crc32(array("I", prompt_token_ids).tobytes())
+        if lora is not None and self.max_loras is None:
+            raise ValueError("LoRA is not enabled on this engine")
         req = Request(req_id, prompt_token_ids, max_tokens, arrival_time, prefill_only,
-                      max(0, int(remote_prefill_tokens)), output_tokens, seed)
+                      max(0, int(remote_prefill_tokens)), output_tokens, seed, lora)
         self.requests[req_id] = req
         self.waiting.append(req)
 
@@ -556,11 +582,20 @@ class Engine:
             i += 1
 
         # 2. Waiting requests (not in a step that preempted).
+        lora_s = 0.0
         if not preempted:
             waiting = self.waiting
             max_seqs = p.max_num_seqs
+            batch_loras = {r.lora for r, _ in scheduled if r.lora is not None}
+            skipped: list[Request] = []
             while waiting and budget > 0 and len(running) < max_seqs:
                 req = waiting[0]
+                if req.lora is not None and req.lora not in batch_loras:
+                    if len(batch_loras) >= self.max_loras:  # type: ignore[operator]
+                        skipped.append(waiting.popleft())  # no adapter slot: waits (vLLM skips it)
+                        continue
+                    batch_loras.add(req.lora)
+                    lora_s += self._activate_lora(req.lora, batch_loras)
                 num_tokens = len(req.token_ids)
                 hit: list[int] = []
                 fresh = not req.blocks
@@ -610,6 +645,7 @@ class Engine:
                 running.append(req)
                 scheduled.append((req, n))
                 budget -= n
+            waiting.extendleft(reversed(skipped))
 
         if not scheduled:
             self.last_step = {"idle": True}
@@ -636,6 +672,7 @@ class Engine:
             + p.prefill_attn_s_per_token_pair * attn_pairs
             + p.decode_s_per_seq * decode_seqs
             + p.kv_read_s_per_token * decode_ctx
+            + lora_s
         )
         dt = step_s / speed
         t_end = now + dt
@@ -699,6 +736,56 @@ class Engine:
             done = set(id(r) for r in finished)
             self.running = [r for r in self.running if id(r) not in done]
         return dt, outputs
+
+    # --- LoRA -------------------------------------------------------------------------
+
+    def enable_lora(self, max_loras: int, max_cpu_loras: int, load_s: float, swap_s: float) -> None:
+        """Turn LoRA on (see ``__init__``). Raises ValueError on bad bounds."""
+        if max_loras < 1 or max_cpu_loras < max_loras or load_s < 0 or swap_s < 0:
+            raise ValueError("need max_loras >= 1, max_cpu_loras >= max_loras, load_s >= 0, swap_s >= 0")
+        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
+        self.lora_load_s, self.lora_swap_s = load_s, swap_s
+
+    def lora_in_use(self) -> tuple[set[str], set[str]]:
+        """(adapters of running requests, adapters of waiting ones): the labels of
+        vLLM's ``vllm:lora_requests_info``."""
+        run = {r.lora for r in self.running if r.lora is not None}
+        wait = {r.lora for r in self.waiting if r.lora is not None}
+        wait |= {r.lora for r in self.transferring if r.lora is not None}
+        return run, wait
+
+    def _activate_lora(self, name: str, batch: set[str]) -> float:
+        """Put adapter ``name`` in a GPU slot for this step's ``batch``; returns the
+        emulated seconds it costs (a read into host memory when it is not there, a
+        copy when it is not in a GPU slot). Least recently used adapters not in
+        ``batch`` are evicted."""
+        cost = 0.0
+        if name in self.cpu_loras:
+            self.cpu_loras.move_to_end(name)
+        else:
+            cost += self.lora_load_s
+            self.lora_loads += 1
+            self.cpu_loras[name] = None
+            _evict(self.cpu_loras, self.max_cpu_loras, batch)
+        if name in self.gpu_loras:
+            self.gpu_loras.move_to_end(name)
+        else:
+            cost += self.lora_swap_s
+            self.gpu_loras[name] = None
+            _evict(self.gpu_loras, self.max_loras or 1, batch)
+        return cost
+
+    def preload_lora(self, name: str) -> None:
+        """Adapter ``name``'s weights are now in host memory (read by
+        ``/v1/load_lora_adapter``, which paid for it)."""
+        self.cpu_loras[name] = None
+        self.cpu_loras.move_to_end(name)
+        _evict(self.cpu_loras, self.max_cpu_loras, {r.lora for r in self.running if r.lora is not None})
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name``'s weights (``/v1/unload_lora_adapter``)."""
+        self.cpu_loras.pop(name, None)
+        self.gpu_loras.pop(name, None)
 
     # --- internals --------------------------------------------------------------------
 

@@ -25,6 +25,13 @@ Endpoints (shapes follow vLLM's OpenAI server)
   ``decode``/``mixed`` backend charges the KV transfer time (bytes over the profile's
   link bandwidth) instead of recomputing the prompt.
 * ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /reset_prefix_cache``.
+* LoRA adapters (``lora`` in the spec, :class:`loadtest.sim.spec.LoraConfig`): listed in
+  ``/v1/models`` with ``parent`` (the base model) and ``max_model_len: null`` as vLLM
+  lists them; ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
+  ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``) with vLLM's answers; a request
+  naming an adapter runs with it (see the engine's LoRA model); exported as vLLM's
+  ``vllm:lora_requests_info`` gauge (labels ``running_lora_adapters``,
+  ``waiting_lora_adapters``: comma-separated names; ``max_lora``; value: the time).
 * KV-cache events (``kv_events`` in the spec): the engine's stores, evictions and
   prefix-cache resets go out on a ZMQ PUB socket in vLLM's wire format, with a
   replay socket (:mod:`loadtest.sim.kv_events`); ``GET /kv_event_sources`` and
@@ -254,6 +261,14 @@ class _EngineCollector:
             rs.add_metric(lv + [reason], e.request_success.get(reason, 0))
         yield rs
         # The emulator's own health and extras.
+        lc = b.cfg.lora
+        if lc is not None:
+            run, wait = e.lora_in_use()
+            li = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            li.add_metric([str(lc.max_lora), ",".join(sorted(wait)), ",".join(sorted(run))], time.time())
+            yield li
+            yield counter("sim:lora_loads", "LoRA adapter weights read into host memory.", e.lora_loads)
         yield counter("sim:kv_transfer_tokens", "Prompt tokens received over the KV-transfer link.",
                       e.kv_transfer_tokens_total)
         yield counter("sim:kv_evictions", "Cached KV blocks evicted (hash dropped on reuse).", e.kv.num_evictions)
@@ -376,6 +391,11 @@ class SimBackend:
                              kv_events=self.kv_events is not None, tok=self.tok)
         self.runner = AsyncEngineRunner(self.engine, on_step=self._publish_kv_events)
         self.metrics = _Metrics(self)
+        lc = self.cfg.lora
+        # Registered adapters (what /v1/models lists): the spec's, as a restart reloads them.
+        self.lora_adapters: dict[str, None] = dict.fromkeys(lc.adapters) if lc is not None else {}
+        if lc is not None:
+            self.engine.enable_lora(lc.max_lora, lc.max_cpu_loras, lc.load_s, lc.swap_s)
 
     def _start_kv_publisher(self) -> None:
         """A fresh publisher (sequence 0, empty replay buffer) on the first start's
@@ -427,6 +447,8 @@ class SimBackend:
         r.add_post("/v1/chat/completions", self.completions)
         r.add_post("/v1/completions", self.completions)
         r.add_get("/v1/models", self.models)
+        r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_handler)
         r.add_post("/tokenize", self.tokenize)
@@ -539,7 +561,49 @@ class SimBackend:
     async def models(self, request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "vllm", "root": m, "parent": None,
                  "max_model_len": self.profile.max_model_len} for m in self.cfg.models]
+        data += [{"id": a, "object": "model", "created": 0, "owned_by": "vllm", "root": f"/adapters/{a}",
+                  "parent": self.cfg.models[0], "max_model_len": None} for a in self.lora_adapters]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def _lora_name(self, request: web.Request) -> str:
+        """The ``lora_name`` of a LoRA admin body; raises :class:`BadRequest`."""
+        if self.cfg.lora is None:
+            raise BadRequest("LoRA is not enabled on this server", status=404)
+        try:
+            data = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            raise BadRequest("invalid JSON body") from None
+        name = data.get("lora_name") if isinstance(data, dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadRequest("`lora_name` is required", "lora_name")
+        return name
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/load_lora_adapter``: reads the weights (``load_s``), then
+        the adapter is served and listed."""
+        try:
+            name = await self._lora_name(request)
+            if name in self.lora_adapters or name in self.cfg.models:
+                raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        except BadRequest as e:
+            return error_response(e.status, str(e), param=e.param)
+        lc = self.cfg.lora
+        await asyncio.sleep(lc.load_s / self.cfg.speed)
+        self.lora_adapters[name] = None
+        self.engine.preload_lora(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``."""
+        try:
+            name = await self._lora_name(request)
+            if name not in self.lora_adapters:
+                raise BadRequest(f"The lora adapter '{name}' cannot be found.", "lora_name", status=404)
+        except BadRequest as e:
+            return error_response(e.status, str(e), param=e.param)
+        del self.lora_adapters[name]
+        self.engine.unload_lora(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.pump()
@@ -652,8 +716,14 @@ class SimBackend:
         if not isinstance(data, dict):
             return error_response(400, "the body must be a JSON object")
         model = data.get("model")
+        lora: str | None = None
         if model not in self.cfg.models:
-            return error_response(404, f"The model `{model}` does not exist.", param="model")
+            lc = self.cfg.lora
+            if isinstance(model, str) and model and (model in self.lora_adapters or (lc is not None and lc.dynamic)):
+                self.lora_adapters.setdefault(model, None)  # a resolver registers it; the engine reads it
+                lora = model
+            else:
+                return error_response(404, f"The model `{model}` does not exist.", param="model")
 
         # Faults before the first byte.
         f = self.faults
@@ -696,7 +766,7 @@ class SimBackend:
         except BadRequest as e:
             return error_response(e.status, str(e), param=e.param)
 
-        kw: dict[str, Any] = {"output_tokens": self._output_tokens(data, ids)}
+        kw: dict[str, Any] = {"output_tokens": self._output_tokens(data, ids), "lora": lora}
         seed = data.get("seed")
         if isinstance(seed, int) and not isinstance(seed, bool):
             kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF

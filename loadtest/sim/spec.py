@@ -170,6 +170,55 @@ class KVEventsConfig:
 
 
 @dataclass(slots=True)
+class LoraConfig:
+    """LoRA adapters on a simulated backend (vLLM's ``--enable-lora`` options).
+
+    - ``adapters``: adapter names registered at start (vLLM's ``--lora-modules``), all
+      on the backend's first model; listed in ``/v1/models`` with ``parent``.
+    - ``max_lora``: most distinct adapters in one batch (``--max-loras``); a request
+      whose adapter finds no slot waits.
+    - ``max_cpu_loras``: adapters whose weights stay in host memory (``--max-cpu-loras``,
+      default ``max_lora``); a request for a registered adapter not there pays ``load_s``.
+    - ``load_s``: emulated seconds to read one adapter's weights (the first request
+      after registering or eviction, and ``POST /v1/load_lora_adapter``, pay it).
+    - ``swap_s``: emulated seconds to copy an adapter into a GPU slot.
+    - ``dynamic``: a request naming an unregistered adapter registers it and pays
+      ``load_s`` (vLLM with a LoRA resolver plugin); ``false`` (vLLM's default): 404.
+    """
+
+    adapters: list[str] = field(default_factory=list)
+    max_lora: int = 4
+    max_cpu_loras: int | None = None
+    load_s: float = 0.2
+    swap_s: float = 0.002
+    dynamic: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LoraConfig":
+        """Validate ``d``; raises ValueError naming the bad field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"`lora` must be a mapping of LoRA fields, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown lora field(s) {unknown}; known: {sorted(names)}")
+        lc = cls(**d)
+        if not isinstance(lc.adapters, list) or not all(isinstance(a, str) and a for a in lc.adapters):
+            raise ValueError("lora.adapters must be a list of adapter names")
+        if not isinstance(lc.max_lora, int) or lc.max_lora < 1:
+            raise ValueError("lora.max_lora must be an integer >= 1")
+        if lc.max_cpu_loras is None:
+            lc.max_cpu_loras = lc.max_lora
+        if not isinstance(lc.max_cpu_loras, int) or lc.max_cpu_loras < lc.max_lora:
+            raise ValueError("lora.max_cpu_loras must be an integer >= max_lora")
+        for k in ("load_s", "swap_s"):
+            v = getattr(lc, k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"lora.{k} must be a number >= 0")
+        return lc
+
+
+@dataclass(slots=True)
 class SimBackendConfig:
     """One simulated backend (the ``--spec`` / fleet-file fields).
 
@@ -191,6 +240,8 @@ class SimBackendConfig:
     - ``tokenizer``: a Hugging Face ``tokenizer.json`` (or a directory holding one):
       prompts are tokenized with it, so block boundaries and event token ids are a
       real model's; ``None`` (default): the emulator's tokenizer.
+    - ``lora``: a :class:`LoraConfig` (or its dict) to serve LoRA adapters; ``None``
+      (default): none.
     - ``host``, ``port``: where to listen (``port`` 0 picks a free port).
     """
 
@@ -205,6 +256,7 @@ class SimBackendConfig:
     faults: FaultConfig | dict[str, Any] = field(default_factory=FaultConfig)
     kv_events: KVEventsConfig | dict[str, Any] | None = None
     tokenizer: str | None = None
+    lora: LoraConfig | dict[str, Any] | None = None
     host: str = "127.0.0.1"
     port: int = 0
 
@@ -237,6 +289,13 @@ class SimBackendConfig:
                 raise ValueError(f"backend {self.name!r}: {e}") from None
         elif self.kv_events is not None and not isinstance(self.kv_events, KVEventsConfig):
             raise ValueError(f"backend {self.name!r}: `kv_events` must be a mapping of publisher fields or null")
+        if isinstance(self.lora, dict):
+            try:
+                self.lora = LoraConfig.from_dict(self.lora)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"backend {self.name!r}: {e}") from None
+        elif self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"backend {self.name!r}: `lora` must be a mapping of LoRA fields or null")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise ValueError(f"backend {self.name!r}: `tokenizer` must be a path to a tokenizer.json or null")
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
