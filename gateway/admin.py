@@ -74,7 +74,7 @@ async def _backends(request: web.Request) -> web.Response:
     out = []
     for b in state.fleet.backends.values():
         br = b.breaker
-        out.append({"name": b.name, "pool": b.spec.pool, "models": sorted(b.spec.models), "healthy": b.healthy,
+        out.append({"name": b.name, "pool": b.spec.pool, "models": sorted(b.models()), "healthy": b.healthy,
                     "draining": b.draining, "breaker": br.state, "breaker_opened_total": br.opened_total,
                     "cooling_down_s": max(b.cooldown_until - now, 0.0), "in_flight": b.in_flight,
                     "remote_in_flight": b.remote_in_flight})

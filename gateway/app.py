@@ -21,7 +21,7 @@ from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
 from gateway.demo import DemoFleet
 from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id
-from gateway.openai_api import models_list, read_body
+from gateway.openai_api import model_card, models_list, read_body
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.reload import watch_config
@@ -179,7 +179,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.Response(body=orjson.dumps(models_list(state.fleet.models(), state.created)),
+    fleet = state.fleet
+    return web.Response(body=orjson.dumps(models_list([fleet.describe(m) for m in fleet.models()], state.created)),
                         content_type="application/json")
 
 
@@ -189,7 +190,7 @@ async def _model(request: web.Request) -> web.Response:
     if name not in state.fleet.by_model:
         raise ClientError(404, f"The model `{name}` does not exist or is not served by this gateway.",
                           param="model", code="model_not_found")
-    return web.Response(body=orjson.dumps(models_list([name], state.created)["data"][0]),
+    return web.Response(body=orjson.dumps(model_card(state.fleet.describe(name), state.created)),
                         content_type="application/json")
 
 

@@ -16,6 +16,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from routing.core import DEFAULT_TOKENIZER_CACHE_TOKENS, POLICIES, TokenizerError, load_tokenizer
 
+AUTO_MODELS = "auto"  # `backends[].models` entry: also serve what the backend's `/v1/models` lists
+
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
 
@@ -172,7 +174,11 @@ class Backend(_Strict):
         None, description="The server's base URL without `/v1`, e.g. `http://10.0.0.5:8000` (`http://` or "
         "`https://`); request paths are appended. Set exactly one of `url` and `simulate`.")
     models: list[str] = Field(
-        min_length=1, description="Model names the backend serves (the `model` field clients send).")
+        min_length=1, description="Model names the backend serves (the `model` field clients send). `auto` "
+        "(alone, or as one entry of the list) also serves whatever the backend's own `GET /v1/models` lists, "
+        "read on every health-check round: base models and LoRA adapters (vLLM and SGLang name an adapter's "
+        "base model in `parent`), with each model's `max_model_len`. A model or adapter loaded on the backend "
+        "later becomes routable there without a reload; one unloaded stops being routed there.")
     pool: str = Field("mixed", description="The name of a pool from `pools`.")
     weight: float = Field(
         1.0, gt=0, description="Relative capacity, for the load-aware policies (a weight-2 backend takes "
@@ -197,6 +203,31 @@ class Backend(_Strict):
         "fields\"). Checked with the rest of the config by the simulator's own rules: a bad field is a config "
         "error. Adding or changing one needs a restart.")
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _auto_alone(cls, v: Any) -> Any:
+        return [AUTO_MODELS] if v == AUTO_MODELS else v
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, v: list[str]) -> list[str]:
+        if any(not m for m in v):
+            raise ValueError("a model name must not be empty")
+        dup = sorted({m for m in v if v.count(m) > 1})
+        if dup:
+            raise ValueError(f"model {dup[0]!r} is listed twice")
+        return v
+
+    @property
+    def discover(self) -> bool:
+        """Whether the backend's own ``/v1/models`` adds to its models (``auto``)."""
+        return AUTO_MODELS in self.models
+
+    @property
+    def static_models(self) -> list[str]:
+        """The configured model names, ``auto`` left out."""
+        return [m for m in self.models if m != AUTO_MODELS]
+
     @field_validator("url")
     @classmethod
     def _check_url(cls, v: str | None) -> str | None:
@@ -214,7 +245,7 @@ class Backend(_Strict):
         # The simulator's spec module is pure data (no sockets), imported only when a
         # config has a demo backend: the data plane itself never depends on loadtest.
         from loadtest.sim.spec import check_simulate
-        check_simulate(info.data["name"], info.data["models"], v)
+        check_simulate(info.data["name"], [m for m in info.data["models"] if m != AUTO_MODELS], v)
         return v
 
     @model_validator(mode="after")
@@ -789,11 +820,15 @@ class GatewayConfig(_Strict):
         for b in self.backends:
             if b.pool not in pools:
                 raise ValueError(f"backend {b.name!r} names pool {b.pool!r}, which is not in `pools` ({', '.join(sorted(pools))})")
+        # A backend with `models: auto` may serve any model once it lists it, so the
+        # checks below only hold names to the configured lists when none discovers.
         for c in self.routing.canaries:
             for pool in (c.stable_pool, c.canary_pool):
-                if not any(b.pool == pool and c.model in b.models for b in self.backends):
+                if not any(b.pool == pool and (b.discover or c.model in b.models) for b in self.backends):
                     raise ValueError(f"canary split for model {c.model!r}: no backend in pool {pool!r} serves it")
-        served = {m for b in self.backends for m in b.models}
+        served = {m for b in self.backends for m in b.static_models}
+        if any(b.discover for b in self.backends):
+            served = _AnyModel()
         for model in self.models:
             if model not in served:
                 raise ValueError(f"models: model {model!r} is served by no backend")
@@ -818,6 +853,13 @@ class GatewayConfig(_Strict):
         """The global timeouts with ``backend``'s overrides applied."""
         overrides = backend.timeouts.model_dump(exclude_none=True)
         return self.timeouts.model_copy(update=overrides) if overrides else self.timeouts
+
+
+class _AnyModel:
+    """A set of model names that holds every name (some backend discovers its models)."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
 
 
 def _format_validation_error(path: Path, err: ValidationError) -> str:

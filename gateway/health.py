@@ -1,4 +1,14 @@
-"""Active health checks: one background task probing every backend periodically."""
+"""Active health checks: one background task probing every backend periodically.
+
+The same round reads ``GET {base_url}/v1/models`` of every backend configured with
+``models: auto`` and hands what it lists to the decision core
+(:meth:`routing.core.DecisionCore.set_served_models`). The shapes read
+(:func:`parse_models_list`): the OpenAI list ``{"data": [{"id": ...}, ...]}`` that vLLM,
+SGLang and llama.cpp's ``llama-server`` all serve; vLLM and SGLang add ``max_model_len``
+(tokens) and, for a LoRA adapter, ``parent`` (its base model). llama.cpp reports only
+the training context (``meta.n_ctx_train``), not the served one, so its models carry no
+``max_model_len``.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +19,30 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from gateway.config import HealthChecks
+from routing.core import DecisionCore, ServedModel
 
 log = logging.getLogger("gateway.health")
+
+
+def parse_models_list(body: object) -> list[ServedModel]:
+    """The models of a backend's ``GET /v1/models`` JSON ``body`` (see the module
+    docstring for the shapes). Entries without a string ``id`` are skipped; a
+    ``max_model_len`` that is not a positive integer is ignored. Raises ``ValueError``
+    when ``body`` is not an object with a ``data`` list."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("not an OpenAI model list (no `data` array)")
+    out: list[ServedModel] = []
+    seen: set[str] = set()
+    for m in data:
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str) or not m["id"] or m["id"] in seen:
+            continue
+        seen.add(m["id"])
+        parent = m.get("parent")
+        n = m.get("max_model_len")
+        out.append(ServedModel(m["id"], parent if isinstance(parent, str) and parent != m["id"] else None,
+                               n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None))
+    return out
 
 
 class HealthChecker:
@@ -18,12 +50,17 @@ class HealthChecker:
     ``checked``. A backend is marked up again after ``healthy_threshold`` consecutive
     successful probes, and down after ``unhealthy_threshold`` consecutive
     failed probes. ``on_recovered(backend_state)`` is called when a backend that was
-    down is marked up again (it may have restarted with an empty KV cache)."""
+    down is marked up again (it may have restarted with an empty KV cache). Backends
+    whose spec has ``discover`` set also have their ``/v1/models`` read each round
+    that their probe passed; what it lists goes to ``core``. A failed read keeps the
+    models last read."""
 
     def __init__(self, cfg: HealthChecks, clients: Iterable, paths: dict[str, str],
-                 on_recovered: Callable | None = None) -> None:
+                 on_recovered: Callable | None = None, core: DecisionCore | None = None) -> None:
         self.cfg = cfg
         self.on_recovered = on_recovered
+        self.core = core
+        self.discovery_ok: dict[str, bool] = {}
         self.clients = list(clients)
         self.paths = paths
         self.failures: dict[str, int] = {}
@@ -39,9 +76,34 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
+    async def discover(self, client) -> None:
+        """Read ``client``'s ``/v1/models`` into the decision core."""
+        name = client.state.name
+        try:
+            async with client.session.get(client.base_url + "/v1/models",
+                                          timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
+                if r.status != 200:
+                    raise ValueError(f"HTTP {r.status}")
+                models = parse_models_list(await r.json(content_type=None))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            if self.discovery_ok.get(name, True):
+                log.warning("cannot read the models of backend %s (%s); keeping the last ones read", name, e)
+            self.discovery_ok[name] = False
+            return
+        self.discovery_ok[name] = True
+        if self.core is not None and self.core.set_served_models(client.state, models):
+            log.info("backend %s now serves %s", name, ", ".join(sorted(client.state.models())) or "nothing")
+
+    async def discover_all(self) -> None:
+        """Read the models of every backend configured with ``models: auto``."""
+        await asyncio.gather(*(self.discover(c) for c in self.clients if c.state.spec.discover))
+
     async def check_all(self) -> None:
-        """One round over every backend, concurrently."""
+        """One round over every backend, concurrently; then the models of those that
+        passed and discover theirs."""
         results = await asyncio.gather(*(self.probe(c) for c in self.clients))
+        await asyncio.gather(*(self.discover(c) for c, ok in zip(self.clients, results)
+                               if ok and c.state.spec.discover))
         for c, ok in zip(self.clients, results):
             name = c.state.name
             self.checked.add(name)
@@ -66,6 +128,7 @@ class HealthChecker:
                    for c in self.clients)
 
     async def run(self) -> None:
+        await self.discover_all()  # an auto backend serves nothing before its first read
         while True:
             await asyncio.sleep(self.cfg.interval_s)
             await self.check_all()

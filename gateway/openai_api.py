@@ -17,7 +17,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.errors import ClientError
-from routing.core import canonical_prompt
+from routing.core import ServedModel, canonical_prompt
 
 
 @dataclass(slots=True)
@@ -172,7 +172,17 @@ def prompt_token_ids(data: dict[str, Any]) -> list[int] | None:
     return prompt
 
 
-def models_list(models: list[str], created: int) -> dict[str, Any]:
-    """The ``GET /v1/models`` body (OpenAI list format)."""
-    return {"object": "list",
-            "data": [{"id": m, "object": "model", "created": created, "owned_by": "turbo-gateway"} for m in models]}
+def model_card(model: ServedModel, created: int) -> dict[str, Any]:
+    """One model of ``GET /v1/models`` (OpenAI's fields, and vLLM's ``parent`` (the
+    base model of a LoRA adapter) and ``max_model_len`` (tokens) when known)."""
+    card: dict[str, Any] = {"id": model.name, "object": "model", "created": created, "owned_by": "turbo-gateway"}
+    if model.parent is not None:
+        card["parent"] = model.parent
+    if model.max_model_len is not None:
+        card["max_model_len"] = model.max_model_len
+    return card
+
+
+def models_list(models: list[ServedModel], created: int) -> dict[str, Any]:
+    """The ``GET /v1/models`` body (OpenAI list format, cards of :func:`model_card`)."""
+    return {"object": "list", "data": [model_card(m, created) for m in models]}

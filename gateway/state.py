@@ -86,10 +86,11 @@ class GatewayState:
 def backend_specs(cfg: GatewayConfig) -> list[BackendSpec]:
     """The config's backends as the decision core takes them."""
     roles = {p.name: p.role for p in cfg.pools}
-    return [BackendSpec(b.name, frozenset(b.models), b.pool, b.weight, roles[b.pool], b.hints.prefill_tokens_per_s,
-                        b.hints.decode_tokens_per_s, b.hints.kv_capacity_tokens,
+    return [BackendSpec(b.name, frozenset(b.static_models), b.pool, b.weight, roles[b.pool],
+                        b.hints.prefill_tokens_per_s, b.hints.decode_tokens_per_s, b.hints.kv_capacity_tokens,
                         b.kv_events.block_size if b.kv_events else None,
-                        (b.kv_events.base_model or b.models[0]) if b.kv_events else "") for b in cfg.backends]
+                        (b.kv_events.base_model or next(iter(b.static_models), "")) if b.kv_events else "",
+                        discover=b.discover) for b in cfg.backends]
 
 
 def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
@@ -206,7 +207,8 @@ def connect(state: GatewayState, urls: dict[str, str]) -> None:
     state.urls = dict(urls)
     cfg = state.cfg
     _connect(state, cfg)
-    state.health = HealthChecker(cfg.health, state.clients.values(), {}, on_recovered=state.core.backend_recovered)
+    state.health = HealthChecker(cfg.health, state.clients.values(), {}, on_recovered=state.core.backend_recovered,
+                                 core=state.core)
     _configure_health(state.health, state, cfg)
     if cfg.routing.scrape_interval_s > 0:
         state.scraper = MetricsScraper(state.core, state.clients, cfg.routing.scrape_interval_s)

@@ -45,8 +45,10 @@ from routing.fleet import (
     BackendSpec,
     BackendState,
     Fleet,
+    LoraActivity,
     NoBackendAvailable,
     Reservation,
+    ServedModel,
     UnknownModel,
 )
 from routing.kv_events import (
@@ -78,11 +80,12 @@ from routing.state import (
 )
 
 __all__ = [
-    "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
-    "BackendSpec", "BackendState", "Decision", "DecisionCore", "EngineSample", "Fleet", "KVEventStats", "ModelTokenizer",
-    "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "SequenceTracker",
-    "StoreSettings", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel", "canonical_prompt",
-    "estimate_ttft", "load_tokenizer", "parse_sentinel_url", "raise_if_cancel_swallowed", "redis_client", "stop_sync",
+    "BackendSpec", "BackendState", "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "Decision",
+    "DecisionCore", "EngineSample", "Fleet", "GAP", "KVEventStats", "LoraActivity", "ModelTokenizer",
+    "NoBackendAvailable", "OK", "POLICIES", "PREFILL", "Plan", "PrefixIndex", "PromptEstimate", "RESTART",
+    "Reservation", "RouteRequest", "SERVING", "SequenceTracker", "ServedModel", "StoreSettings", "Tokenization",
+    "TokenizeStats", "TokenizerError", "UnknownModel", "canonical_prompt", "estimate_ttft", "load_tokenizer",
+    "parse_sentinel_url", "raise_if_cancel_swallowed", "redis_client", "stop_sync",
     "sync_forever",
 ]
 
@@ -174,10 +177,7 @@ class DecisionCore:
         for name in set(old) - set(states):
             self.index.forget_backend(name)
         fleet.backends = states
-        fleet.by_model.clear()
-        for st in states.values():
-            for model in sorted(st.spec.models):
-                fleet.by_model.setdefault(model, []).append(st)
+        fleet.index_models()
         if policy != self.policy_name or changed:
             self.router.policy = make_policy(policy)
             self.policy_name = policy
@@ -304,6 +304,29 @@ class DecisionCore:
     def set_kv_capacity(self, backend: BackendState, tokens: int) -> None:
         """``backend``'s KV cache size in tokens, e.g. from an engine's metrics."""
         self.router.set_kv_capacity(backend, tokens)
+
+    def set_served_models(self, backend: BackendState, models: list[ServedModel]) -> bool:
+        """What ``backend``'s own ``/v1/models`` lists now (base models and LoRA
+        adapters). With ``spec.discover`` set, a model newly listed becomes routable
+        there and one no longer listed stops being routed there, at once and without a
+        reload; the configured ``spec.models`` stay either way. Returns whether the
+        served set changed. A backend no longer in the fleet is ignored."""
+        if self.fleet.backends.get(backend.name) is not backend:
+            return False
+        new = {m.name: m for m in models}
+        if new == backend.discovered:
+            return False
+        before = backend.models()
+        backend.discovered = new
+        if backend.models() != before:
+            self.fleet.index_models()
+            return True
+        return False
+
+    def set_lora_activity(self, backend: BackendState, activity: LoraActivity | None) -> None:
+        """``backend``'s LoRA adapters at work (from its engine metrics), read by the
+        LoRA-affinity term of the estimated TTFT (:mod:`routing.load`)."""
+        backend.lora = activity
 
     def backend_recovered(self, backend: BackendState) -> None:
         """``backend`` came back after failing its health checks: it may have restarted

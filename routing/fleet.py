@@ -61,6 +61,33 @@ class BackendSpec:
     kv_capacity_tokens: int | None = None
     kv_block_size: int | None = None
     kv_base_model: str = ""
+    discover: bool = False  # also serve what the backend's own ``/v1/models`` lists
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One entry of a backend's own ``/v1/models``: the model (or LoRA adapter) name,
+    the base model an adapter applies to (``parent``, vLLM's and SGLang's field;
+    ``None`` for a base model) and the longest prompt plus output it takes in tokens
+    (``max_model_len``; ``None`` when the engine does not say; an adapter inherits its
+    parent's)."""
+
+    name: str
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoraActivity:
+    """A backend's LoRA adapters at work, from vLLM's ``vllm:lora_requests_info``:
+    adapters of its running and waiting requests, and ``max_lora``, the most adapters
+    one batch may hold (a request whose adapter is not in the batch waits for a slot
+    when the batch already holds ``max_lora``). ``at``: monotonic time of the scrape (s)."""
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
+    at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -75,6 +102,9 @@ class BackendState:
     - ``draining``: set by an operator; the backend takes no new requests and finishes
       its own.
     - ``breaker``: passive outlier detection (:mod:`routing.breaker`).
+    - ``discovered``: what the backend's ``/v1/models`` listed last, by name (served
+      besides ``spec.models`` when ``spec.discover``; ``None`` until first read).
+    - ``lora``: its LoRA adapters at work (``None``: not known).
     """
 
     spec: BackendSpec
@@ -87,6 +117,8 @@ class BackendState:
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     name: str = field(init=False, default="")  # spec.name, read on every routing decision
+    discovered: dict[str, ServedModel] | None = None
+    lora: LoraActivity | None = None
 
     def ready_at(self, now: float) -> float:
         """Monotonic time from which the backend may take a new request (``<= now``:
@@ -100,6 +132,33 @@ class BackendState:
             self.load = BackendLoad(prefill_tokens_per_s=self.spec.prefill_tokens_per_s,
                                     decode_tokens_per_s=self.spec.decode_tokens_per_s,
                                     kv_capacity_tokens=self.spec.kv_capacity_tokens)
+
+    def models(self) -> frozenset[str]:
+        """The model names this backend serves: its configured ones, and what its
+        ``/v1/models`` listed when ``spec.discover`` is set."""
+        if self.spec.discover and self.discovered:
+            return self.spec.models | self.discovered.keys()
+        return self.spec.models
+
+    def served(self, model: str) -> ServedModel | None:
+        """What this backend's ``/v1/models`` said of ``model`` (``None``: not listed)."""
+        return self.discovered.get(model) if self.discovered else None
+
+    def adapter_base(self, model: str) -> str | None:
+        """The base model of ``model`` on this backend when it is a LoRA adapter."""
+        m = self.served(model)
+        return m.parent if m is not None else None
+
+    def max_model_len(self, model: str) -> int | None:
+        """The context length in tokens of ``model`` here (an adapter's is its
+        parent's), or ``None`` when the backend did not report one."""
+        m = self.served(model)
+        if m is None:
+            return None
+        if m.max_model_len is None and m.parent is not None:
+            p = self.served(m.parent)
+            return p.max_model_len if p is not None else None
+        return m.max_model_len
 
     @property
     def requests(self) -> int:
@@ -167,14 +226,34 @@ class Fleet:
         for spec in specs:
             if spec.name in self.backends:
                 raise ValueError(f"duplicate backend name {spec.name!r}")
-            state = BackendState(spec)
-            self.backends[spec.name] = state
-            for model in sorted(spec.models):
-                self.by_model.setdefault(model, []).append(state)
+            self.backends[spec.name] = BackendState(spec)
+        self.index_models()
+
+    def index_models(self) -> None:
+        """Rebuild ``by_model`` from every backend's :meth:`BackendState.models`, in
+        one synchronous step (backends in config order for each model)."""
+        by_model: dict[str, list[BackendState]] = {}
+        for st in self.backends.values():
+            for model in sorted(st.models()):
+                by_model.setdefault(model, []).append(st)
+        self.by_model = by_model
 
     def models(self) -> list[str]:
         """The served model names, sorted."""
         return sorted(self.by_model)
+
+    def describe(self, model: str) -> ServedModel:
+        """What the backends serving ``model`` say of it: the base model when it is a
+        LoRA adapter on any of them, and the smallest ``max_model_len`` they report
+        (``None`` when none does). Raises :class:`UnknownModel`."""
+        parent: str | None = None
+        lens: list[int] = []
+        for b in self.candidates(model):
+            parent = parent or b.adapter_base(model)
+            n = b.max_model_len(model)
+            if n is not None:
+                lens.append(n)
+        return ServedModel(model, parent, min(lens) if lens else None)
 
     def candidates(self, model: str) -> list[BackendState]:
         """Backends serving ``model``, in config order. Raises :class:`UnknownModel`."""
