@@ -1,0 +1,188 @@
+"""Models and LoRA adapters: discovery from backends' /v1/models (models: auto), the
+simulator's adapters (vLLM's endpoints, metric and scheduling), and LoRA-aware routing."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.config import ConfigError
+from gateway.health import parse_models_list
+from loadtest.sim.engine import Engine
+from loadtest.sim.profiles import get_profile
+from loadtest.sim.server import SimBackendConfig, start_backends
+from routing.core import ServedModel
+from tests.servers import gateway_config, running_gateway, wait_until
+
+VLLM_MODELS = {"object": "list", "data": [
+    {"id": "llama", "object": "model", "owned_by": "vllm", "root": "/m/llama", "parent": None, "max_model_len": 8192},
+    {"id": "sql-lora", "object": "model", "owned_by": "vllm", "root": "/a/sql", "parent": "llama",
+     "max_model_len": None}]}
+SGLANG_MODELS = {"object": "list", "data": [
+    {"id": "qwen", "object": "model", "owned_by": "sglang", "root": "/m/qwen", "max_model_len": 32768}]}
+LLAMACPP_MODELS = {"object": "list", "models": [{"name": "tiny.gguf", "model": "tiny.gguf"}], "data": [
+    {"id": "tiny.gguf", "object": "model", "owned_by": "llamacpp", "meta": {"n_ctx_train": 2048, "n_vocab": 32000}}]}
+
+
+def test_parse_models_list_reads_vllm_sglang_and_llamacpp_shapes():
+    assert parse_models_list(VLLM_MODELS) == [ServedModel("llama", None, 8192), ServedModel("sql-lora", "llama")]
+    assert parse_models_list(SGLANG_MODELS) == [ServedModel("qwen", None, 32768)]
+    # llama.cpp's n_ctx_train is the training context, not the served one
+    assert parse_models_list(LLAMACPP_MODELS) == [ServedModel("tiny.gguf")]
+    odd = {"data": [{"id": ""}, {"id": 3}, "x", {"id": "a", "max_model_len": True}, {"id": "a"},
+                    {"id": "b", "max_model_len": -1, "parent": "b"}]}
+    assert parse_models_list(odd) == [ServedModel("a"), ServedModel("b")]
+    for bad in ([], {"data": {}}, {"object": "list"}, "x"):
+        with pytest.raises(ValueError, match="no `data` array"):
+            parse_models_list(bad)
+
+
+def test_models_auto_in_config():
+    cfg = gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": "auto"},
+                          {"name": "b", "url": "http://127.0.0.1:2", "models": ["m", "auto"]}],
+                         routing={"fallbacks": {"discovered-x": [{"model": "discovered-y"}]}})
+    a, b = cfg.backends
+    assert (a.discover, a.static_models, b.discover, b.static_models) == (True, [], True, ["m"])
+    with pytest.raises(ConfigError, match="listed twice"):
+        gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["m", "m"]}])
+    with pytest.raises(ConfigError, match="is served by no backend"):  # no backend discovers: checked
+        gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],
+                       routing={"fallbacks": {"m": [{"model": "n"}]}})
+
+
+async def _complete(s: aiohttp.ClientSession, url: str, model: str) -> tuple[int, str | None]:
+    async with s.post(url + "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2}) as r:
+        await r.read()
+        return r.status, r.headers.get("x-turbo-backend")
+
+
+async def test_adapters_loaded_and_unloaded_are_routed_without_reload():
+    sims, urls = await start_backends([
+        SimBackendConfig(name="b0", models=["base"], speed=50.0, lora={"adapters": ["a1"], "load_s": 0.05}),
+        SimBackendConfig(name="b1", models=["base"], speed=50.0, lora={"adapters": [], "load_s": 0.05})])
+    try:
+        cfg = gateway_config([{"name": n, "url": urls[n], "models": "auto"} for n in ("b0", "b1")],
+                             health={"interval_s": 0.05})
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+            fleet = gw.state.fleet
+            await wait_until(lambda: "a1" in fleet.by_model)
+            async with s.get(gw.url + "/v1/models") as r:
+                cards = {m["id"]: m for m in (await r.json())["data"]}
+            assert cards["base"]["max_model_len"] == 4096 and "parent" not in cards["base"]
+            # an adapter's context length is its base model's
+            assert cards["a1"]["parent"] == "base" and cards["a1"]["max_model_len"] == 4096
+            assert [b.name for b in fleet.by_model["a1"]] == ["b0"]
+            assert await _complete(s, gw.url, "a1") == (200, "b0")
+            assert (await _complete(s, gw.url, "a2"))[0] == 404
+
+            async with s.post(urls["b1"] + "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": "/a2"}) as r:
+                assert r.status == 200
+            await wait_until(lambda: "a2" in fleet.by_model)
+            assert [b.name for b in fleet.by_model["a2"]] == ["b1"]
+            assert await _complete(s, gw.url, "a2") == (200, "b1")
+
+            async with s.post(urls["b0"] + "/v1/unload_lora_adapter", json={"lora_name": "a1"}) as r:
+                assert r.status == 200
+            await wait_until(lambda: "a1" not in fleet.by_model)
+            assert (await _complete(s, gw.url, "a1"))[0] == 404
+            async with s.get(gw.url + "/v1/models") as r:
+                assert sorted(m["id"] for m in (await r.json())["data"]) == ["a2", "base"]
+            assert sims[0].http_requests == 1  # the 404s were answered by the gateway
+    finally:
+        for b in sims:
+            await b.cleanup()
+
+
+async def test_a_backend_whose_models_cannot_be_read_keeps_the_last_ones():
+    """An SGLang-shaped /v1/models served by a real server the test flips to 500."""
+    answer = {"status": 200, "body": SGLANG_MODELS}
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(answer["body"], status=answer["status"])
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        cfg = gateway_config([{"name": "s", "url": url, "models": ["pinned", "auto"]}], health={"interval_s": 0.05})
+        async with running_gateway(cfg) as gw:
+            fleet, health = gw.state.fleet, gw.state.health
+            await wait_until(lambda: "qwen" in fleet.by_model)
+            assert fleet.models() == ["pinned", "qwen"] and fleet.describe("qwen").max_model_len == 32768
+            answer["status"] = 500
+            await wait_until(lambda: health.discovery_ok.get("s") is False)
+            assert fleet.models() == ["pinned", "qwen"] and fleet.backends["s"].healthy
+            answer.update(status=200, body={"object": "list", "data": []})
+            await wait_until(lambda: health.discovery_ok.get("s") is True)
+            await wait_until(lambda: "qwen" not in fleet.by_model)
+            assert fleet.models() == ["pinned"]  # the configured model stays
+    finally:
+        await runner.cleanup()
+
+
+def _lora_engine(max_loras: int, max_cpu_loras: int) -> Engine:
+    e = Engine(get_profile("demo"), speed=1.0)
+    e.enable_lora(max_loras, max_cpu_loras, load_s=0.5, swap_s=0.01)
+    return e
+
+
+def test_sim_engine_schedules_at_most_max_lora_adapters_per_batch():
+    e = _lora_engine(1, 2)
+    e.add_request("r1", [1, 2, 3], 4, arrival_time=0.0, lora="x")
+    e.add_request("r2", [4, 5, 6], 4, arrival_time=0.0, lora="y")
+    e.add_request("r3", [7, 8, 9], 4, arrival_time=0.0, lora="x")
+    e.add_request("r4", [7, 8, 9], 4, arrival_time=0.0)  # the base model needs no slot
+    dt, _ = e.step(0.0)
+    assert sorted(r.req_id for r in e.running) == ["r1", "r3", "r4"]
+    assert [r.req_id for r in e.waiting] == ["r2"]  # its adapter found no slot; it keeps its place
+    assert e.lora_in_use() == ({"x"}, {"y"})
+    assert e.lora_loads == 1 and dt >= 0.5  # x's weights were read in this step
+    t = dt
+    while e.has_work():
+        t += e.step(t)[0]
+    assert e.lora_loads == 2 and list(e.cpu_loras) == ["x", "y"]
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        Engine(get_profile("demo")).add_request("r", [1], 1, arrival_time=0.0, lora="x")
+
+
+def test_sim_engine_reads_an_evicted_adapter_again():
+    e = _lora_engine(1, 1)
+    t = 0.0
+    for i, name in enumerate(["x", "y", "x"]):
+        e.add_request(f"r{i}", [1, 2, 3], 2, arrival_time=t, lora=name)
+        while e.has_work():
+            t += e.step(t)[0]
+    assert e.lora_loads == 3  # host memory holds one adapter: x was evicted by y
+
+
+async def test_sim_lora_endpoints_and_metric():
+    sims, urls = await start_backends([SimBackendConfig(name="b0", models=["base"], speed=50.0,
+                                                        lora={"adapters": ["a1"], "max_lora": 2})])
+    u = urls["b0"]
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(u + "/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": "/a1"}) as r:
+                assert r.status == 400 and "already been loaded" in (await r.json())["error"]["message"]
+            async with s.post(u + "/v1/unload_lora_adapter", json={"lora_name": "zz"}) as r:
+                assert r.status == 404
+            async with s.post(u + "/v1/load_lora_adapter", json={}) as r:
+                assert r.status == 400
+            async with s.post(u + "/v1/completions", json={"model": "a1", "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200 and (await r.json())["model"] == "a1"
+            async with s.get(u + "/metrics") as r:
+                text = await r.text()
+        line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+        assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line
+        assert "sim:lora_loads_total" in text
+    finally:
+        for b in sims:
+            await b.cleanup()
