@@ -95,6 +95,10 @@ class SpeedHints(_Strict):
     kv_capacity_tokens: int | None = Field(
         None, gt=0, description="KV-cache capacity in tokens (bounds the prefix index's share of this "
         "backend); learned from the engine's `/metrics` when it exports it.")
+    lora_load_s: float | None = Field(
+        None, ge=0, description="Seconds to make a LoRA adapter that is not at work on this backend ready there "
+        "(read its weights, copy them into a GPU slot): what routing charges a request for sending its adapter "
+        "somewhere new; unset: 0.1.")
 
 
 class KVEvents(_Strict):

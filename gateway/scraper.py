@@ -9,6 +9,11 @@ parsed with ``prometheus_client``'s parser. Recognised names (summed over label 
 | running requests | ``vllm:num_requests_running`` | ``sglang:num_running_reqs`` | ``llamacpp:requests_processing`` |
 | KV use (fraction) | ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before v0.10) | ``sglang:token_usage`` | ``llamacpp:kv_cache_usage_ratio`` |
 | KV capacity | ``vllm:cache_config_info{block_size, num_gpu_blocks}`` | ``sglang:max_total_num_tokens`` | |
+| LoRA adapters at work | ``vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`` | | |
+
+vLLM sets ``vllm:lora_requests_info`` to the time of each change under that change's
+labels, so several series may be exported: the one with the latest value is current
+(as the Gateway API Inference Extension's LoRA affinity scorer reads it).
 
 A backend that serves no ``/metrics`` (or none of these names) is simply not corrected;
 samples older than three intervals are ignored by the load model.
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from routing.core import DecisionCore, EngineSample
+from routing.core import DecisionCore, EngineSample, LoraActivity
 
 log = logging.getLogger("gateway.scraper")
 
@@ -41,6 +46,13 @@ class EngineMetrics:
     running: float | None = None
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None
+    lora_running: frozenset[str] | None = None  # adapters of running requests (vLLM)
+    lora_waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
+
+
+def _names(labels: dict[str, str], key: str) -> frozenset[str]:
+    return frozenset(n for n in labels.get(key, "").split(",") if n)
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -58,6 +70,15 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
                     m.kv_capacity_tokens = int(float(s.labels["num_gpu_blocks"]) * float(s.labels["block_size"]))
                 except (KeyError, ValueError):
                     pass
+        elif name == "vllm:lora_requests_info":
+            latest = max((x for x in fam.samples if x.name == name), key=lambda x: x.value, default=None)
+            if latest is not None:
+                m.lora_running = _names(latest.labels, "running_lora_adapters")
+                m.lora_waiting = _names(latest.labels, "waiting_lora_adapters")
+                try:
+                    m.max_lora = int(latest.labels["max_lora"])
+                except (KeyError, ValueError):
+                    m.max_lora = None
         elif name == "sglang:max_total_num_tokens":
             for s in fam.samples:
                 m.kv_capacity_tokens = int(s.value)
@@ -97,8 +118,10 @@ class MetricsScraper:
         if m.kv_capacity_tokens and (not state.load.kv_capacity_known or
                                      m.kv_capacity_tokens != state.load.kv_capacity_tokens):
             self.core.set_kv_capacity(state, m.kv_capacity_tokens)
+        now = asyncio.get_running_loop().time()
+        if m.lora_running is not None:
+            self.core.set_lora_activity(state, LoraActivity(m.lora_running, m.lora_waiting, m.max_lora, now))
         if m.waiting is not None or m.running is not None or m.kv_usage is not None:
-            now = asyncio.get_running_loop().time()
             state.load.observe_engine(EngineSample(now, m.waiting or 0.0, m.running or 0.0, m.kv_usage))
 
     async def run(self) -> None:

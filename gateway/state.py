@@ -90,7 +90,7 @@ def backend_specs(cfg: GatewayConfig) -> list[BackendSpec]:
                         b.hints.prefill_tokens_per_s, b.hints.decode_tokens_per_s, b.hints.kv_capacity_tokens,
                         b.kv_events.block_size if b.kv_events else None,
                         (b.kv_events.base_model or next(iter(b.static_models), "")) if b.kv_events else "",
-                        discover=b.discover) for b in cfg.backends]
+                        discover=b.discover, lora_load_s=b.hints.lora_load_s) for b in cfg.backends]
 
 
 def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:

@@ -172,6 +172,8 @@ class DecisionCore:
                 st = BackendState(spec)
             else:
                 st.spec = spec
+                if spec.lora_load_s is not None:
+                    st.load.lora_load_s = spec.lora_load_s
             states[spec.name] = st
         changed = set(states) != set(old)
         for name in set(old) - set(states):

@@ -62,6 +62,7 @@ class BackendSpec:
     kv_block_size: int | None = None
     kv_base_model: str = ""
     discover: bool = False  # also serve what the backend's own ``/v1/models`` lists
+    lora_load_s: float | None = None  # seconds to make a LoRA adapter ready here (a hint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,8 @@ class BackendState:
     - ``breaker``: passive outlier detection (:mod:`routing.breaker`).
     - ``discovered``: what the backend's ``/v1/models`` listed last, by name (served
       besides ``spec.models`` when ``spec.discover``; ``None`` until first read).
-    - ``lora``: its LoRA adapters at work (``None``: not known).
+    - ``lora``: its LoRA adapters at work, from its metrics (``None``: not known).
+    - ``adapter_streams``: this process's in-flight requests here, per LoRA adapter.
     """
 
     spec: BackendSpec
@@ -119,6 +121,7 @@ class BackendState:
     name: str = field(init=False, default="")  # spec.name, read on every routing decision
     discovered: dict[str, ServedModel] | None = None
     lora: LoraActivity | None = None
+    adapter_streams: dict[str, int] = field(default_factory=dict)
 
     def ready_at(self, now: float) -> float:
         """Monotonic time from which the backend may take a new request (``<= now``:
@@ -131,7 +134,8 @@ class BackendState:
         if self.load is None:
             self.load = BackendLoad(prefill_tokens_per_s=self.spec.prefill_tokens_per_s,
                                     decode_tokens_per_s=self.spec.decode_tokens_per_s,
-                                    kv_capacity_tokens=self.spec.kv_capacity_tokens)
+                                    kv_capacity_tokens=self.spec.kv_capacity_tokens,
+                                    lora_load_s=self.spec.lora_load_s)
 
     def models(self) -> frozenset[str]:
         """The model names this backend serves: its configured ones, and what its
@@ -160,6 +164,16 @@ class BackendState:
             return p.max_model_len if p is not None else None
         return m.max_model_len
 
+    def active_adapters(self, now: float) -> tuple[set[str], int | None]:
+        """(the LoRA adapters at work here: this process's in-flight ones and, while
+        the engine's metrics are fresh, those of its running and waiting requests;
+        its ``max_lora`` when known) at monotonic time ``now`` (s)."""
+        active = {a for a, n in self.adapter_streams.items() if n > 0}
+        lora = self.lora
+        if lora is None or now - lora.at > self.load.metrics_max_age_s:
+            return active, None
+        return active | lora.running | lora.waiting, lora.max_lora
+
     @property
     def requests(self) -> int:
         """In-flight requests on this backend from every gateway replica that shares
@@ -180,6 +194,7 @@ class Reservation:
     released: bool = field(default=False)
     probe: bool = False  # a half-open circuit breaker's probe
     judged: bool = False  # the breaker heard this attempt's outcome
+    adapter: str | None = None  # the LoRA adapter the request runs with there
 
     def outcome(self, ok: bool, now: float) -> None:
         """Tell the backend's circuit breaker how this attempt went (once)."""
@@ -206,6 +221,13 @@ class Reservation:
             return False
         self.released = True
         self.backend.in_flight -= 1
+        if self.adapter is not None:
+            streams = self.backend.adapter_streams
+            n = streams[self.adapter] - 1
+            if n:
+                streams[self.adapter] = n
+            else:
+                del streams[self.adapter]
         if self.probe and not self.judged:
             self.judged = True
             self.backend.breaker.abandon(True)
@@ -262,12 +284,15 @@ class Fleet:
         except KeyError:
             raise UnknownModel(model) from None
 
-    def reserve(self, backend: BackendState, request_load: RequestLoad | None = None, now: float = 0.0) -> Reservation:
+    def reserve(self, backend: BackendState, request_load: RequestLoad | None = None, now: float = 0.0,
+                adapter: str | None = None) -> Reservation:
         """Count one more in-flight request on ``backend`` (with its token load, if
-        given) and return its reservation."""
+        given, and its LoRA ``adapter``) and return its reservation."""
         backend.in_flight += 1
         backend.dispatched_total += 1
-        r = Reservation(backend, request_load)
+        r = Reservation(backend, request_load, adapter=adapter)
+        if adapter is not None:
+            backend.adapter_streams[adapter] = backend.adapter_streams.get(adapter, 0) + 1
         if backend.breaker.state != "closed":
             r.probe = backend.breaker.dispatched(now)
         return r

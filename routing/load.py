@@ -26,6 +26,11 @@ DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
 DEFAULT_TTFT_OVERHEAD_S = 0.02
 DEFAULT_ITL_S = 0.02
 DEFAULT_KV_CAPACITY_TOKENS = 200_000
+# Seconds to make a LoRA adapter that is not at work on a backend ready there (read its
+# weights into host memory, copy them into a GPU slot): an assumed order of magnitude for
+# a rank-16 adapter of a 7-8B model read from local disk, overridden per backend by
+# ``hints.lora_load_s``.
+DEFAULT_LORA_LOAD_S = 0.1
 # A sample this many times off the fit's prediction (either way) is a change of regime,
 # not noise: the observations before it keep only SURPRISE_KEEP of their weight (a
 # variable forgetting factor, after Fortescue, Kershenbaum and Ydstie, "Implementation
@@ -180,8 +185,10 @@ class BackendLoad:
     """Load and learned speed of one backend. Times in seconds, sizes in tokens."""
 
     def __init__(self, *, prefill_tokens_per_s: float | None = None, decode_tokens_per_s: float | None = None,
-                 kv_capacity_tokens: int | None = None, metrics_max_age_s: float = 5.0) -> None:
+                 kv_capacity_tokens: int | None = None, metrics_max_age_s: float = 5.0,
+                 lora_load_s: float | None = None) -> None:
         self.queued_prefill_tokens = 0.0
+        self.lora_load_s = DEFAULT_LORA_LOAD_S if lora_load_s is None else lora_load_s
         self.queued = 0
         self.running = 0
         self.decode_tokens_remaining = 0.0
@@ -347,6 +354,29 @@ class BackendLoad:
         if e is not None and e.kv_usage is not None:
             return max(kv, e.kv_usage * self.kv_capacity_tokens)
         return kv
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+
+    def adapter_wait_s(self, adapter: str, active: frozenset[str] | set[str], max_lora: int | None,
+                       output_tokens: float) -> float:
+        """Seconds a request for LoRA ``adapter`` waits here beyond its prefill queue.
+
+        ``active``: the adapters at work here (in running or waiting requests);
+        ``max_lora``: the most adapters one batch may hold (``None``: unknown);
+        ``output_tokens``: the request's expected output (tokens), the length of a
+        typical request when none runs here yet. An active adapter costs nothing more.
+        Another one costs ``lora_load_s`` (read and copy it in) and, when the batch's
+        adapter slots are all taken, the wait for one to free: the mean remaining
+        decode time of the running streams (vLLM's scheduler holds a request whose
+        adapter finds no slot)."""
+        if adapter in active:
+            return 0.0
+        wait = self.lora_load_s
+        if max_lora is not None and len(active) >= max_lora:
+            running = self.total_running
+            mean_remaining = self.total_decode_tokens_remaining / running if running else output_tokens
+            wait += mean_remaining * self.itl_s()
+        return wait
 
     # ---- accounting ----------------------------------------------------------------
 

@@ -262,7 +262,8 @@ class Router:
                     self.index.record_speculative(b.name, keys, now)
         if self.store is not None:
             self.store.record_dispatch(b.name, request.block_hashes)
-        return self.fleet.reserve(b, load, now)
+        adapter = request.model if b.adapter_base(request.model) is not None else None
+        return self.fleet.reserve(b, load, now, adapter)
 
     def alternatives(self, request: RouteRequest, chosen: BackendState, now: float, limit: int) -> list[BackendState]:
         """Up to ``limit`` other eligible backends for ``request`` besides ``chosen``, by

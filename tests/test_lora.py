@@ -186,3 +186,89 @@ async def test_sim_lora_endpoints_and_metric():
     finally:
         for b in sims:
             await b.cleanup()
+
+
+def _lora_core(n: int, lora_load_s: float | None = None):
+    from routing.core import BackendSpec, DecisionCore
+    core = DecisionCore([BackendSpec(f"b{i}", frozenset(), discover=True, lora_load_s=lora_load_s)
+                         for i in range(n)], "estimated_ttft")
+    for b in core.fleet.backends.values():
+        core.set_served_models(b, [ServedModel("base", None, 4096), ServedModel("x", "base"),
+                                   ServedModel("y", "base")])
+    return core
+
+
+def _route(core, model: str, now: float = 1.0) -> str:
+    _, req = core.request(model, "word " * 400, 16)
+    decision, _ = core.route(req, now)
+    return decision.backend.name
+
+
+def test_an_adapter_stays_where_it_is_at_work_and_spreads_under_load():
+    core = _lora_core(3)
+    first = [_route(core, "x") for _ in range(10)]
+    assert len(set(first)) == 1  # a load elsewhere costs more than this queue
+    more = [_route(core, "x") for _ in range(60)]
+    counts = {b: (first + more).count(b) for b in set(first + more)}
+    assert len(counts) > 1  # its queue grew past the cost of a load: it spread
+    # without a load cost, every request goes to the emptiest backend at once
+    core = _lora_core(3, lora_load_s=0.0)
+    assert len({_route(core, "x") for _ in range(3)}) == 3
+
+
+def test_engine_reported_adapters_steer_routing():
+    from routing.core import LoraActivity
+    core = _lora_core(3)
+    b = core.fleet.backends
+    core.set_lora_activity(b["b2"], LoraActivity(frozenset({"x"}), frozenset(), 1, at=1.0))
+    core.set_lora_activity(b["b0"], LoraActivity(frozenset({"y"}), frozenset(), 1, at=1.0))
+    core.set_lora_activity(b["b1"], LoraActivity(frozenset(), frozenset(), 1, at=1.0))
+    assert _route(core, "x") == "b2"  # already at work there
+    assert _route(core, "y") == "b0"
+    # b0 and b2 hold their one adapter slot: a third adapter's request goes to b1's free
+    # slot although b1 carries more queued prefill (three base-model requests)
+    for name in ("b0", "b1", "b2"):
+        core.set_served_models(b[name], [*b[name].discovered.values(), ServedModel("z", "base")])
+    for i in range(3):
+        _, req = core.request("base", " ".join(f"w{i}-{j}" for j in range(400)), 16)  # no shared prefix
+        core.reserve(req, b["b1"], 1.0)
+    assert b["b1"].load.queued_prefill_tokens > 3 * b["b0"].load.queued_prefill_tokens
+    assert _route(core, "z") == "b1"
+    # stale engine metrics are not believed: only this process's own streams count
+    assert b["b2"].active_adapters(1.0 + 60.0) == ({"x"}, None)
+
+
+def test_scraper_reads_the_latest_lora_requests_info_series():
+    from gateway.scraper import parse_engine_metrics
+    text = """# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="c",waiting_lora_adapters="d,e"} 1.8e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.6e9
+"""
+    m = parse_engine_metrics(text)
+    assert (m.lora_running, m.lora_waiting, m.max_lora) == ({"c"}, {"d", "e"}, 4)
+    assert parse_engine_metrics("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n").lora_running \
+        is None  # not a LoRA engine: nothing said
+
+
+async def test_gateway_scrapes_the_adapters_at_work_on_a_simulated_vllm():
+    sims, urls = await start_backends([SimBackendConfig(name="b0", models=["base"], speed=1.0,
+                                                        lora={"adapters": ["a1"], "max_lora": 2})])
+    try:
+        cfg = gateway_config([{"name": "b0", "url": urls["b0"], "models": "auto"}],
+                             health={"interval_s": 0.05}, routing={"policy": "estimated_ttft",
+                                                                    "scrape_interval_s": 0.05})
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+            backend = gw.state.fleet.backends["b0"]
+            await wait_until(lambda: "a1" in gw.state.fleet.by_model)
+            body = {"model": "a1", "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            async with s.post(gw.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.content.readline()  # the stream has started: the engine runs a1
+                await wait_until(lambda: backend.lora is not None and "a1" in backend.lora.running)
+                assert backend.lora.max_lora == 2 and backend.adapter_streams == {"a1": 1}
+            await wait_until(lambda: backend.in_flight == 0)
+            assert backend.adapter_streams == {}
+    finally:
+        for b in sims:
+            await b.cleanup()

@@ -18,6 +18,11 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
 - KV pressure: when in-use KV tokens plus this request's prompt and expected output
   exceed capacity, the request waits for running streams to free blocks; the wait is
   the overflow's share of capacity times the mean remaining decode time there.
+- LoRA: a request for an adapter that is not at work on ``b`` pays its load there,
+  and the wait for an adapter slot when ``b``'s batch already holds ``max_lora``
+  adapters (:meth:`routing.load.BackendLoad.adapter_wait_s`). An adapter thus stays on
+  the backends where it is at work until their queues cost more than a load
+  elsewhere: its set of backends grows with its load, and no more.
 
 The lowest estimate wins; candidates within ``TIE_RELATIVE`` (2%) + ``TIE_ABSOLUTE_S``
 (0.5 ms) of the best are ties broken at random, so that several gateway replicas with
@@ -79,6 +84,9 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
         if overflow > 0:
             mean_remaining = load.total_decode_tokens_remaining / max(load.total_running, 1)
             est += min(overflow / load.kv_capacity_tokens, 1.0) * mean_remaining * load.itl_s()
+    if b.discovered and b.adapter_base(request.model) is not None:
+        active, max_lora = b.active_adapters(request.now)
+        est += load.adapter_wait_s(request.model, active, max_lora, request.output_tokens)
     if load.engine is not None:
         stale = load.metrics_staleness(request.now)
         if stale:
