@@ -65,6 +65,12 @@ class BackendSpec:
     lora_load_s: float | None = None  # seconds to make a LoRA adapter ready here (a hint)
 
 
+# The most LoRA adapters a backend is remembered to have been sent (its host-memory cache
+# is assumed this large when its ``max_lora`` is not known: vLLM's ``--max-cpu-loras``
+# defaults to ``--max-loras``, whose own default is 1, so this errs large).
+RECENT_ADAPTERS_MAX = 8
+
+
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """One entry of a backend's own ``/v1/models``: the model (or LoRA adapter) name,
@@ -107,6 +113,8 @@ class BackendState:
       besides ``spec.models`` when ``spec.discover``; ``None`` until first read).
     - ``lora``: its LoRA adapters at work, from its metrics (``None``: not known).
     - ``adapter_streams``: this process's in-flight requests here, per LoRA adapter.
+    - ``recent_adapters``: the LoRA adapters this process sent here, least recently
+      sent first (bounded by :data:`RECENT_ADAPTERS_MAX`).
     """
 
     spec: BackendSpec
@@ -122,6 +130,7 @@ class BackendState:
     discovered: dict[str, ServedModel] | None = None
     lora: LoraActivity | None = None
     adapter_streams: dict[str, int] = field(default_factory=dict)
+    recent_adapters: dict[str, None] = field(default_factory=dict)
 
     def ready_at(self, now: float) -> float:
         """Monotonic time from which the backend may take a new request (``<= now``:
@@ -173,6 +182,27 @@ class BackendState:
         if lora is None or now - lora.at > self.load.metrics_max_age_s:
             return active, None
         return active | lora.running | lora.waiting, lora.max_lora
+
+    def adapter_resident(self, adapter: str, active: set[str], max_lora: int | None) -> bool:
+        """Whether ``adapter``'s weights are probably still in this backend's memory:
+        it is at work (``active``), or among the last ``max_lora`` distinct adapters
+        this process sent here (vLLM keeps ``max_cpu_loras`` adapters, by default
+        ``max_loras``, in an LRU cache; :data:`RECENT_ADAPTERS_MAX` when unknown)."""
+        if adapter in active:
+            return True
+        recent = self.recent_adapters
+        if adapter not in recent:
+            return False
+        keep = max_lora or RECENT_ADAPTERS_MAX
+        return len(recent) <= keep or adapter in list(recent)[-keep:]
+
+    def sent_adapter(self, adapter: str) -> None:
+        """This process sent a request for ``adapter`` here (most recent last)."""
+        recent = self.recent_adapters
+        recent.pop(adapter, None)
+        recent[adapter] = None
+        if len(recent) > RECENT_ADAPTERS_MAX:
+            del recent[next(iter(recent))]
 
     @property
     def requests(self) -> int:
@@ -293,6 +323,7 @@ class Fleet:
         r = Reservation(backend, request_load, adapter=adapter)
         if adapter is not None:
             backend.adapter_streams[adapter] = backend.adapter_streams.get(adapter, 0) + 1
+            backend.sent_adapter(adapter)
         if backend.breaker.state != "closed":
             r.probe = backend.breaker.dispatched(now)
         return r

@@ -357,21 +357,22 @@ class BackendLoad:
 
     # ---- LoRA adapters ---------------------------------------------------------------
 
-    def adapter_wait_s(self, adapter: str, active: frozenset[str] | set[str], max_lora: int | None,
-                       output_tokens: float) -> float:
+    def adapter_wait_s(self, adapter: str, active: frozenset[str] | set[str], resident: bool,
+                       max_lora: int | None, output_tokens: float) -> float:
         """Seconds a request for LoRA ``adapter`` waits here beyond its prefill queue.
 
         ``active``: the adapters at work here (in running or waiting requests);
+        ``resident``: its weights are probably still in the backend's memory;
         ``max_lora``: the most adapters one batch may hold (``None``: unknown);
         ``output_tokens``: the request's expected output (tokens), the length of a
         typical request when none runs here yet. An active adapter costs nothing more.
-        Another one costs ``lora_load_s`` (read and copy it in) and, when the batch's
-        adapter slots are all taken, the wait for one to free: the mean remaining
-        decode time of the running streams (vLLM's scheduler holds a request whose
-        adapter finds no slot)."""
+        Another one costs ``lora_load_s`` unless resident (read its weights) and,
+        when the batch's adapter slots are all taken, the wait for one to free: the
+        mean remaining decode time of the running streams (vLLM's scheduler holds a
+        request whose adapter finds no slot)."""
         if adapter in active:
             return 0.0
-        wait = self.lora_load_s
+        wait = 0.0 if resident else self.lora_load_s
         if max_lora is not None and len(active) >= max_lora:
             running = self.total_running
             mean_remaining = self.total_decode_tokens_remaining / running if running else output_tokens

@@ -18,8 +18,8 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
 - KV pressure: when in-use KV tokens plus this request's prompt and expected output
   exceed capacity, the request waits for running streams to free blocks; the wait is
   the overflow's share of capacity times the mean remaining decode time there.
-- LoRA: a request for an adapter that is not at work on ``b`` pays its load there,
-  and the wait for an adapter slot when ``b``'s batch already holds ``max_lora``
+- LoRA: a request for an adapter that is not at work on ``b`` pays its load there
+  (unless it was sent there recently enough to be in the engine's cache), and the wait for an adapter slot when ``b``'s batch already holds ``max_lora``
   adapters (:meth:`routing.load.BackendLoad.adapter_wait_s`). An adapter thus stays on
   the backends where it is at work until their queues cost more than a load
   elsewhere: its set of backends grows with its load, and no more.
@@ -86,7 +86,8 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
             est += min(overflow / load.kv_capacity_tokens, 1.0) * mean_remaining * load.itl_s()
     if b.discovered and b.adapter_base(request.model) is not None:
         active, max_lora = b.active_adapters(request.now)
-        est += load.adapter_wait_s(request.model, active, max_lora, request.output_tokens)
+        resident = b.adapter_resident(request.model, active, max_lora)
+        est += load.adapter_wait_s(request.model, active, resident, max_lora, request.output_tokens)
     if load.engine is not None:
         stale = load.metrics_staleness(request.now)
         if stale:
