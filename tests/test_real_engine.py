@@ -250,3 +250,23 @@ def test_curl_streaming_through_the_gateway(gateway):
     objs = [json.loads(e) for e in events[:-1]]
     assert sum(1 for o in objs if o["choices"] and o["choices"][0]["delta"].get("content")) == 5
     assert objs[-1]["usage"]["completion_tokens"] == 5
+
+
+# ---- models discovered from the engine ---------------------------------------------
+
+def test_models_auto_discovers_the_engines_model(engines_pair, workdir):
+    """``models: auto``: the gateway serves what llama-server's own ``/v1/models`` lists
+    (its model alias), with no model named in the config."""
+    e = engines_pair[0]
+    status, body = engines.http_get(e.url + "/v1/models")
+    assert status == 200 and MODEL in {m["id"] for m in json.loads(body)["data"]}
+    with engines.GatewayProcess({e.name: e.url}, workdir, name="gw-auto", model="auto").start() as gw:
+        def listed():
+            s, b = engines.http_get(gw.url + "/v1/models")
+            return s == 200 and {m["id"]: m for m in json.loads(b)["data"]}.get(MODEL)
+        card = engines.wait_for(listed, "the gateway listing the engine's model", SETTLE_S)
+        assert "parent" not in card  # a base model, not an adapter
+        r = sdk(gw).chat.completions.with_raw_response.create(model=MODEL, messages=chat("hi"), max_tokens=4,
+                                                                extra_body=NO_EOS)
+        assert r.headers["x-turbo-backend"] == e.name
+        assert r.parse().usage.completion_tokens == 4
