@@ -193,6 +193,25 @@ def _engine_error(obj: object) -> _EngineError | None:
     return None
 
 
+def context_length_exceeded(limit: int, prompt_tokens: int, max_tokens: int | None,
+                            endpoint: str) -> tuple[int, bytes, str]:
+    """The answer to a prompt the gateway knows cannot fit, in the form of
+    :func:`classify`'s: ``(400, OpenAI error body, "context_length_exceeded")``, with
+    vLLM's wording (``limit`` the context length, ``prompt_tokens`` exact, ``max_tokens``
+    as requested or ``None``; ``endpoint`` names the ``param``)."""
+    if max_tokens is None:
+        message = (f"This model's maximum context length is {limit} tokens. However, your request has "
+                   f"{prompt_tokens} input tokens. Please reduce the length of the input messages.")
+    else:
+        message = (f"This model's maximum context length is {limit} tokens. However, you requested "
+                   f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                   "completion). Please reduce the length of the messages or completion.")
+    status = OPENAI_STATUS[CONTEXT_LENGTH_EXCEEDED]
+    param = "prompt" if endpoint == "completions" else "messages"
+    return status, error_body(message, status, code=CONTEXT_LENGTH_EXCEEDED, param=param,
+                              type_="invalid_request_error"), CONTEXT_LENGTH_EXCEEDED
+
+
 def classify(status: int, body: bytes, endpoint: str) -> tuple[int, bytes, str] | None:
     """Classify a backend's error answer as a caller error in OpenAI's terms.
 

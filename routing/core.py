@@ -263,6 +263,16 @@ class DecisionCore:
         seed = chain_seed(req.model, cache_salt)
         req.token_keys = {size: token_block_keys(req.token_ids, size, seed) for size in sizes}
 
+    def context_exceeded(self, model: str, prompt_tokens: int, max_tokens: int | None) -> int | None:
+        """``model``'s context length in tokens when an exactly counted prompt of
+        ``prompt_tokens`` plus ``max_tokens`` (unset: at least one token) fits on no
+        backend serving it (:meth:`Fleet.context_limit`), else ``None``. Call it only
+        with an exact count (a tokenizer's): an estimate must never refuse a request."""
+        limit = self.fleet.context_limit(model)
+        if limit is None or prompt_tokens + (max_tokens or 1) <= limit:
+            return None
+        return limit
+
     def prompt_tokens(self, model: str, prompt_text: str) -> int:
         """The estimated prompt tokens of ``prompt_text`` (the same estimate routing
         uses, without hashing blocks): what per-key token limits charge up front."""

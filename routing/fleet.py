@@ -307,6 +307,18 @@ class Fleet:
                 lens.append(n)
         return ServedModel(model, parent, min(lens) if lens else None)
 
+    def context_limit(self, model: str) -> int | None:
+        """The longest prompt plus output in tokens that some backend serving ``model``
+        takes: the largest ``max_model_len`` they report, or ``None`` when one of them
+        (or the model) is unknown, so that nothing is refused on a guess."""
+        best = 0
+        for b in self.by_model.get(model, ()):
+            n = b.max_model_len(model)
+            if n is None:
+                return None
+            best = max(best, n)
+        return best or None
+
     def candidates(self, model: str) -> list[BackendState]:
         """Backends serving ``model``, in config order. Raises :class:`UnknownModel`."""
         try:

@@ -272,3 +272,58 @@ async def test_gateway_scrapes_the_adapters_at_work_on_a_simulated_vllm():
     finally:
         for b in sims:
             await b.cleanup()
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_sent():
+    """With the model's tokenizer (exact counts) and its max_model_len read from the
+    backend's /v1/models, a prompt too long for every backend gets OpenAI's 400
+    ``context_length_exceeded`` from the gateway; the engine never sees it."""
+    import openai
+
+    from routing.tokenize import load_tokenizer
+    from tests.chat_cases import TINY
+
+    sims, urls = await start_backends([SimBackendConfig(name="s", models=["tiny"], speed=50.0,
+                                                        profile_overrides={"max_model_len": 256})])
+    try:
+        cfg = gateway_config([{"name": "s", "url": urls["s"], "models": "auto"}], health={"interval_s": 0.05},
+                             models={"tiny": {"tokenizer": str(TINY)}})
+        async with running_gateway(cfg) as gw:
+            await wait_until(lambda: gw.state.fleet.context_limit("tiny") == 256)
+            tok = load_tokenizer(TINY)
+            prompt = "word " * 300
+            n = len(tok.encode(prompt, True))
+            assert n > 256
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+            async with client:
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+                err = e.value.body
+                assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+                assert "maximum context length is 256 tokens" in err["message"] and f"({n} in the" in err["message"]
+                short = "word " * 100
+                m = len(tok.encode(short, True))
+                with pytest.raises(openai.BadRequestError, match="maximum context length"):  # prompt fits, output not
+                    await client.completions.create(model="tiny", prompt=short, max_tokens=256 - m + 1)
+                r = await client.completions.create(model="tiny", prompt=short, max_tokens=256 - m)  # exactly fits
+                assert r.usage.prompt_tokens == m
+            assert sims[0].http_requests == 1  # only the one that fit reached the engine
+    finally:
+        for b in sims:
+            await b.cleanup()
+
+
+def test_the_context_limit_is_known_only_when_every_backend_reports_it():
+    from routing.core import BackendSpec, DecisionCore
+    core = DecisionCore([BackendSpec("a", frozenset(), discover=True), BackendSpec("b", frozenset(), discover=True)],
+                        "round_robin")
+    a, b = core.fleet.backends["a"], core.fleet.backends["b"]
+    core.set_served_models(a, [ServedModel("m", None, 1000), ServedModel("x", "m")])
+    core.set_served_models(b, [ServedModel("m")])
+    assert core.fleet.context_limit("m") is None and core.context_exceeded("m", 5000, None) is None
+    core.set_served_models(b, [ServedModel("m", None, 2000)])
+    assert core.fleet.context_limit("m") == 2000  # it fits on b: not refused
+    assert core.context_exceeded("m", 1999, None) is None and core.context_exceeded("m", 2000, None) == 2000
+    assert core.context_exceeded("m", 1000, 1000) is None and core.context_exceeded("m", 1000, 1001) == 2000
+    assert core.fleet.context_limit("x") == 1000  # an adapter's is its parent's
+    assert core.fleet.context_limit("nope") is None

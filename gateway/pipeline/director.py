@@ -38,6 +38,7 @@ from gateway.errors import (
     UpstreamError,
     error_body,
 )
+from gateway.engine_errors import context_length_exceeded
 from gateway.openai_api import (ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object,
                                 prompt_token_ids)
 from gateway.pipeline import attempt, prefill, settle
@@ -264,6 +265,11 @@ async def _on_model(state: GatewayState, ex: Exchange,
     ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt, parsed.stream,
                                     token_ids)
     ex.request = req
+    if token_ids is not None:  # an exact count: a prompt that fits on no backend is refused unsent
+        limit = core.context_exceeded(ex.model, len(token_ids), parsed.max_tokens)
+        if limit is not None:
+            answer = context_length_exceeded(limit, len(token_ids), parsed.max_tokens, parsed.endpoint)
+            return BackendStatus("", answer[0], answer[1], "application/json", openai=answer), None
     req.subset = ex.subset
     now = loop.time()
     plan = core.plan(req, now, state.cfg.routing.long_prompt_tokens)
