@@ -158,6 +158,15 @@ class KVEvents(_Strict):
         return self
 
 
+class BackendLora(_Strict):
+    """LoRA adapters on one backend."""
+
+    dynamic: bool = Field(
+        False, description="Load the adapters of `models.<name>.lora` on this backend on demand, through vLLM's "
+        "`POST /v1/load_lora_adapter`, when routing chooses it for one it does not list.")
+    load_timeout_s: PositiveSeconds = Field(60.0, description="Longest wait for one adapter load.")
+
+
 class Backend(_Strict):
     """One upstream OpenAI-compatible server.
 
@@ -198,6 +207,7 @@ class Backend(_Strict):
     kv_events: KVEvents | None = Field(
         None, description="Subscribe to this backend's KV-cache events (ZMQ, vLLM format) for a precise prefix "
         "index. Unset: its prefix entries stay approximate.")
+    lora: BackendLora = Field(BackendLora(), description="LoRA adapters loaded on demand.")
     simulate: dict[str, Any] | None = Field(
         None, description="Instead of `url`: a demo backend that the gateway starts itself on a free loopback "
         "port (`python -m loadtest.sim`). Takes the simulator's backend spec fields: `profile` (`demo`, "
@@ -714,6 +724,17 @@ class Admission(_Strict):
         return self
 
 
+class LoraAdapter(_Strict):
+    """A LoRA adapter the gateway may load on a backend on demand (vLLM's
+    ``POST /v1/load_lora_adapter``, which needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
+    on the engine)."""
+
+    base: str = Field(min_length=1, description="The base model the adapter applies to (a `model` name a backend "
+                      "serves).")
+    path: str = Field(min_length=1, description="The adapter's `lora_path` as the engine sees it (a local "
+                      "directory on the engine's host, or what its LoRA resolver accepts).")
+
+
 class ModelSettings(_Strict):
     """What the gateway knows of one model beyond its name: its own tokenizer, so
     that prompts become the exact token ids the engine computes (token-exact prefix
@@ -736,6 +757,10 @@ class ModelSettings(_Strict):
         DEFAULT_TOKENIZER_CACHE_TOKENS, ge=0, description="Token ids of rendered prompt segments (cut at the "
         "tokenizer's special tokens, such as each message's start) kept so that a conversation's next turn "
         "tokenizes only its new text; 4 bytes each. 0: tokenize every prompt whole.")
+    lora: LoraAdapter | None = Field(
+        None, description="This model is a LoRA adapter that the backends with `lora.dynamic: true` serving its "
+        "base model may load on demand: routing counts them as able to serve it (with the load in the estimated "
+        "TTFT), and the gateway loads it on the one chosen before sending the request.")
 
     @field_validator("tokenizer", "chat_template")
     @classmethod
@@ -833,9 +858,18 @@ class GatewayConfig(_Strict):
         served = {m for b in self.backends for m in b.static_models}
         if any(b.discover for b in self.backends):
             served = _AnyModel()
-        for model in self.models:
-            if model not in served:
+        dynamic = any(b.lora.dynamic for b in self.backends)
+        for model, settings in self.models.items():
+            if settings.lora is not None:
+                if settings.lora.base not in served:
+                    raise ValueError(f"models: the base model {settings.lora.base!r} of adapter {model!r} is served "
+                                     "by no backend")
+                if not dynamic:
+                    raise ValueError(f"models: adapter {model!r} has `lora`, but no backend has `lora.dynamic: true`")
+            elif model not in served:
                 raise ValueError(f"models: model {model!r} is served by no backend")
+        if isinstance(served, set):  # adapters loaded on demand are served too
+            served |= {m for m, settings in self.models.items() if settings.lora is not None}
         for model, chain in self.routing.fallbacks.items():
             for f in chain:
                 if f.model == model:

@@ -126,6 +126,14 @@ class ConnectFailed(UpstreamError):
     status = 502
 
 
+class AdapterLoadFailed(UpstreamError):
+    """The backend did not load the LoRA adapter the request needs on demand
+    (``POST /v1/load_lora_adapter`` failed or timed out); another backend may."""
+
+    reason = "lora_load"
+    status = 502
+
+
 class ConnectTimeout(UpstreamError):
     reason = "connect_timeout"
     status = 504

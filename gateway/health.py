@@ -51,7 +51,7 @@ class HealthChecker:
     successful probes, and down after ``unhealthy_threshold`` consecutive
     failed probes. ``on_recovered(backend_state)`` is called when a backend that was
     down is marked up again (it may have restarted with an empty KV cache). Backends
-    whose spec has ``discover`` set also have their ``/v1/models`` read each round
+    whose spec has ``reads_models`` set also have their ``/v1/models`` read each round
     that their probe passed; what it lists goes to ``core``. A failed read keeps the
     models last read."""
 
@@ -95,15 +95,16 @@ class HealthChecker:
             log.info("backend %s now serves %s", name, ", ".join(sorted(client.state.models())) or "nothing")
 
     async def discover_all(self) -> None:
-        """Read the models of every backend configured with ``models: auto``."""
-        await asyncio.gather(*(self.discover(c) for c in self.clients if c.state.spec.discover))
+        """Read the models of every backend configured with ``models: auto`` or
+        on-demand LoRA adapters."""
+        await asyncio.gather(*(self.discover(c) for c in self.clients if c.state.spec.reads_models))
 
     async def check_all(self) -> None:
         """One round over every backend, concurrently; then the models of those that
         passed and discover theirs."""
         results = await asyncio.gather(*(self.probe(c) for c in self.clients))
         await asyncio.gather(*(self.discover(c) for c, ok in zip(self.clients, results)
-                               if ok and c.state.spec.discover))
+                               if ok and c.state.spec.reads_models))
         for c, ok in zip(self.clients, results):
             name = c.state.name
             self.checked.add(name)

@@ -25,6 +25,7 @@ from gateway.config import Backend, GatewayConfig
 from gateway.health import HealthChecker
 from gateway.kv_events import KVEventSubscribers
 from gateway.limits import Limiter, LimiterSync
+from gateway.lora import AdapterLoader
 from gateway.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
 from gateway.pipeline.relay import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
@@ -58,6 +59,7 @@ class GatewayState:
     usage: UsageLedger = field(default_factory=UsageLedger)  # the usage ledger's counts (gateway.usage)
     usage_sync: UsageSync | None = None  # flushes them to Redis when state.url is set
     kv_events: KVEventSubscribers | None = None  # the engines' KV-event subscribers, made by connect()
+    adapters: AdapterLoader = field(default_factory=AdapterLoader)  # LoRA adapters loaded on demand
     batch_gate: Any = None  # gateway.batch.admission.BatchGate when batch is enabled
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read
@@ -86,11 +88,13 @@ class GatewayState:
 def backend_specs(cfg: GatewayConfig) -> list[BackendSpec]:
     """The config's backends as the decision core takes them."""
     roles = {p.name: p.role for p in cfg.pools}
+    adapters = tuple((m, s.lora.base) for m, s in cfg.models.items() if s.lora is not None)
     return [BackendSpec(b.name, frozenset(b.static_models), b.pool, b.weight, roles[b.pool],
                         b.hints.prefill_tokens_per_s, b.hints.decode_tokens_per_s, b.hints.kv_capacity_tokens,
                         b.kv_events.block_size if b.kv_events else None,
                         (b.kv_events.base_model or next(iter(b.static_models), "")) if b.kv_events else "",
-                        discover=b.discover, lora_load_s=b.hints.lora_load_s) for b in cfg.backends]
+                        discover=b.discover, lora_load_s=b.hints.lora_load_s,
+                        loadable=adapters if b.lora.dynamic else ()) for b in cfg.backends]
 
 
 def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:

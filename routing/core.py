@@ -335,6 +335,15 @@ class DecisionCore:
             return True
         return False
 
+    def adapter_loaded(self, backend: BackendState, adapter: str) -> None:
+        """``backend`` loaded LoRA ``adapter`` on demand: it is listed there (with its
+        base model) until the next read of the backend's ``/v1/models`` says otherwise."""
+        base = backend.adapter_base(adapter)
+        listed = dict(backend.discovered or {})
+        listed[adapter] = ServedModel(adapter, base)
+        backend.discovered = listed
+        self.fleet.index_models()
+
     def set_lora_activity(self, backend: BackendState, activity: LoraActivity | None) -> None:
         """``backend``'s LoRA adapters at work (from its engine metrics), read by the
         LoRA-affinity term of the estimated TTFT (:mod:`routing.load`)."""

@@ -63,6 +63,13 @@ class BackendSpec:
     kv_base_model: str = ""
     discover: bool = False  # also serve what the backend's own ``/v1/models`` lists
     lora_load_s: float | None = None  # seconds to make a LoRA adapter ready here (a hint)
+    loadable: tuple[tuple[str, str], ...] = ()  # (adapter, base model): LoRA adapters it may load on demand
+
+    @property
+    def reads_models(self) -> bool:
+        """Whether the backend's ``/v1/models`` is read: it adds models (``discover``)
+        or says which on-demand adapters are loaded."""
+        return self.discover or bool(self.loadable)
 
 
 # The most LoRA adapters a backend is remembered to have been sent (its host-memory cache
@@ -147,31 +154,43 @@ class BackendState:
                                     lora_load_s=self.spec.lora_load_s)
 
     def models(self) -> frozenset[str]:
-        """The model names this backend serves: its configured ones, and what its
-        ``/v1/models`` listed when ``spec.discover`` is set."""
-        if self.spec.discover and self.discovered:
-            return self.spec.models | self.discovered.keys()
-        return self.spec.models
+        """The model names this backend serves: its configured ones, what its
+        ``/v1/models`` listed when ``spec.discover`` is set, and the adapters it may
+        load on demand (``spec.loadable``) whose base model it serves."""
+        spec = self.spec
+        served = spec.models | self.discovered.keys() if spec.discover and self.discovered else spec.models
+        if spec.loadable:
+            served = served | {a for a, base in spec.loadable if base in served}
+        return served
 
     def served(self, model: str) -> ServedModel | None:
         """What this backend's ``/v1/models`` said of ``model`` (``None``: not listed)."""
         return self.discovered.get(model) if self.discovered else None
 
     def adapter_base(self, model: str) -> str | None:
-        """The base model of ``model`` on this backend when it is a LoRA adapter."""
+        """The base model of ``model`` on this backend when it is a LoRA adapter
+        (listed with a ``parent``, or one it may load on demand)."""
         m = self.served(model)
-        return m.parent if m is not None else None
+        if m is not None and m.parent is not None:
+            return m.parent
+        for a, base in self.spec.loadable:
+            if a == model:
+                return base
+        return None
+
+    def needs_load(self, model: str) -> bool:
+        """``model`` is an adapter this backend may load on demand and does not list."""
+        return self.served(model) is None and any(a == model for a, _ in self.spec.loadable)
 
     def max_model_len(self, model: str) -> int | None:
         """The context length in tokens of ``model`` here (an adapter's is its
-        parent's), or ``None`` when the backend did not report one."""
+        base model's), or ``None`` when the backend did not report one."""
         m = self.served(model)
-        if m is None:
-            return None
-        if m.max_model_len is None and m.parent is not None:
-            p = self.served(m.parent)
-            return p.max_model_len if p is not None else None
-        return m.max_model_len
+        if m is not None and m.max_model_len is not None:
+            return m.max_model_len
+        base = self.adapter_base(model)
+        p = self.served(base) if base is not None else None
+        return p.max_model_len if p is not None else None
 
     def active_adapters(self, now: float) -> tuple[set[str], int | None]:
         """(the LoRA adapters at work here: this process's in-flight ones and, while

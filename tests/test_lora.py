@@ -327,3 +327,64 @@ def test_the_context_limit_is_known_only_when_every_backend_reports_it():
     assert core.context_exceeded("m", 1000, 1000) is None and core.context_exceeded("m", 1000, 1001) == 2000
     assert core.fleet.context_limit("x") == 1000  # an adapter's is its parent's
     assert core.fleet.context_limit("nope") is None
+
+
+async def test_an_adapter_is_loaded_on_demand_once_and_then_routed_there():
+    """``lora.dynamic``: the gateway loads an adapter named in ``models`` on the backend
+    routing chose (vLLM's /v1/load_lora_adapter on a simulated engine), once for
+    concurrent requests, and keeps sending it there."""
+    import asyncio
+
+    sims, urls = await start_backends([
+        SimBackendConfig(name=f"b{i}", models=["base"], speed=20.0, lora={"load_s": 0.5}) for i in range(2)])
+    try:
+        cfg = gateway_config([{"name": n, "url": urls[n], "models": ["base"], "lora": {"dynamic": True}}
+                              for n in ("b0", "b1")],
+                             routing={"policy": "estimated_ttft"}, health={"interval_s": 0.05},
+                             models={"sql": {"lora": {"base": "base", "path": "/adapters/sql"}}})
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/v1/models") as r:
+                assert {m["id"] for m in (await r.json())["data"]} == {"base", "sql"}
+            first = await asyncio.gather(*(_complete(s, gw.url, "sql") for _ in range(3)))
+            assert [st for st, _ in first] == [200] * 3
+            served = {b for _, b in first}
+            assert len(served) == 1  # one load, and the requests that waited for it went with it
+            (name,) = served
+            sim = sims[int(name[1])]
+            assert list(sim.lora_adapters) == ["sql"] and not sims[1 - int(name[1])].lora_adapters
+            assert [await _complete(s, gw.url, "sql") for _ in range(3)] == [(200, name)] * 3
+            assert sim.engine.lora_loads == 1  # read once, by the load
+            # the backend restarts without it: the next read of its /v1/models says so, and it is loaded again
+            await sim.crash(0.0)
+            backend = gw.state.fleet.backends[name]
+            await wait_until(lambda: backend.served("sql") is None)
+            assert (await _complete(s, gw.url, "sql"))[0] == 200
+            assert "sql" in sims[0].lora_adapters or "sql" in sims[1].lora_adapters
+    finally:
+        for b in sims:
+            await b.cleanup()
+
+
+async def test_a_failed_adapter_load_is_retried_on_another_backend():
+    sims, urls = await start_backends([SimBackendConfig(name="b0", models=["base"], speed=20.0),  # no LoRA: 404
+                                       SimBackendConfig(name="b1", models=["base"], speed=20.0, lora={})])
+    try:
+        cfg = gateway_config([{"name": n, "url": urls[n], "models": ["base"], "lora": {"dynamic": True}}
+                              for n in ("b0", "b1")], routing={"policy": "round_robin"},
+                             models={"sql": {"lora": {"base": "base", "path": "/adapters/sql"}}})
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+            results = [await _complete(s, gw.url, "sql") for _ in range(2)]
+            assert results == [(200, "b1"), (200, "b1")]
+            assert gw.metric("turbo_gateway_retries_total", reason="lora_load") >= 1
+    finally:
+        for b in sims:
+            await b.cleanup()
+
+
+def test_adapter_config_is_checked():
+    with pytest.raises(ConfigError, match="no backend has `lora.dynamic: true`"):
+        gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["base"]}],
+                       models={"sql": {"lora": {"base": "base", "path": "/x"}}})
+    with pytest.raises(ConfigError, match="base model 'nope' of adapter 'sql'"):
+        gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["base"], "lora": {"dynamic": True}}],
+                       models={"sql": {"lora": {"base": "nope", "path": "/x"}}})

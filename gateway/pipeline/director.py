@@ -308,7 +308,13 @@ async def _on_model(state: GatewayState, ex: Exchange,
         ex.backend, ex.decision = backend.name, decision
         ex.attempts.append((backend.name, now, "started"))
         try:
-            await ex.send(state, ex, state.clients[backend.name], reservation)
+            client = state.clients[backend.name]
+            if backend.needs_load(ex.model):  # a LoRA adapter it may load on demand (rare: once per backend)
+                lora = state.cfg.models[ex.model].lora
+                timeout_s = next(b.lora.load_timeout_s for b in state.cfg.backends if b.name == backend.name)
+                assert lora is not None
+                await state.adapters.ensure(core, client, ex.model, lora.path, timeout_s)
+            await ex.send(state, ex, client, reservation)
             return None
         except UpstreamError as err:
             settle.attempt_failed(state, backend, reservation, err)

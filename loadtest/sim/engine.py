@@ -778,6 +778,7 @@ class Engine:
     def preload_lora(self, name: str) -> None:
         """Adapter ``name``'s weights are now in host memory (read by
         ``/v1/load_lora_adapter``, which paid for it)."""
+        self.lora_loads += 1
         self.cpu_loras[name] = None
         self.cpu_loras.move_to_end(name)
         _evict(self.cpu_loras, self.max_cpu_loras, {r.lora for r in self.running if r.lora is not None})

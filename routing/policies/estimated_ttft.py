@@ -84,7 +84,7 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
         if overflow > 0:
             mean_remaining = load.total_decode_tokens_remaining / max(load.total_running, 1)
             est += min(overflow / load.kv_capacity_tokens, 1.0) * mean_remaining * load.itl_s()
-    if b.discovered and b.adapter_base(request.model) is not None:
+    if (b.discovered or b.spec.loadable) and b.adapter_base(request.model) is not None:
         active, max_lora = b.active_adapters(request.now)
         resident = b.adapter_resident(request.model, active, max_lora)
         est += load.adapter_wait_s(request.model, active, resident, max_lora, request.output_tokens)
