@@ -263,6 +263,13 @@ class Backend(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _kv_events_base_model(self) -> "Backend":
+        if self.kv_events is not None and self.kv_events.base_model is None and not self.static_models:
+            raise ValueError("kv_events.base_model must be set when `models` is only `auto` (the blocks without "
+                             "a LoRA adapter are keyed under it)")
+        return self
+
+    @model_validator(mode="after")
     def _url_or_simulate(self) -> "Backend":
         if (self.url is None) == (self.simulate is None):
             raise ValueError("set exactly one of `url` (a real server) or `simulate` (a demo backend)")

@@ -46,6 +46,9 @@ def test_models_auto_in_config():
     assert (a.discover, a.static_models, b.discover, b.static_models) == (True, [], True, ["m"])
     with pytest.raises(ConfigError, match="listed twice"):
         gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["m", "m"]}])
+    with pytest.raises(ConfigError, match="kv_events.base_model must be set"):
+        gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": "auto",
+                         "kv_events": {"endpoint": "tcp://127.0.0.1:5557"}}])
     with pytest.raises(ConfigError, match="is served by no backend"):  # no backend discovers: checked
         gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],
                        routing={"fallbacks": {"m": [{"model": "n"}]}})
