@@ -80,12 +80,12 @@ from routing.state import (
 )
 
 __all__ = [
-    "BackendSpec", "BackendState", "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "Decision",
-    "DecisionCore", "EngineSample", "Fleet", "GAP", "KVEventStats", "LoraActivity", "ModelTokenizer",
-    "NoBackendAvailable", "OK", "POLICIES", "PREFILL", "Plan", "PrefixIndex", "PromptEstimate", "RESTART",
-    "Reservation", "RouteRequest", "SERVING", "SequenceTracker", "ServedModel", "StoreSettings", "Tokenization",
-    "TokenizeStats", "TokenizerError", "UnknownModel", "canonical_prompt", "estimate_ttft", "load_tokenizer",
-    "parse_sentinel_url", "raise_if_cancel_swallowed", "redis_client", "stop_sync",
+    "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
+    "BackendSpec", "BackendState", "Decision", "DecisionCore", "EngineSample", "Fleet", "KVEventStats", "LoraActivity",
+    "ModelTokenizer",
+    "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "SequenceTracker",
+    "ServedModel", "StoreSettings", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel", "canonical_prompt",
+    "estimate_ttft", "load_tokenizer", "parse_sentinel_url", "raise_if_cancel_swallowed", "redis_client", "stop_sync",
     "sync_forever",
 ]
 
