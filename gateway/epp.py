@@ -434,20 +434,16 @@ def _on_response_body(state: GatewayState, ex: director.Exchange, served: _Serve
 
 
 def _settle_end(state: GatewayState, ex: director.Exchange, served: _Served) -> None:
-    """A 200 response ended: settle it with what its body showed. Without body
-    processing nothing was seen but the end: the answer is timed as a whole one, with
-    the expected output tokens standing for the unknown count, so that its decode is
-    not read as time to first token."""
+    """A 200 response ended: settle it with what its body showed (nothing, without
+    body processing)."""
     served.settled = True
     if served.scan is not None:
         settle.completed(state, ex, served.reservation, served.scan.usage, served.scan.content_events)
-    elif served.whole is not None:
+    else:
         if ex.served is None:
             settle.first_byte(state, ex, None, state.loop.time())
-        settle.completed(state, ex, served.reservation, whole_usage(bytes(served.whole)), 0, whole=True)
-    else:
-        expected = ex.estimate.output_tokens if ex.estimate is not None else 0
-        settle.completed(state, ex, served.reservation, None, expected, whole=True)
+        usage = whole_usage(bytes(served.whole)) if served.whole else None
+        settle.completed(state, ex, served.reservation, usage, 0, whole=True)
     settle.finish(state, ex, 200)
 
 
