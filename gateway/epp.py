@@ -410,8 +410,8 @@ def _on_response_headers(state: GatewayState, ex: director.Exchange, served: _Se
         settle.finish(state, ex, status)
     elif not state.cfg.listen.epp.response_body:
         settle.served(state, ex)
-    return {BACKEND_HEADER: served.backend.name, ROUTE_HEADER: route_header(ex.decision, ex.model,  # type: ignore[arg-type]
-                                                                         ex.fallback_reason)}
+    return {BACKEND_HEADER: served.backend.name, REQUEST_ID_HEADER: ex.request_id,
+            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}  # type: ignore[arg-type]
 
 
 def _on_response_body(state: GatewayState, ex: director.Exchange, served: _Served, chunk: bytes, end: bool) -> None:

@@ -53,6 +53,7 @@ async def test_openai_sdk_streams_and_whole_answers_reach_the_picked_backend():
             text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
             assert text == "t0 t1 t2 "
             picked = raw.headers["x-turbo-backend"]
+            assert raw.headers["x-request-id"] == f"chat-stream-{i}"
             assert served_by(by_name[picked], f"chat-stream-{i}")
             assert "policy=round_robin" in raw.headers["x-turbo-route"]
         raw = await client.chat.completions.with_raw_response.create(
