@@ -79,6 +79,7 @@ FAILED_BACKEND_COOLDOWN_S = 1.0
 # raises max_model_len and caps prompts at MAX_INPUT_TOKENS (a prefix of the trace's
 # hash_ids, so prefix sharing is kept) so that every prompt fits every backend's KV cache.
 MAX_MODEL_LEN = 131072
+COLD_START_REQUESTS = 100  # the first requests of a run, where the router has learned little yet
 
 
 @dataclass(slots=True)
@@ -543,7 +544,9 @@ def _pct(xs: list[float], p: float) -> float:
 def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> dict[str, float]:
     """TTFT / TPOT / e2e statistics (vLLM benchmark definitions: TPOT = (e2e - TTFT) /
     (output tokens - 1)), throughput, goodput at the SLO, prefix hit ratio, imbalance,
-    and (not a float) ``share``: per backend, the fraction of requests it served last."""
+    and (not floats) ``share``: per backend, the fraction of requests it served last,
+    and ``cold_start``: the same over the first :data:`COLD_START_REQUESTS` requests by
+    arrival, with their mean TTFT."""
     done = [r for r in records if r.end is not None and r.first_token is not None]
     ttft = [r.first_token - r.arrival for r in done]
     tpot = [(r.end - r.first_token) / (r.generated - 1) for r in done if r.generated > 1]
@@ -557,6 +560,10 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> di
         by_backend[r.backend] = by_backend.get(r.backend, 0) + r.prompt_tokens - r.cached_tokens
         count[r.backend] = count.get(r.backend, 0) + 1
     prompt = sum(r.prompt_tokens for r in done)
+    first = sorted(records, key=lambda r: r.arrival)[:COLD_START_REQUESTS]
+    first_ttft = [r.first_token - r.arrival for r in first if r.end is not None and r.first_token is not None]
+    cold_start = {"requests": len(first), "ttft_mean_s": statistics.fmean(first_ttft) if first_ttft else float("nan"),
+                  "share": {k: v / len(first) for k, v in sorted(collections.Counter(r.backend for r in first).items())}}
     return {
         "requests": len(records), "completed": len(done), "errors": sum(1 for r in records if r.error),
         "retried": sum(1 for r in records if r.attempts > 1),
@@ -570,6 +577,7 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> di
         "predicted_hit_ratio": sum(r.predicted_cached for r in done) / prompt if prompt else 0.0,
         "prefill_imbalance": max(by_backend.values()) / statistics.fmean(by_backend.values()),
         "share": {k: v / len(records) for k, v in sorted(count.items())},  # type: ignore[dict-item]
+        "cold_start": cold_start,  # type: ignore[dict-item]
     }
 
 
@@ -688,6 +696,17 @@ def format_cache_table(rows: list[tuple[str, dict]], backends: list[str], ceilin
     return "\n".join(out)
 
 
+def format_cold_start_table(rows: list[tuple[str, dict]], backends: list[str]) -> str:
+    """Per policy, each backend's share of the first requests and their mean TTFT."""
+    head = ["policy", *(f"{b} %" for b in backends), "TTFT mean s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for policy, s in rows:
+        c = s["cold_start"]
+        out.append("| " + " | ".join([policy, *(f"{c['share'].get(b, 0.0) * 100:.0f}" for b in backends),
+                                      f"{c['ttft_mean_s']:.3f}"]) + " |")
+    return "\n".join(out)
+
+
 # The benchmark of the routing issue: per trace, how many requests and the time scale
 # (inter-arrival multiplier) that loads the 4-backend fleet so that round robin's mean
 # TTFT is well above its unloaded value; each row of the output says both.
@@ -786,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         pooled = (block["pooled_kv_tokens"], block["pooled_kv_hit_ratio"]) if "pooled_kv_tokens" in block else None
         print(format_cache_table(list(pol.items()), backends, block.get("ceiling_hit_ratio"), pooled))
+        print(f"\nthe first {COLD_START_REQUESTS} requests (cold start), share per backend and mean TTFT:\n")
+        print(format_cold_start_table(list(pol.items()), backends))
         if scen:
             print(f"\nrequests by arrival before / during / after the {scenario.kind} window:\n")
             print(format_phase_table(list(pol.items()), scenario))
