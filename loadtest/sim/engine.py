@@ -352,6 +352,8 @@ class Engine:
         self.prefix_cache_hits = 0  # vllm:prefix_cache_hits (tokens)
         self.num_preemptions = 0  # vllm:num_preemptions
         self.prompt_tokens_total = 0  # vllm:prompt_tokens
+        self.prompt_tokens_cached_total = 0  # vllm:prompt_tokens_cached (hits and KV-transferred tokens)
+        self.prefill_s_total = 0.0  # vllm:request_prefill_time_seconds's sum (counted at first token)
         self.generation_tokens_total = 0  # vllm:generation_tokens
         self.request_success: collections.Counter[str] = collections.Counter()  # by finish reason
         self.num_aborted = 0
@@ -518,6 +520,8 @@ class Engine:
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
             "prompt_tokens": self.prompt_tokens_total,
+            "prompt_tokens_cached": self.prompt_tokens_cached_total,
+            "prefill_s": self.prefill_s_total,
             "generation_tokens": self.generation_tokens_total,
             "request_success": dict(self.request_success),
             "kv_evictions": self.kv.num_evictions,
@@ -715,8 +719,11 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = t_end
                 samples["ttft_s"].append(t_end - req.arrival_time)
-                samples["prefill_s"].append(t_end - req.first_scheduled_time)
+                prefill_s = t_end - req.first_scheduled_time
+                samples["prefill_s"].append(prefill_s)
+                self.prefill_s_total += prefill_s
                 self.prompt_tokens_total += req.prompt_len
+                self.prompt_tokens_cached_total += max(req.num_cached_tokens, 0)
             elif new_ids:
                 samples["itl_s"].append(t_end - req.last_token_time)
             if new_ids:

@@ -253,6 +253,8 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       e.num_preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total)
+        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local or external).",
+                      e.prompt_tokens_cached_total)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
                       e.generation_tokens_total)
         rs = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
