@@ -10,10 +10,20 @@ parsed with ``prometheus_client``'s parser. Recognised names (summed over label 
 | KV use (fraction) | ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before v0.10) | ``sglang:token_usage`` | ``llamacpp:kv_cache_usage_ratio`` |
 | KV capacity | ``vllm:cache_config_info{block_size, num_gpu_blocks}`` | ``sglang:max_total_num_tokens`` | |
 | LoRA adapters at work | ``vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`` | | |
+| prefill seconds (counter) | ``vllm:request_prefill_time_seconds_sum`` | | ``llamacpp:prompt_seconds_total`` |
+| prefilled tokens (counter) | ``vllm:prompt_tokens_total`` - ``vllm:prompt_tokens_cached_total`` | | ``llamacpp:prompt_tokens_total`` |
 
 vLLM sets ``vllm:lora_requests_info`` to the time of each change under that change's
 labels, so several series may be exported: the one with the latest value is current
 (as the Gateway API Inference Extension's LoRA affinity scorer reads it).
+
+The two counters give the engine's own prefill rate, which seeds and keeps teaching the
+load model's TTFT fit (:meth:`routing.load.BackendLoad.observe_engine_prefill`). vLLM
+counts a request's prompt tokens at its first token and its prefill time when it ends,
+so one interval's rate is approximate; an engine without
+``vllm:prompt_tokens_cached_total`` (before v0.11) has its prompt tokens counted whole,
+prefix hits included, which overstates its rate where prompts share prefixes.
+llama.cpp's ``llamacpp:prompt_tokens_total`` counts only the tokens it processed.
 
 A backend that serves no ``/metrics`` (or none of these names) is simply not corrected;
 samples older than three intervals are ignored by the load model.
@@ -36,6 +46,11 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:reque
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
             "llamacpp:kv_cache_usage_ratio")
+# counter sample names: (prefill seconds, prompt tokens, of which cached) per engine
+PREFILL_COUNTERS = (("vllm:request_prefill_time_seconds_sum", "vllm:prompt_tokens_total",
+                     "vllm:prompt_tokens_cached_total"),
+                    ("llamacpp:prompt_seconds_total", "llamacpp:prompt_tokens_total", None))
+PREFILL_NAMES = frozenset(n for names in PREFILL_COUNTERS for n in names if n)
 
 
 @dataclass(slots=True)
@@ -49,6 +64,8 @@ class EngineMetrics:
     lora_running: frozenset[str] | None = None  # adapters of running requests (vLLM)
     lora_waiting: frozenset[str] = frozenset()
     max_lora: int | None = None
+    prefill_s_total: float | None = None  # seconds spent in prefill since the engine started
+    prefill_tokens_total: float | None = None  # uncached prompt tokens prefilled since then
 
 
 def _names(labels: dict[str, str], key: str) -> frozenset[str]:
@@ -82,11 +99,20 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         elif name == "sglang:max_total_num_tokens":
             for s in fam.samples:
                 m.kv_capacity_tokens = int(s.value)
+        else:
+            for s in fam.samples:  # counters and histogram sums: the sample names carry the suffix
+                if s.name in PREFILL_NAMES:
+                    sums[s.name] = sums.get(s.name, 0.0) + s.value
     for names, attr in ((WAITING, "waiting"), (RUNNING, "running"), (KV_USAGE, "kv_usage")):
         for n in names:
             if n in sums:
                 setattr(m, attr, sums[n])
                 break
+    for seconds, tokens, cached in PREFILL_COUNTERS:
+        if seconds in sums and tokens in sums:
+            m.prefill_s_total = sums[seconds]
+            m.prefill_tokens_total = sums[tokens] - sums.get(cached, 0.0)
+            break
     return m
 
 
@@ -123,6 +149,8 @@ class MetricsScraper:
             self.core.set_lora_activity(state, LoraActivity(m.lora_running, m.lora_waiting, m.max_lora, now))
         if m.waiting is not None or m.running is not None or m.kv_usage is not None:
             state.load.observe_engine(EngineSample(now, m.waiting or 0.0, m.running or 0.0, m.kv_usage))
+        if m.prefill_s_total is not None and m.prefill_tokens_total is not None:
+            state.load.observe_engine_prefill(now, m.prefill_s_total, m.prefill_tokens_total)
 
     async def run(self) -> None:
         for c in self.clients.values():

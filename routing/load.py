@@ -12,7 +12,16 @@ For every backend the gateway keeps (DESIGN.md section 3):
   exponentially weighted least squares on observed requests and seeded by hints;
 - drift corrections from the engine's own metrics (``vllm:num_requests_waiting``,
   ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` or SGLang's equivalents):
-  load the gateway does not know about (other clients) is added, stale samples ignored.
+  load the gateway does not know about (other clients) is added, stale samples ignored;
+- the engine's own prefill rate (its prefill seconds and uncached prompt tokens,
+  counted since it started): before the first request of ours it seeds the TTFT fit,
+  and while none of ours teaches it, it keeps teaching it
+  (:meth:`BackendLoad.observe_engine_prefill`).
+
+A backend's TTFT fit starts from the best prior there is, in this order: the operator's
+hint, the engine's measured prefill rate, its pool peers' learned speed
+(``routing.router.Router.refresh_speeds``), the built-in default; the first samples of
+its own soon outweigh it (:class:`DecayedLinearFit`).
 
 Every :class:`RequestLoad` moves through ``queued -> running -> done`` and its
 :meth:`RequestLoad.finish` is idempotent, so each exit path releases exactly once.
@@ -20,6 +29,7 @@ Every :class:`RequestLoad` moves through ``queued -> running -> done`` and its
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
@@ -41,6 +51,14 @@ UNSETTLED_RATIO = 1.5  # either way, while the fit is unsettled: the new regime 
 SURPRISE_KEEP = 0.1
 SETTLED_RATIO = 1.03  # a sample this close to the prediction ends the surprise (``unsettled``)
 WHOLE_SAMPLE_EVERY_S = 0.05  # whole answers teach a backend's speeds at most this often (they are many)
+# While samples are few the prior is forgotten faster: per sample its weight is kept at
+# lambda(t) = STARTUP_GROWTH * lambda(t-1) + (1 - STARTUP_GROWTH), from STARTUP_KEEP up to the
+# fit's own decay (the growing forgetting factor of Ljung and Soderstrom, "Theory and
+# Practice of Recursive Identification", MIT Press 1983, section 5.6).
+STARTUP_KEEP = 0.5
+STARTUP_GROWTH = 0.8
+# The engine's prefill rate is taught to the TTFT fit as one sample of a prompt this long.
+ENGINE_SAMPLE_TOKENS = 4096.0
 
 
 class DecayedLinearFit:
@@ -53,14 +71,15 @@ class DecayedLinearFit:
     ``half_life_s`` seconds: :meth:`age`). The prior's weight never falls below
     ``prior_floor``, so a backend that gets no traffic drifts back to its prior instead
     of keeping a bad estimate forever, and a sample after a long silence outweighs the
-    old ones. The prior can be replaced (:meth:`set_prior`). ``slope`` is kept within
+    old ones. While samples are few the prior is forgotten faster (:data:`STARTUP_KEEP`).
+    The prior can be replaced (:meth:`set_prior`). ``slope`` is kept within
     ``[min_slope, max_slope]`` and the intercept at >= 0, so a few noisy samples cannot
     produce a negative speed.
     """
 
     __slots__ = ("decay", "half_life_s", "prior", "wprior", "prior_intercept", "prior_slope", "prior_x", "prior_w",
                  "prior_floor", "s", "sx", "sy", "sxx", "sxy", "min_slope", "max_slope", "samples", "slope",
-                 "intercept", "aged_at", "last_sample_at", "unsettled")
+                 "intercept", "aged_at", "last_sample_at", "unsettled", "prior_keep")
 
     def __init__(self, intercept: float, slope: float, prior_x: float, *, decay: float = 0.97,
                  prior_weight: float = 2.0, min_slope: float = 1e-9, max_slope: float = 1e3,
@@ -74,6 +93,7 @@ class DecayedLinearFit:
         self.aged_at: float | None = None  # the time the observations' weights refer to
         self.last_sample_at: float | None = None
         self.unsettled = False  # a sample came in much faster than predicted, and none has agreed since
+        self.prior_keep = STARTUP_KEEP  # the prior's weight kept per sample while samples are few
         self.set_prior(intercept, slope)
 
     def set_prior(self, intercept: float, slope: float) -> None:
@@ -130,7 +150,12 @@ class DecayedLinearFit:
             elif y < SETTLED_RATIO * pred and y * SETTLED_RATIO > pred:
                 self.unsettled = False
         if self.prior_w > self.prior_floor:
-            self.prior_w = max(self.prior_w * d, self.prior_floor)
+            keep = self.prior_keep
+            if keep < d:
+                self.prior_keep = STARTUP_GROWTH * keep + (1.0 - STARTUP_GROWTH)
+            else:
+                keep = d
+            self.prior_w = max(self.prior_w * keep, self.prior_floor)
             self._weigh_prior()
         self.s = self.s * d + 1.0
         self.sx = self.sx * d + x
@@ -206,7 +231,10 @@ class BackendLoad:
         self.metrics_max_age_s = metrics_max_age_s
         self.prefill_tokens_total = 0.0  # uncached prompt tokens ever dispatched here
         self.remote = RemoteLoad()
-        self.hinted = prefill_tokens_per_s is not None  # the prior is the operator's, not the pool's
+        # where the TTFT prior came from: "hint", "engine" (its prefill rate), "peers" (its pool's) or "default"
+        self.prior_from = "hint" if prefill_tokens_per_s is not None else "default"
+        self.engine_prefill_tokens_per_s: float | None = None  # the engine's own rate, over its last scrape interval
+        self._prefill_counters: tuple[float, float, float] | None = None  # (at, prefill s, tokens) last scraped
         self.peer_ttft: tuple[float, float] | None = None  # (overhead s, s per token) of its pool's peers
         self.waiting: dict[int, RequestLoad] = {}  # streamed requests before their first token, oldest first
 
@@ -307,10 +335,59 @@ class BackendLoad:
             return None
         return work / waited
 
+    def seed_from_peers(self, overhead_s: float, s_per_token: float) -> None:
+        """Its pool peers' TTFT line (overhead in seconds, seconds per prefill token) as
+        the prior of a backend that has no sample of its own and no better prior (hint
+        or engine rate)."""
+        fit = self.ttft_fit
+        if fit.samples or self.prior_from not in ("default", "peers"):
+            return
+        if (fit.prior_intercept, fit.prior_slope) != (overhead_s, s_per_token):
+            fit.set_prior(overhead_s, s_per_token)
+        self.prior_from = "peers"
+
     # ---- engine metrics ------------------------------------------------------------
 
     def observe_engine(self, sample: EngineSample) -> None:
         self.engine = sample
+
+    def observe_engine_prefill(self, now: float, prefill_s_total: float, prefill_tokens_total: float) -> None:
+        """One scrape of the engine's own prefill counters at loop time ``now``: the
+        seconds its requests spent in prefill and the uncached prompt tokens it
+        prefilled, both counted since the engine started (vLLM's
+        ``vllm:request_prefill_time_seconds`` sum and ``vllm:prompt_tokens_total`` minus
+        ``vllm:prompt_tokens_cached_total``; llama.cpp's ``llamacpp:prompt_seconds_total``
+        and ``llamacpp:prompt_tokens_total``).
+
+        The rate over the interval since the previous scrape (since the engine started,
+        on the first scrape or after a counter went back: a restart) is the engine's
+        prefill rate in tokens/s. A backend with no TTFT sample of its own takes it as
+        its prior (unless hinted); otherwise, when none of its own came since the
+        previous scrape, it is one sample of :data:`ENGINE_SAMPLE_TOKENS` at the fit's
+        overhead, so that a backend without traffic from this gateway is still
+        measured (and not probed). An interval without prefill teaches nothing.
+        Negative or non-finite counters are ignored."""
+        if not (0.0 <= prefill_s_total < math.inf and 0.0 <= prefill_tokens_total < math.inf):
+            return
+        prev = self._prefill_counters
+        self._prefill_counters = (now, prefill_s_total, prefill_tokens_total)
+        seconds, tokens = prefill_s_total, prefill_tokens_total
+        if prev is not None and prefill_s_total >= prev[1] and prefill_tokens_total >= prev[2]:
+            seconds -= prev[1]
+            tokens -= prev[2]
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        self.engine_prefill_tokens_per_s = rate
+        fit = self.ttft_fit
+        if not fit.samples and self.prior_from != "hint":
+            fit.set_prior(fit.prior_intercept, 1.0 / rate)
+            self.prior_from = "engine"
+            return
+        last = fit.last_sample_at
+        if last is None or (prev is not None and last <= prev[0]):
+            x = ENGINE_SAMPLE_TOKENS
+            fit.add(x, fit.intercept + x / rate, now)
 
     def fresh_engine(self, now: float) -> EngineSample | None:
         e = self.engine

@@ -177,10 +177,12 @@ class Router:
         """Age every backend's learned speeds by the time passed, and note each
         backend's peers' speed (``BackendLoad.peer_ttft``): the (lower) median TTFT
         overhead of the other backends of its pool that have measured theirs and, for
-        a backend without a speed hint, their median prefill rate scaled by the
-        backends' weights. A long-silent backend is judged by it when it is probed
-        again (:mod:`routing.policies.estimated_ttft`): as fast as its peers, not as
-        the built-in default nor as it last showed."""
+        a backend without a speed hint (nor an engine-measured rate), their median
+        prefill rate scaled by the backends' weights. A long-silent backend is judged
+        by it when it is probed again (:mod:`routing.policies.estimated_ttft`): as fast
+        as its peers, not as the built-in default nor as it last showed; a backend with
+        no sample of its own yet (a scale-out) starts from it
+        (:meth:`routing.load.BackendLoad.seed_from_peers`)."""
         pools: dict[str, list[BackendState]] = {}
         for b in self.fleet.backends.values():
             b.load.age(now)
@@ -197,7 +199,11 @@ class Router:
                 overheads = sorted(p.load.ttft_fit.intercept for p in peers)
                 mid = (len(peers) - 1) // 2
                 fit = b.load.ttft_fit
-                slope = fit.prior_slope if b.load.hinted else 1.0 / (rates[mid] * b.spec.weight)
+                if b.load.prior_from in ("hint", "engine"):
+                    slope = fit.prior_slope
+                else:
+                    slope = 1.0 / (rates[mid] * b.spec.weight)
+                    b.load.seed_from_peers(overheads[mid], slope)
                 b.load.peer_ttft = (overheads[mid], slope)
 
     def plan(self, request: RouteRequest, now: float, long_prompt_tokens: int) -> Plan:

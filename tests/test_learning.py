@@ -8,7 +8,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from routing.core import BackendSpec, DecisionCore, EngineSample, RouteRequest
+import pytest
+
+from routing.core import BackendSpec, BackendState, DecisionCore, EngineSample, RouteRequest
 from routing.load import BackendLoad
 from routing.policies.estimated_ttft import PROBE_AFTER_S, estimate_ttft
 from tests.test_router_model import VirtualFleet
@@ -222,3 +224,179 @@ async def test_stale_engine_metrics_show_in_the_route_header_and_the_metrics():
         finally:
             release.set()
             await runner.cleanup()
+
+
+def _lifetime_counters(rate: float, tokens: float = 2e6) -> tuple[float, float]:
+    """An engine's prefill counters (seconds, uncached tokens) after it prefilled
+    ``tokens`` at ``rate`` tokens/s."""
+    return tokens / rate, tokens
+
+
+def _cold_fleet_first_requests(engine_metrics: bool, seed: int, n: int = 20) -> list[str]:
+    rates = {"f1": 40000.0, "f2": 40000.0, "s1": 4000.0, "s2": 4000.0}
+    vf = VirtualFleet(rates, seed=seed, decode_s=0.3)
+    for name, b in vf.fleet.backends.items():
+        b.load = BackendLoad()  # no hints
+        if engine_metrics:  # the scraper's first sample, before any request
+            b.load.observe_engine_prefill(0.0, *_lifetime_counters(rates[name]))
+    rng = random.Random(seed)
+    for i in range(n):
+        vf.submit(_prompt(rng), 0.1 + i * 0.02)
+    return vf.assigned
+
+
+def test_a_cold_fleet_whose_engines_show_their_rates_sends_its_first_requests_to_the_fast_pair():
+    for seed in range(3):
+        first = _cold_fleet_first_requests(True, seed)
+        fast = sum(1 for n in first if n.startswith("f"))
+        assert fast == 20, (seed, first)  # all of the first 20
+
+
+def test_a_cold_fleet_without_engine_metrics_tries_its_slow_pair_first():
+    # the reference of the test above: with nothing known, the slow pair gets some of
+    # the first requests (2 or 3 of 20) before their waits tell it apart
+    for seed in range(3):
+        first = _cold_fleet_first_requests(False, seed)
+        assert any(n.startswith("s") for n in first[:6]), (seed, first)
+
+
+def test_engine_prefill_rate_seeds_a_backend_and_teaches_it_while_it_gets_no_traffic():
+    load = BackendLoad()
+    load.observe_engine_prefill(10.0, 0.0, 0.0)  # an engine that has prefilled nothing says nothing
+    assert load.prior_from == "default" and load.engine_prefill_tokens_per_s is None
+    load.observe_engine_prefill(12.0, 5.0, 50_000.0)  # 10k tokens/s since it started
+    assert load.prior_from == "engine" and load.ttft_fit.samples == 0
+    assert load.prefill_tokens_per_s == pytest.approx(10_000.0)
+    load.observe_ttft(2000.0, 0.02 + 2000.0 / 10_000.0, now=13.0)  # a request of ours
+    load.observe_engine_prefill(14.0, 6.0, 60_000.0)  # ours came since the last scrape: not taught
+    assert load.ttft_fit.samples == 1
+    load.observe_engine_prefill(16.0, 6.5, 70_000.0)  # none of ours since: 20k tokens/s is taught
+    assert load.ttft_fit.samples == 2 and load.engine_prefill_tokens_per_s == pytest.approx(20_000.0)
+    load.observe_engine_prefill(18.0, 1.0, 5_000.0)  # counters went back: the engine restarted
+    assert load.engine_prefill_tokens_per_s == pytest.approx(5_000.0)
+    for bad in (float("nan"), -1.0, float("inf")):
+        load.observe_engine_prefill(20.0, bad, 1000.0)  # ignored, not a crash
+    assert load.engine_prefill_tokens_per_s == pytest.approx(5_000.0)
+
+
+def test_a_hint_outranks_the_engine_rate_as_the_prior():
+    load = BackendLoad(prefill_tokens_per_s=30_000.0)
+    load.observe_engine_prefill(0.0, *_lifetime_counters(10_000.0))
+    assert load.prior_from == "hint" and load.ttft_fit.prior_slope == pytest.approx(1 / 30_000.0)
+    assert load.ttft_fit.samples == 1  # the engine's rate is a sample instead
+    assert 10_000.0 < load.prefill_tokens_per_s < 30_000.0
+
+
+def test_a_new_backend_starts_from_its_pool_peers_speed():
+    vf = VirtualFleet({"a": 20000.0, "b": 20000.0}, seed=0, decode_s=0.3)
+    for b in vf.fleet.backends.values():
+        b.load = BackendLoad()  # no hints
+    rng = random.Random(0)
+    for i in range(40):
+        vf.submit(_prompt(rng), i * 0.2)
+    new = BackendState(BackendSpec("c", frozenset({"m"}), weight=2.0))  # a scale-out, twice as big
+    vf.fleet.backends["c"] = new
+    vf.router.refresh_speeds(10.0)
+    peers = sorted(1.0 / b.load.ttft_fit.slope for n, b in vf.fleet.backends.items() if n != "c")
+    assert new.load.prior_from == "peers"
+    assert new.load.prefill_tokens_per_s == pytest.approx(2 * peers[0], rel=1e-6)
+
+
+def _engine_counters_after(counters: dict[str, list[float]], name: str, rate: float, tokens: float) -> tuple:
+    c = counters[name]
+    c[0] += tokens / rate
+    c[1] += tokens
+    return tuple(c)
+
+
+def test_a_backend_without_our_traffic_whose_engine_got_faster_wins_traffic_back():
+    """Two identical backends; "b" is slow from 20 s to 80 s of virtual time, then as
+    fast as before. Its engine serves other clients all along, so its metrics show its
+    prefill rate. While slow it gets none of our traffic; once its metrics show it fast
+    again it gets its share back within a few scrapes. The engine keeps it measured: no
+    silence probe is sent to it while it is slow; the surprise of its faster rate is
+    what has it measured again at once."""
+    def run(engine_metrics: bool) -> tuple[list[str], list[str], list[float]]:
+        vf = VirtualFleet({"a": 20000.0, "b": 20000.0}, seed=0, decode_s=0.3)
+        for b in vf.fleet.backends.values():
+            b.load = BackendLoad()
+        counters = {"a": [0.0, 0.0], "b": [0.0, 0.0]}
+        rng = random.Random(0)
+        times = []
+        for i in range(600):  # 120 s, a request every 0.2 s
+            t = i * 0.2
+            if t == 20.0:
+                vf.rates["b"] = 2000.0
+            elif t == 80.0:
+                vf.rates["b"] = 20000.0
+            if engine_metrics and i % 10 == 0:  # a scrape every 2 s; others' traffic: 10k tokens per interval
+                for name, b in vf.fleet.backends.items():
+                    b.load.observe_engine_prefill(t, *_engine_counters_after(counters, name, vf.rates[name], 1e4))
+            vf.submit(_prompt(rng), t)
+            times.append(t)
+        return vf.assigned, vf.reasons, times
+
+    names, reasons, times = run(True)
+    slow = [(n, r) for n, r, t in zip(names, reasons, times) if 30.0 <= t < 80.0]
+    assert [n for n, _ in slow].count("b") == 0, slow  # starved, and not probed: its engine measures it
+    after = [n for n, t in zip(names, times) if 80.0 <= t < 90.0]
+    assert after.count("b") >= 10, after  # of 50, within 10 s (5 scrapes): 15 when written
+    # without engine metrics, the same 10 s give it at most a probe
+    names, reasons, times = run(False)
+    assert [n for n, t in zip(names, times) if 80.0 <= t < 90.0].count("b") <= 1
+
+
+async def test_a_cold_gateway_reads_its_engines_prefill_rates_and_sends_its_first_requests_to_the_fast_pair():
+    """Real sockets: four simulated vLLM backends, two 10x faster than the others, that
+    already served traffic (not through this gateway). The gateway starts cold, no
+    hints; its scraper reads each engine's prefill counters from /metrics, and its first
+    requests go to the fast pair."""
+    import asyncio
+
+    import aiohttp
+
+    from loadtest.sim.server import SimBackendConfig, start_backends
+    from tests.servers import gateway_config, running_gateway, wait_until
+
+    speeds = {"f1": 10.0, "f2": 10.0, "s1": 1.0, "s2": 1.0}
+    backends, urls = await start_backends([SimBackendConfig(name=n, models=["m"], profile="demo", speed=v)
+                                           for n, v in speeds.items()])
+    prompt = "word " * 1500  # 1,500 tokens: 60 ms of prefill at speed 1, 6 ms at speed 10
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def direct(url: str, i: int) -> None:  # another client's traffic, before the gateway
+                async with s.post(url + "/v1/chat/completions",
+                                  json={"model": "m", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": f"warm {i} {prompt}"}]}) as r:
+                    assert r.status == 200
+                    await r.read()
+
+            await asyncio.gather(*(direct(u, i) for u in urls.values() for i in range(4)))
+            cfg = gateway_config([{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()],
+                                 routing={"policy": "estimated_ttft", "scrape_interval_s": 0.05})
+            async with running_gateway(cfg) as gw:
+                fleet = gw.state.fleet.backends
+                await wait_until(lambda: all(b.load.prior_from == "engine" for b in fleet.values()))
+                rates = {n: b.load.prefill_tokens_per_s for n, b in fleet.items()}
+                assert min(rates["f1"], rates["f2"]) > 3 * max(rates["s1"], rates["s2"]), rates
+                sem = asyncio.Semaphore(4)
+                chosen: list[str] = []
+
+                async def one(i: int) -> None:
+                    async with sem:
+                        async with s.post(gw.url + "/v1/chat/completions",
+                                          json={"model": "m", "max_tokens": 2,
+                                                "messages": [{"role": "user", "content": f"q{i} {prompt}"}]}) as r:
+                            assert r.status == 200
+                            await r.read()
+                            route = dict(p.strip().split("=", 1) for p in r.headers["x-turbo-route"].split(";"))
+                            chosen.append(route["backend"])
+
+                # the first four at once, before any answer: the engines' rates alone decide
+                await asyncio.gather(*(one(i) for i in range(4)))
+                assert all(n.startswith("f") for n in chosen), chosen  # cold, without them: one on each
+                await asyncio.gather(*(one(i) for i in range(4, 16)))
+        assert sum(1 for n in chosen if n.startswith("f")) >= 14, chosen  # of the first 16: 16 when written
+    finally:
+        for b in backends:
+            await b.cleanup()

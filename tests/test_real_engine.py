@@ -233,6 +233,20 @@ def test_client_disconnect_stops_generation_in_the_engine(gateway_one):
     assert gw.metric("turbo_gateway_client_disconnects_total", backend=engine.name) >= 1
 
 
+# ---- the engine's own prefill rate, as the scraper reads it -------------------------
+
+def test_the_scraper_reads_llama_cpp_prefill_counters(gateway_one):
+    from gateway.scraper import parse_engine_metrics
+
+    gw, engine = gateway_one
+    before = parse_engine_metrics(engines.http_get(engine.url + "/metrics")[1].decode())
+    sdk(gw).chat.completions.create(model=MODEL, messages=chat(long_prompt()), max_tokens=2)
+    after = parse_engine_metrics(engines.http_get(engine.url + "/metrics")[1].decode())
+    assert before.prefill_s_total is not None and before.prefill_tokens_total is not None
+    assert after.prefill_s_total > before.prefill_s_total  # a fresh prompt was prefilled
+    assert after.prefill_tokens_total - before.prefill_tokens_total >= 400  # ~2.3 tokens a word, 400 words
+
+
 # ---- curl, the way a user first tries it -------------------------------------------
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")

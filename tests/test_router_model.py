@@ -134,6 +134,7 @@ class VirtualFleet:
         self.decode_s = decode_s
         self.prefill_tokens = Counter()
         self.assigned: list[str] = []
+        self.reasons: list[str] = []  # each decision's reason, in order
         self._seq = 0
 
     def submit(self, text: str, now: float) -> str:
@@ -157,6 +158,7 @@ class VirtualFleet:
         self._push(first, "first", res)
         self._push(first + self.decode_s, "done", res)
         self.assigned.append(name)
+        self.reasons.append(d.reason)
         return name
 
     def _push(self, t: float, kind: str, res) -> None:

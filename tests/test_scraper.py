@@ -80,3 +80,27 @@ async def test_gateway_learns_kv_capacity_from_vllm_metrics():
     finally:
         for b in backends:
             await b.cleanup()
+
+
+def test_parse_engine_prefill_counters():
+    vllm = VLLM + """# TYPE vllm:prompt_tokens_cached_total counter
+vllm:prompt_tokens_cached_total{engine="0",model_name="m"} 234.0
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 3.0
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 4.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.5
+"""
+    m = parse_engine_metrics(vllm)
+    assert (m.prefill_s_total, m.prefill_tokens_total) == (0.5, 1000.0)  # 1234 prompt tokens, 234 cached
+    llamacpp = LLAMACPP + """# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 5000
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 2.5
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 2000
+"""
+    m = parse_engine_metrics(llamacpp)
+    assert (m.prefill_s_total, m.prefill_tokens_total) == (2.5, 5000.0)
+    m = parse_engine_metrics(VLLM)  # prompt tokens but no prefill time: no rate
+    assert m.prefill_s_total is None and m.prefill_tokens_total is None
