@@ -65,10 +65,11 @@ BENCH_POLICIES = ("round_robin", "least_requests", "power_of_two", "prefix_hash"
                   "cache_aware_min_load", "estimated_ttft")
 ORACLE = "oracle"  # replay only: estimated_ttft told the engines' true cache contents
 REPLAY_POLICIES = BENCH_POLICIES + (ORACLE,)
-SCENARIOS = ("none", "restart", "slow")
+SCENARIOS = ("none", "restart", "slow", "gateway_restart")
 RESTART_DOWN_S = 5.0  # a restarting backend is down this long (virtual seconds)
 SLOW_WINDOW_S = 60.0  # a slowed backend stays slow this long
 SLOWDOWN = 10.0  # ... at its speed divided by this
+GATEWAY_COLD_S = 50.0  # after a gateway restart, the window reported (about 100 requests of the Mooncake traces)
 # What the gateway does when an attempt fails before any byte reached the client
 # (gateway/config.py Retries defaults): retry on another backend after a full-jitter
 # backoff, at most 3 attempts in all; a refused connection keeps the backend out 1 s.
@@ -79,6 +80,9 @@ FAILED_BACKEND_COOLDOWN_S = 1.0
 # raises max_model_len and caps prompts at MAX_INPUT_TOKENS (a prefix of the trace's
 # hash_ids, so prefix sharing is kept) so that every prompt fits every backend's KV cache.
 MAX_MODEL_LEN = 131072
+# The gateway's default ``routing.scrape_interval_s``: every interval the replay reads each
+# live engine's prefill counters as the scraper reads them from /metrics (gateway/scraper.py).
+SCRAPE_INTERVAL_S = 2.0
 COLD_START_REQUESTS = 100  # the first requests of a run, where the router has learned little yet
 
 
@@ -158,6 +162,11 @@ class Scenario:
       :meth:`routing.core.DecisionCore.backend_recovered`, the gateway's hooks).
     - ``slow``: from ``start`` for ``duration_s`` the backend's engine runs at its speed
       divided by ``slowdown`` (a noisy neighbour); the router is told nothing.
+    - ``gateway_restart``: at ``start`` every gateway replica is replaced by a new one
+      that knows nothing (no learned speeds, no prefix index), as a restart, reload or
+      rollout of the gateway would; the engines keep running, warm. The old replicas
+      finish the requests they hold. ``backend`` is not used; ``duration_s`` is the
+      window whose requests are reported as its "during" phase.
 
     Times are virtual seconds of the replayed (scaled) trace.
     """
@@ -173,6 +182,8 @@ class Scenario:
         return self.start + self.duration_s
 
     def describe(self) -> str:
+        if self.kind == "gateway_restart":
+            return f"the gateway restarts cold at t={self.start:.1f} s (engines warm)"
         if self.kind == "restart":
             return (f"{self.backend} restarts at t={self.start:.1f} s (cache lost), down {self.duration_s:g} s, "
                     f"back at t={self.end:.1f} s")
@@ -197,7 +208,7 @@ def make_scenario(kind: str, reqs: list[TraceRequest], fleet: list[FleetMember],
         raise ValueError(f"unknown backend {backend!r}; the fleet has {', '.join(names)}")
     t0, t1 = reqs[0].arrival_s, reqs[-1].arrival_s
     if duration_s is None:
-        duration_s = RESTART_DOWN_S if kind == "restart" else SLOW_WINDOW_S
+        duration_s = {"restart": RESTART_DOWN_S, "gateway_restart": GATEWAY_COLD_S}.get(kind, SLOW_WINDOW_S)
     return Scenario(kind, backend, t0 + at * (t1 - t0), duration_s, slowdown)
 
 
@@ -255,7 +266,7 @@ Watch = Callable[[str, float, dict[str, Engine]], None]
 def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, seed: int = 0,
            block_tokens: int = 64, know_kv_capacity: bool = True, replicas: int = 1,
            shared: bool = True, staleness_s: float = 0.05, scenario: Scenario | None = None,
-           watch: Watch | None = None) -> list[Record]:
+           watch: Watch | None = None, engine_metrics: bool = True) -> list[Record]:
     """Run ``reqs`` through ``policy`` (a name of :data:`REPLAY_POLICIES`) on ``fleet``
     in virtual time; return one :class:`Record` per request. Speeds are not hinted: the
     router learns them. Policies that take an ``rng`` get one seeded from ``seed``.
@@ -266,9 +277,15 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     (what :class:`routing.state.RedisStore` gives at its default bound), otherwise
     never.
 
-    ``scenario`` (see :class:`Scenario`) restarts or slows one backend; ``watch(phase,
+    With ``engine_metrics``, every :data:`SCRAPE_INTERVAL_S` the routers read the
+    engines' prefill counters (a restarting engine's cannot be read), as the gateway's
+    scraper does; the engines' queue and KV gauges are not fed to them.
+
+    ``scenario`` (see :class:`Scenario`) restarts or slows one backend, or restarts the
+    gateway; ``watch(phase,
     t, engines)`` is called at its transitions (``restart_before``, ``restart_down``,
-    ``restart_up``, ``slow_start``, ``slow_end``) with the live engines by name.
+    ``restart_up``, ``slow_start``, ``slow_end``, ``gateway_restart``) with the live
+    engines by name.
     """
     random.seed(seed)
     if policy not in REPLAY_POLICIES:
@@ -361,6 +378,17 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             for j, (other, _) in enumerate(gateways):
                 if j != k:
                     other.index.record(name, hashes, t)
+
+    def scrape(t: float) -> None:
+        if not engine_metrics:
+            return
+        for core, _ in gateways:
+            for name, b in core.fleet.backends.items():
+                if name in down:
+                    continue
+                eng = engines[name]
+                b.load.observe_engine_prefill(t, eng.prefill_s_total,
+                                              eng.prompt_tokens_total - eng.prompt_tokens_cached_total)
 
     def forget_pending(i: int) -> None:
         entry = req_blocks.pop(i, None)
@@ -482,6 +510,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     share = shared and replicas > 1
     if share:
         push(0.0, "sync", None)
+    if engine_metrics:
+        push(0.0, "scrape", None)
     slow_speed: dict[str, float] = {}
 
     while events:
@@ -490,6 +520,10 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             sync(t)
             if pending:
                 push(t + staleness_s, "sync", None)
+        elif kind == "scrape":
+            scrape(t)
+            if pending:
+                push(t + SCRAPE_INTERVAL_S, "scrape", None)
         elif kind == "arrival":
             dispatch(payload, t)  # type: ignore[arg-type]
         elif kind == "step":
@@ -531,6 +565,11 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             engines[payload].speed = slow_speed.pop(payload)  # type: ignore[index]
             if watch:
                 watch("slow_end", t, engines)
+        elif kind == "gateway_restart_start":
+            gateways[:] = [make_gateway(k) for k in range(replicas)]
+            scrape(t)  # the gateway's scraper reads every backend once at startup
+            if watch:
+                watch("gateway_restart", t, engines)
     return records
 
 
@@ -541,12 +580,13 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))]
 
 
-def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> dict[str, float]:
+def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float,
+              cold_from: float = -math.inf) -> dict[str, float]:
     """TTFT / TPOT / e2e statistics (vLLM benchmark definitions: TPOT = (e2e - TTFT) /
     (output tokens - 1)), throughput, goodput at the SLO, prefix hit ratio, imbalance,
     and (not floats) ``share``: per backend, the fraction of requests it served last,
     and ``cold_start``: the same over the first :data:`COLD_START_REQUESTS` requests by
-    arrival, with their mean TTFT."""
+    arrival (from ``cold_from``, e.g. a gateway restart), with their mean TTFT."""
     done = [r for r in records if r.end is not None and r.first_token is not None]
     ttft = [r.first_token - r.arrival for r in done]
     tpot = [(r.end - r.first_token) / (r.generated - 1) for r in done if r.generated > 1]
@@ -560,7 +600,7 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float) -> di
         by_backend[r.backend] = by_backend.get(r.backend, 0) + r.prompt_tokens - r.cached_tokens
         count[r.backend] = count.get(r.backend, 0) + 1
     prompt = sum(r.prompt_tokens for r in done)
-    first = sorted(records, key=lambda r: r.arrival)[:COLD_START_REQUESTS]
+    first = sorted((r for r in records if r.arrival >= cold_from), key=lambda r: r.arrival)[:COLD_START_REQUESTS]
     first_ttft = [r.first_token - r.arrival for r in first if r.end is not None and r.first_token is not None]
     cold_start = {"requests": len(first), "ttft_mean_s": statistics.fmean(first_ttft) if first_ttft else float("nan"),
                   "share": {k: v / len(first) for k, v in sorted(collections.Counter(r.backend for r in first).items())}}
@@ -622,7 +662,7 @@ CEILING = "ceiling"  # the job that computes ceiling_hit_ratio (not a policy)
 
 
 def _job(args: tuple) -> tuple[str, str, dict, float]:
-    trace, policy, n, scale, fleet_names, ttft_slo, tpot_slo, seed, scen = args
+    trace, policy, n, scale, fleet_names, ttft_slo, tpot_slo, seed, scen, engine_metrics = args
     reqs = scale_time(load_trace(trace, n), scale)
     fleet = make_fleet(fleet_names)
     t0 = time.process_time()
@@ -633,8 +673,9 @@ def _job(args: tuple) -> tuple[str, str, dict, float]:
                                "pooled_hit_ratio": ceiling_hit_ratio(reqs, bs, pooled)}, time.process_time() - t0
     scenario = make_scenario(scen[0], reqs, fleet, backend=scen[1], at=scen[2], duration_s=scen[3],
                              slowdown=scen[4]) if scen else None
-    recs = replay(reqs, policy, fleet, seed=seed, scenario=scenario)
-    summary = summarize(recs, ttft_slo, tpot_slo)
+    recs = replay(reqs, policy, fleet, seed=seed, scenario=scenario, engine_metrics=engine_metrics)
+    cold_from = scenario.start if scenario is not None and scenario.kind == "gateway_restart" else -math.inf
+    summary = summarize(recs, ttft_slo, tpot_slo, cold_from)
     if scenario is not None:
         summary["phases"] = scenario_phases(recs, scenario)  # type: ignore[assignment]
     return trace, policy, summary, time.process_time() - t0
@@ -732,13 +773,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", choices=SCENARIOS, default="none",
                     help="restart: one backend restarts (cache lost, down --scenario-duration s, default "
                          f"{RESTART_DOWN_S:g}); slow: one backend runs --slowdown times slower for "
-                         f"--scenario-duration s (default {SLOW_WINDOW_S:g})")
+                         f"--scenario-duration s (default {SLOW_WINDOW_S:g}); gateway_restart: the gateway "
+                         f"restarts cold, engines warm (its first {COLD_START_REQUESTS} requests are reported)")
     ap.add_argument("--scenario-backend", help="the backend it happens to (default: the first, b0-...)")
     ap.add_argument("--scenario-at", type=float, default=0.5,
                     help="when it starts, as a fraction of the trace's arrival span (default 0.5: the midpoint)")
     ap.add_argument("--scenario-duration", type=float, help="virtual seconds down (restart) or slow (slow)")
     ap.add_argument("--slowdown", type=float, default=SLOWDOWN, help="slow: speed divisor (default 10)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the ceiling and pooled-KV rows")
+    ap.add_argument("--no-engine-metrics", action="store_true",
+                    help="the routers do not read the engines' prefill counters (what they are worth)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the summaries here")
@@ -767,9 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     for tr, p, n, scale in jobs:
         if p == "unloaded":  # round robin at 1/20 of the load, no scenario: the unloaded reference
             work.append((tr, "round_robin", n // 4, scale * 20, fleet_names, args.ttft_slo, args.tpot_slo, args.seed,
-                         None))
+                         None, not args.no_engine_metrics))
         else:
-            work.append((tr, p, n, scale, fleet_names, args.ttft_slo, args.tpot_slo, args.seed, scen))
+            work.append((tr, p, n, scale, fleet_names, args.ttft_slo, args.tpot_slo, args.seed, scen,
+                         not args.no_engine_metrics))
     t0 = time.monotonic()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(_job, work))
@@ -805,7 +850,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         pooled = (block["pooled_kv_tokens"], block["pooled_kv_hit_ratio"]) if "pooled_kv_tokens" in block else None
         print(format_cache_table(list(pol.items()), backends, block.get("ceiling_hit_ratio"), pooled))
-        print(f"\nthe first {COLD_START_REQUESTS} requests (cold start), share per backend and mean TTFT:\n")
+        cold = "after the gateway restart" if scen and scen[0] == "gateway_restart" else "of the run"
+        print(f"\nthe first {COLD_START_REQUESTS} requests {cold} (cold start), share per backend and mean TTFT:\n")
         print(format_cold_start_table(list(pol.items()), backends))
         if scen:
             print(f"\nrequests by arrival before / during / after the {scenario.kind} window:\n")

@@ -14,9 +14,11 @@ about 12.8k tokens each, so that the documents do not all fit:
 - the ceiling (:func:`loadtest.replay.ceiling_hit_ratio`) is what one engine with a
   huge cache and time to finish every request gets when replayed for real;
 - ``restart`` empties the backend's cache and the router keeps requests off it while
-  it is down; ``slow`` makes its requests' TTFT higher in the window.
+  it is down; ``slow`` makes its requests' TTFT higher in the window;
+  ``gateway_restart`` starts the router cold while the engines stay warm, and their
+  prefill counters tell it at once which one is fast.
 
-Virtual time, no sockets; about 3 s in all.
+Virtual time, no sockets; about 12 s in all.
 """
 
 from __future__ import annotations
@@ -174,3 +176,29 @@ def test_slow_window_slows_that_backend():
     assert window_ttft(slow) > 3 * window_ttft(base)
     phases = rp.scenario_phases(slow, scenario)
     assert phases["during"]["backend_ttft_mean_s"] > 3 * phases["before"]["backend_ttft_mean_s"]
+
+
+def test_a_restarted_gateway_reads_the_warm_engines_and_sends_its_first_requests_to_the_fast_one():
+    """``gateway_restart``: the gateway restarts cold at the midpoint, the engines keep
+    running. With their prefill counters scraped, its first 20 requests all go to the
+    H100; without, some go to the A100s first (7, 15 and 16 of 20 to the H100 when
+    written)."""
+    def fleet() -> list[rp.FleetMember]:
+        return [rp.FleetMember(n, dataclasses.replace(PROFILES[p], max_model_len=rp.MAX_MODEL_LEN))
+                for n, p in (("fast", "h100-llama3-8b"), ("slow1", "a100-llama3-8b"), ("slow2", "a100-llama3-8b"))]
+
+    without = 0
+    for seed in range(3):
+        reqs = sharing_trace(400, rate=4.0, seed=seed)
+        scenario = rp.make_scenario("gateway_restart", reqs, fleet(), duration_s=10.0)
+        for engine_metrics in (True, False):
+            recs = rp.replay(reqs, "estimated_ttft", fleet(), scenario=scenario, engine_metrics=engine_metrics,
+                             seed=seed)
+            s = rp.summarize(recs, 2.0, 0.1, cold_from=scenario.start)
+            assert s["completed"] == len(reqs) and s["cold_start"]["requests"] == 100
+            after = [r.backend for r in sorted(recs, key=lambda r: r.arrival) if r.arrival >= scenario.start][:20]
+            if engine_metrics:
+                assert after.count("fast") == 20, (seed, after)
+            else:
+                without += after.count("fast")
+    assert without < 3 * 20
