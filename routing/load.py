@@ -30,6 +30,7 @@ Every :class:`RequestLoad` moves through ``queued -> running -> done`` and its
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
@@ -79,7 +80,7 @@ class DecayedLinearFit:
 
     __slots__ = ("decay", "half_life_s", "prior", "wprior", "prior_intercept", "prior_slope", "prior_x", "prior_w",
                  "prior_floor", "s", "sx", "sy", "sxx", "sxy", "min_slope", "max_slope", "samples", "slope",
-                 "intercept", "aged_at", "last_sample_at", "unsettled", "prior_keep")
+                 "intercept", "aged_at", "age_due", "last_sample_at", "unsettled", "prior_keep")
 
     def __init__(self, intercept: float, slope: float, prior_x: float, *, decay: float = 0.97,
                  prior_weight: float = 2.0, min_slope: float = 1e-9, max_slope: float = 1e3,
@@ -91,6 +92,7 @@ class DecayedLinearFit:
         self.s = self.sx = self.sy = self.sxx = self.sxy = 0.0  # the observations' weighted sums
         self.samples = 0
         self.aged_at: float | None = None  # the time the observations' weights refer to
+        self.age_due = -math.inf  # the next ageing step is taken from this time on
         self.last_sample_at: float | None = None
         self.unsettled = False  # a sample came in much faster than predicted, and none has agreed since
         self.prior_keep = STARTUP_KEEP  # the prior's weight kept per sample while samples are few
@@ -113,10 +115,11 @@ class DecayedLinearFit:
         """Forget the observations by the time passed since they were last aged (loop
         time, seconds): their weight halves every ``half_life_s``. Steps shorter than
         a hundredth of the half-life wait to be taken together."""
-        at = self.aged_at
-        if at is not None and now - at < self.half_life_s * 0.01:
+        if now < self.age_due:
             return
+        at = self.aged_at
         self.aged_at = now
+        self.age_due = now + self.half_life_s * 0.01
         if at is None or not self.s:
             return
         f = 0.5 ** ((now - at) / self.half_life_s)
@@ -132,7 +135,8 @@ class DecayedLinearFit:
         """Add one observation (made at loop time ``now``, when given)."""
         silent = False  # the first sample after a third of a half-life without one (a probe's)
         if now is not None:
-            self.age(now, refit=False)  # the refit below covers it
+            if now >= self.age_due:
+                self.age(now, refit=False)  # the refit below covers it
             last = self.last_sample_at
             silent = last is not None and now - last >= self.half_life_s / 3
             self.last_sample_at = now
@@ -147,7 +151,7 @@ class DecayedLinearFit:
                 # faster than thought: learn it, and measure again soon
                 d *= SURPRISE_KEEP
                 self.unsettled = True
-            elif y < SETTLED_RATIO * pred and y * SETTLED_RATIO > pred:
+            elif unsettled and y < SETTLED_RATIO * pred and y * SETTLED_RATIO > pred:
                 self.unsettled = False
         if self.prior_w > self.prior_floor:
             keep = self.prior_keep
@@ -170,13 +174,20 @@ class DecayedLinearFit:
         # routing reads them for every candidate of every request
         ps, psx, psy, psxx, psxy = self.wprior
         s, sx, sy, sxx, sxy = ps + self.s, psx + self.sx, psy + self.sy, psxx + self.sxx, psxy + self.sxy
-        var = s * sxx - sx * sx
-        if var <= 1e-12 * max(s * sxx, 1e-30):
+        # comparisons rather than min() and max(): this runs for every sample
+        scale = s * sxx
+        var = scale - sx * sx
+        if var <= 1e-12 * (scale if scale > 1e-30 else 1e-30):
             slope = self.min_slope
         else:
-            slope = min(max((s * sxy - sx * sy) / var, self.min_slope), self.max_slope)
+            slope = (s * sxy - sx * sy) / var
+            if slope < self.min_slope:
+                slope = self.min_slope
+            elif slope > self.max_slope:
+                slope = self.max_slope
         self.slope = slope
-        self.intercept = max((sy - slope * sx) / s, 0.0)
+        intercept = (sy - slope * sx) / s
+        self.intercept = intercept if intercept > 0.0 else 0.0
 
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x
@@ -236,7 +247,10 @@ class BackendLoad:
         self.engine_prefill_tokens_per_s: float | None = None  # the engine's own rate, over its last scrape interval
         self._prefill_counters: tuple[float, float, float] | None = None  # (at, prefill s, tokens) last scraped
         self.peer_ttft: tuple[float, float] | None = None  # (overhead s, s per token) of its pool's peers
-        self.waiting: dict[int, RequestLoad] = {}  # streamed requests before their first token, oldest first
+        # streamed requests in the order dispatched, from the oldest still before its first
+        # token (its wait bounds the prefill rate: routing.policies.estimated_ttft); those
+        # behind it may have theirs already, and leave when they come to the front
+        self.waiting: deque[RequestLoad] = deque()
 
     # ---- learned speeds ------------------------------------------------------------
 
@@ -320,20 +334,6 @@ class BackendLoad:
         prior is all there is to know)."""
         at = self.ttft_fit.last_sample_at
         return now - at if at is not None else 0.0
-
-    def prefill_rate_bound(self, now: float, overhead_s: float) -> float | None:
-        """An upper bound on the prefill rate (tokens/s) from the oldest request still
-        waiting for its first token: the work ahead of and including its own is not
-        done after the time it has waited (a right-censored TTFT), or ``None`` when no
-        request waits or the wait says nothing yet."""
-        if not self.waiting:
-            return None
-        r = next(iter(self.waiting.values()))
-        waited = now - r.dispatched_at - overhead_s
-        work = r.queued_ahead_tokens + r.uncached_tokens
-        if waited <= 0 or work <= 0:  # nothing to prefill: its wait says nothing of the rate
-            return None
-        return work / waited
 
     def seed_from_peers(self, overhead_s: float, s_per_token: float) -> None:
         """Its pool peers' TTFT line (overhead in seconds, seconds per prefill token) as
@@ -462,15 +462,22 @@ class BackendLoad:
               stream: bool = True) -> "RequestLoad":
         """Account one dispatched request; returns its handle. A ``stream``'s first
         token will be seen, so its wait for it bounds the prefill rate
-        (:meth:`prefill_rate_bound`); a whole answer's wait includes its decode."""
+        (:attr:`waiting`); a whole answer's wait includes its decode."""
         r = RequestLoad(self, uncached_tokens, prompt_tokens, output_tokens, now, self.queued_prefill_tokens)
         if stream:
-            self.waiting[id(r)] = r
+            self.waiting.append(r)
         self.queued += 1
         self.queued_prefill_tokens += uncached_tokens
         self.kv_tokens += prompt_tokens
         self.prefill_tokens_total += uncached_tokens
         return r
+
+    def unwait(self) -> None:
+        """A request left the ``queued`` stage: drop those at the front of
+        :attr:`waiting` that no longer wait for their first token."""
+        waiting = self.waiting
+        while waiting and waiting[0].stage != "queued":
+            waiting.popleft()
 
 
 @dataclass(slots=True)
@@ -498,10 +505,12 @@ class RequestLoad:
         b = self.backend
         b.queued -= 1
         b.queued_prefill_tokens -= self.uncached_tokens
-        b.waiting.pop(id(self), None)
+        self.stage = "running"
+        waiting = b.waiting
+        if waiting and waiting[0] is self:
+            b.unwait()
         b.running += 1
         b.decode_tokens_remaining += self.output_tokens
-        self.stage = "running"
         self.first_token_at = now
         self.running_at_first_token = b.running
         b.observe_ttft(self.queued_ahead_tokens + self.uncached_tokens, now - self.dispatched_at, now)
@@ -519,7 +528,10 @@ class RequestLoad:
         if self.stage == "queued":
             b.queued -= 1
             b.queued_prefill_tokens -= self.uncached_tokens
-            b.waiting.pop(id(self), None)
+            self.stage = "done"
+            waiting = b.waiting
+            if waiting and waiting[0] is self:
+                b.unwait()
             if whole:
                 self._learn_whole(now, completion_tokens or 1)
         else:

@@ -71,10 +71,16 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
         work += load.external_queued_tokens(now)
         running += load.external_running(now)
     overhead, rate = load.ttft_params()
-    if load.waiting:  # the oldest request still waiting says how fast the backend is at most
-        bound = load.prefill_rate_bound(request.now, overhead)
-        if bound is not None and bound < rate:
-            rate = bound
+    if load.waiting:
+        oldest = load.waiting[0]
+        # The oldest streamed request still waiting for its first token bounds the
+        # prefill rate from above: the work ahead of and including its own is not done
+        # after the time it has waited (a right-censored TTFT). With nothing to prefill
+        # its wait says nothing of the rate.
+        waited = request.now - oldest.dispatched_at - overhead
+        done_by = oldest.queued_ahead_tokens + oldest.uncached_tokens
+        if waited > 0 and 0 < done_by < rate * waited:
+            rate = done_by / waited
     est = overhead + work / rate
     if running:
         now = request.now
