@@ -337,10 +337,17 @@ class BackendLoad:
 
     def seed_from_peers(self, overhead_s: float, s_per_token: float) -> None:
         """Its pool peers' TTFT line (overhead in seconds, seconds per prefill token) as
-        the prior of a backend that has no sample of its own and no better prior (hint
-        or engine rate)."""
+        the prior of a backend without a hint: one with no sample of its own and no
+        engine rate yet, or one whose prior was its engine's rate before its own samples
+        came (that rate may be long gone; the prior is what it is forgotten toward)."""
         fit = self.ttft_fit
-        if fit.samples or self.prior_from not in ("default", "peers"):
+        prior_from = self.prior_from
+        if prior_from == "hint":
+            return
+        if fit.samples:
+            if prior_from != "engine":  # it has its own samples, and keeps the prior it started from
+                return
+        elif prior_from == "engine":  # cold, with its engine's rate: the better prior
             return
         if (fit.prior_intercept, fit.prior_slope) != (overhead_s, s_per_token):
             fit.set_prior(overhead_s, s_per_token)
@@ -361,11 +368,17 @@ class BackendLoad:
 
         The rate over the interval since the previous scrape (since the engine started,
         on the first scrape or after a counter went back: a restart) is the engine's
-        prefill rate in tokens/s. A backend with no TTFT sample of its own takes it as
-        its prior (unless hinted); otherwise, when none of its own came since the
-        previous scrape, it is one sample of :data:`ENGINE_SAMPLE_TOKENS` at the fit's
-        overhead, so that a backend without traffic from this gateway is still
-        measured (and not probed). An interval without prefill teaches nothing.
+        prefill rate in tokens/s. It is a lower bound of the rate the TTFT fit models:
+        requests prefilled together each count the steps they share, and a request's
+        prefill time is counted when its first token comes, so a queue that was slow
+        reports its slowness late. A backend with no TTFT sample of its own takes it as
+        its prior (unless hinted). Otherwise, when none of its own came since the
+        previous scrape and the engine is faster than the fit says, it is one sample of
+        :data:`ENGINE_SAMPLE_TOKENS` at the fit's overhead: a backend that gets none of
+        this gateway's traffic and got faster is measured so, without waiting for a
+        probe. It is not one of the backend's own samples: the silence probes of
+        :mod:`routing.policies.estimated_ttft` still come, since a lower bound cannot
+        say that a backend is no faster. An interval without prefill teaches nothing.
         Negative or non-finite counters are ignored."""
         if not (0.0 <= prefill_s_total < math.inf and 0.0 <= prefill_tokens_total < math.inf):
             return
@@ -385,9 +398,9 @@ class BackendLoad:
             self.prior_from = "engine"
             return
         last = fit.last_sample_at
-        if last is None or (prev is not None and last <= prev[0]):
+        if rate * fit.slope > 1.0 and (last is None or (prev is not None and last <= prev[0])):
             x = ENGINE_SAMPLE_TOKENS
-            fit.add(x, fit.intercept + x / rate, now)
+            fit.add(x, fit.intercept + x / rate)  # without ``now``: not a sample of its own
 
     def fresh_engine(self, now: float) -> EngineSample | None:
         e = self.engine

@@ -177,8 +177,8 @@ class Router:
         """Age every backend's learned speeds by the time passed, and note each
         backend's peers' speed (``BackendLoad.peer_ttft``): the (lower) median TTFT
         overhead of the other backends of its pool that have measured theirs and, for
-        a backend without a speed hint (nor an engine-measured rate), their median
-        prefill rate scaled by the backends' weights. A long-silent backend is judged
+        a backend without a speed hint, their median prefill rate scaled by the
+        backends' weights (an engine's rate seen at its start may be long gone). A long-silent backend is judged
         by it when it is probed again (:mod:`routing.policies.estimated_ttft`): as fast
         as its peers, not as the built-in default nor as it last showed; a backend with
         no sample of its own yet (a scale-out) starts from it
@@ -199,7 +199,7 @@ class Router:
                 overheads = sorted(p.load.ttft_fit.intercept for p in peers)
                 mid = (len(peers) - 1) // 2
                 fit = b.load.ttft_fit
-                if b.load.prior_from in ("hint", "engine"):
+                if b.load.prior_from == "hint":
                     slope = fit.prior_slope
                 else:
                     slope = 1.0 / (rates[mid] * b.spec.weight)
