@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from loadtest.sim.engine import Engine, prompt_block_hashes
+from loadtest.sim.kv_events import encode_batch
 from loadtest.sim.profiles import PROFILES, Profile
 from loadtest.traces import (BYTES_PER_TOKEN, MAX_INPUT_TOKENS, TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, TraceRequest,  # noqa: F401
                              load_trace, request_tokens_and_text, scale_time)
@@ -66,6 +67,8 @@ BENCH_POLICIES = ("round_robin", "least_requests", "power_of_two", "prefix_hash"
 ORACLE = "oracle"  # replay only: estimated_ttft told the engines' true cache contents
 REPLAY_POLICIES = BENCH_POLICIES + (ORACLE,)
 SCENARIOS = ("none", "restart", "slow", "gateway_restart")
+APPROXIMATE, PRECISE = "approximate", "precise"
+EVIDENCE = (APPROXIMATE, PRECISE)  # what the prefix index learns from: dispatch only, or the engines' KV events too
 RESTART_DOWN_S = 5.0  # a restarting backend is down this long (virtual seconds)
 SLOW_WINDOW_S = 60.0  # a slowed backend stays slow this long
 SLOWDOWN = 10.0  # ... at its speed divided by this
@@ -266,7 +269,8 @@ Watch = Callable[[str, float, dict[str, Engine]], None]
 def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, seed: int = 0,
            block_tokens: int = 64, know_kv_capacity: bool = True, replicas: int = 1,
            shared: bool = True, staleness_s: float = 0.05, scenario: Scenario | None = None,
-           watch: Watch | None = None, engine_metrics: bool = True) -> list[Record]:
+           watch: Watch | None = None, engine_metrics: bool = True, evidence: str = APPROXIMATE,
+           speculative_s: float = 5.0, cpu: dict[str, float] | None = None) -> list[Record]:
     """Run ``reqs`` through ``policy`` (a name of :data:`REPLAY_POLICIES`) on ``fleet``
     in virtual time; return one :class:`Record` per request. Speeds are not hinted: the
     router learns them. Policies that take an ``rng`` get one seeded from ``seed``.
@@ -286,12 +290,29 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     t, engines)`` is called at its transitions (``restart_before``, ``restart_down``,
     ``restart_up``, ``slow_start``, ``slow_end``, ``gateway_restart``) with the live
     engines by name.
+
+    ``evidence``: ``approximate`` (the engines publish nothing: the prefix index has
+    only what the router sent where) or ``precise`` (every engine publishes its KV
+    events; each step's batch is encoded in vLLM's wire format by
+    :func:`loadtest.sim.kv_events.encode_batch` and handed to every replica's
+    :meth:`routing.core.DecisionCore.kv_event_batch` when the step ends, as the
+    gateway's subscriber does; the router gets each prompt's token ids, the ones the
+    engine computes, so its token-exact keys are the engine's blocks).
+    ``speculative_s``: how long a token-exact entry recorded at dispatch waits for its
+    event (0: none recorded). ``cpu``, when given, gets the process CPU seconds the
+    router spent: ``route_s`` (estimate, token keys, route, reservation updates) and
+    ``kv_events_s`` (decoding and applying event batches), summed over replicas.
     """
     random.seed(seed)
     if policy not in REPLAY_POLICIES:
         raise KeyError(f"unknown replay policy {policy!r}; known: {', '.join(REPLAY_POLICIES)}")
+    if evidence not in EVIDENCE:
+        raise ValueError(f"unknown evidence {evidence!r}; known: {', '.join(EVIDENCE)}")
     oracle = policy == ORACLE
-    engines: dict[str, Engine] = {m.name: Engine(m.profile, engine_id=m.name) for m in fleet}
+    precise = evidence == PRECISE
+    clock = time.process_time
+    spent = {"route_s": 0.0, "kv_events_s": 0.0}
+    engines: dict[str, Engine] = {m.name: Engine(m.profile, engine_id=m.name, kv_events=precise) for m in fleet}
     profiles = {m.name: m.profile for m in fleet}
     down: set[str] = set()  # restarting backends: a connection to them is refused
     # The oracle's view: per backend, block hashes of prompts dispatched there and not yet
@@ -319,9 +340,11 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
 
     def make_gateway(k: int) -> tuple[DecisionCore, TokenEstimator]:
         specs = [BackendSpec(m.name, frozenset({"m"}),
-                             kv_capacity_tokens=m.profile.kv_capacity_tokens if know_kv_capacity else None)
+                             kv_capacity_tokens=m.profile.kv_capacity_tokens if know_kv_capacity else None,
+                             kv_block_size=m.profile.block_size if precise else None, kv_base_model="m")
                  for m in fleet]
-        core = DecisionCore(specs, "estimated_ttft" if oracle else policy, block_tokens=block_tokens)
+        core = DecisionCore(specs, "estimated_ttft" if oracle else policy, block_tokens=block_tokens,
+                            speculative_s=speculative_s)
         rng = random.Random(seed * 1000 + k)
         core.router.policy = OracleTTFT(truth, rng=rng) if oracle else make_policy_seeded(policy, rng)
         return core, core.estimator
@@ -348,11 +371,22 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             busy[name] = False
             return
         dt, outs = eng.step(t)
+        kv = eng.take_kv_events() if precise else None
         if dt <= 0 and not outs:
             busy[name] = False
+            if kv:
+                publish(name, eng, kv)
             return
         busy[name] = True
-        push(t + dt, "step", (name, eng, outs))
+        push(t + dt, "step", (name, eng, outs, kv))
+
+    def publish(name: str, eng: Engine, kv: list) -> None:
+        """The engine's KV events of one step, as the gateway's subscriber hands them on."""
+        payload = encode_batch(0.0, kv, block_size=eng.block_size)
+        c0 = clock()
+        for core, _ in gateways:
+            core.kv_event_batch(name, 0, payload)
+        spent["kv_events_s"] += clock() - c0
 
     def sync(t: float) -> None:
         for k, (core, _) in enumerate(gateways):
@@ -425,17 +459,22 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         k = i % replicas
         core, estimator = gateways[k]
         tokens, text = request_tokens_and_text(r, i)
-        est = estimator.estimate("m", text, r.output_tokens)
-        tpb = estimator.block_bytes / estimator.stats("m").bytes_per_token
         if oracle:
             current["hashes"] = {bs: prompt_block_hashes(tokens, bs) for bs in {e.block_size for e in engines.values()}}
             current["tokens"] = len(tokens)
+        c0 = clock()
         try:
-            decision, res = core.route(RouteRequest("m", exclude=frozenset(excluded.get(i, ())), prompt_text=text,
-                                                    prompt_bytes=est.size_bytes, block_hashes=est.hashes,
-                                                    prompt_tokens=est.prompt_tokens, output_tokens=est.output_tokens,
-                                                    tokens_per_block=tpb), t)
+            est = estimator.estimate("m", text, r.output_tokens, None, tokens if precise else None)
+            tpb = estimator.block_bytes / estimator.stats("m").bytes_per_token
+            req = RouteRequest("m", exclude=frozenset(excluded.get(i, ())), prompt_text=text,
+                               prompt_bytes=est.size_bytes, block_hashes=est.hashes, prompt_tokens=est.prompt_tokens,
+                               output_tokens=est.output_tokens, tokens_per_block=tpb,
+                               token_ids=tokens if precise else None)
+            if precise:
+                core.set_token_keys(req)
+            decision, res = core.route(req, t)
         except NoBackendAvailable as e:
+            spent["route_s"] += clock() - c0
             if e.retry_after_s is not None and rec.attempts < MAX_ATTEMPTS:
                 rec.attempts += 1
                 push(t + e.retry_after_s, "arrival", i)
@@ -443,6 +482,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                 rec.error = "no backend available"
                 pending -= 1
             return
+        spent["route_s"] += clock() - c0
         name = decision.backend.name
         if share:
             seq += 1
@@ -482,7 +522,10 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             res.outcome(False, t)  # type: ignore[attr-defined]
             res.release(t)  # type: ignore[attr-defined]
             fail(i, t, name, "backend restarted mid-stream", retry=True)
-        engines[name] = Engine(profiles[name], engine_id=f"{name}-restarted")
+        engines[name] = Engine(profiles[name], engine_id=f"{name}-restarted", kv_events=precise)
+        if precise:  # its events start again at seq 0: the subscriber sees a restart
+            for core, _ in gateways:
+                core.kv_event_restart(name, 0)
         pending_blocks[name].clear()
         busy[name] = False
         down.add(name)
@@ -527,9 +570,12 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         elif kind == "arrival":
             dispatch(payload, t)  # type: ignore[arg-type]
         elif kind == "step":
-            name, eng, outs = payload  # type: ignore[misc]
+            name, eng, outs, kv = payload  # type: ignore[misc]
             if engines[name] is not eng:
                 continue  # the engine restarted during this step: its outputs never arrive
+            if kv:
+                publish(name, eng, kv)
+            c0 = clock()
             for out in outs:
                 i = int(out.req_id[1:])
                 rec = records[i]
@@ -550,6 +596,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                     forget_pending(i)
                     estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN, rec.prompt_tokens,
                                             rec.generated)
+            spent["route_s"] += clock() - c0
             start_step(name, t)
         elif kind == "restart_start":
             restart(payload, t)  # type: ignore[arg-type]
@@ -570,6 +617,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             scrape(t)  # the gateway's scraper reads every backend once at startup
             if watch:
                 watch("gateway_restart", t, engines)
+    if cpu is not None:
+        cpu.update(spent)
     return records
 
 

@@ -86,6 +86,40 @@ def load_trace(name: str, limit: int | None = None, max_input_tokens: int = MAX_
     return out
 
 
+def shared_prefix_trace(tenants: int = 150, requests: int = 1500, system_prompt_len: int = 6144,
+                        question_len: int = 1200, output_len: int = 128, rate: float = 6.0,
+                        seed: int = 0) -> list[TraceRequest]:
+    """A many-tenant shared-prefix workload as a Mooncake-style trace: each request is
+    one tenant's system prompt (``system_prompt_len`` tokens, the same for every
+    request of that tenant) followed by a question of its own (``question_len``
+    tokens), asking ``output_len`` tokens; tenants drawn uniformly, Poisson arrivals at
+    ``rate`` requests/s, reproducible from ``seed``. The shape of llm-d's "KV-Cache Wins
+    You Can See" benchmark (150 tenants, 6k-token system prompts, 1.2k-token
+    questions). Block ids are positive and distinct between tenants and questions, so
+    equal ids mean an equal prefix exactly as in the Mooncake traces. Raises
+    ``ValueError`` unless ``system_prompt_len`` is a positive multiple of
+    :data:`TRACE_BLOCK_TOKENS` (a block is either all system prompt or all question)
+    and the other numbers are positive."""
+    if system_prompt_len <= 0 or system_prompt_len % TRACE_BLOCK_TOKENS:
+        raise ValueError(f"system_prompt_len must be a positive multiple of {TRACE_BLOCK_TOKENS}, "
+                         f"got {system_prompt_len}")
+    if min(tenants, requests, question_len, output_len) <= 0 or not rate > 0:
+        raise ValueError("tenants, requests, question_len, output_len and rate must be positive")
+    rng = random.Random(seed)
+    sys_blocks = system_prompt_len // TRACE_BLOCK_TOKENS
+    q_blocks = math.ceil(question_len / TRACE_BLOCK_TOKENS)
+    first_question = 1 + tenants * sys_blocks
+    out: list[TraceRequest] = []
+    t = 0.0
+    for i in range(requests):
+        tenant = rng.randrange(tenants)
+        ids = [1 + tenant * sys_blocks + b for b in range(sys_blocks)]
+        ids += [first_question + i * q_blocks + b for b in range(q_blocks)]
+        out.append(TraceRequest(t, system_prompt_len + question_len, output_len, ids))
+        t += rng.expovariate(rate)
+    return out
+
+
 def scale_time(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
     """Multiply inter-arrival times by ``factor`` (< 1 compresses: more load)."""
     return [dataclasses.replace(r, arrival_s=r.arrival_s * factor) for r in reqs]
