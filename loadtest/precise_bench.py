@@ -1,0 +1,205 @@
+"""The precise prefix index benchmark (issue 18): approximate, precise and precise
+without speculative entries, side by side on the same workloads, in virtual time.
+
+Each row is :func:`loadtest.replay.replay` with ``estimated_ttft`` on the
+heterogeneous replay fleet (2 x ``h100-llama3-8b`` + 2 x ``a100-llama3-8b``,
+:data:`loadtest.replay.DEFAULT_FLEET`):
+
+- ``approximate``: the engines publish nothing; the prefix index knows what was sent
+  where, bounded by each backend's KV capacity;
+- ``precise``: every engine publishes its KV events (vLLM's wire format, decoded and
+  applied by the gateway's own code), the router keys prompts by token ids, dispatch
+  records speculative entries that an event confirms within ``speculative_s``;
+- ``precise, no speculative``: the same with ``speculative_s: 0``.
+
+The router's token ids are the engine's own (the trace's token ids, given to both), so
+the blocks match exactly; a live gateway gets them from the model's tokenizer, whose
+cost is measured here separately on each workload's HTTP prompt text
+(:func:`tokenize_us`: the tests' tiny BPE tokenizer by default, prefix cache on) and
+added to the gateway CPU column. Workloads: the Mooncake conversation trace, and a
+many-tenant shared-prefix workload (:func:`loadtest.traces.shared_prefix_trace`). The
+reference rows are the trace's hit ratio through one LRU cache as large as the
+fleet's KV and through one infinite cache (:func:`loadtest.replay.ceiling_hit_ratio`).
+
+    python -m loadtest.precise_bench --jobs 2                       # the README table
+    python -m loadtest.precise_bench --workload shared_prefix --rate 6 9 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from loadtest.replay import (APPROXIMATE, DEFAULT_FLEET, PRECISE, ceiling_hit_ratio, make_fleet, replay, summarize)
+from loadtest.traces import (TRACE_BLOCK_TOKENS, TraceRequest, block_words, load_trace, scale_time,
+                             shared_prefix_trace, trace_prompt_text)
+
+TINY_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny-tokenizer"
+MODES = {  # row label: (evidence, speculative_s or None for --speculative-s)
+    "approximate": (APPROXIMATE, None),
+    "precise": (PRECISE, None),
+    "precise, no speculative": (PRECISE, 0.0),
+}
+WORKLOADS = ("mooncake_conversation", "shared_prefix")
+TOKENIZE_SAMPLE = 40  # requests of each workload whose tokenization is timed
+
+
+def make_workload(name: str, args: argparse.Namespace, rate: float | None = None) -> list[TraceRequest]:
+    """The requests of workload ``name`` under the command's settings (``rate``: the
+    shared-prefix workload's arrival rate, req/s). Raises ``ValueError`` for an unknown
+    name."""
+    if name == "mooncake_conversation":
+        return scale_time(load_trace(name, args.conversation_requests), args.time_scale)
+    if name == "shared_prefix":
+        return shared_prefix_trace(args.tenants, args.shared_requests, args.system_prompt_len, args.question_len,
+                                   args.output_len, rate if rate is not None else args.rate[0], args.seed)
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+
+
+def http_request(name: str, r: TraceRequest, i: int, system_blocks: int) -> tuple[str, dict]:
+    """(endpoint, body) of request ``i`` as the benchmark client sends it over HTTP: a
+    shared-prefix request as a chat with the tenant's system prompt and the question,
+    a conversation-trace request as one user message (the prompt words of
+    :func:`loadtest.traces.trace_prompt_text`)."""
+    if name == "shared_prefix":
+        system = "".join(block_words(h) for h in r.hash_ids[:system_blocks])
+        question = trace_prompt_text(TraceRequest(0.0, r.input_tokens - system_blocks * TRACE_BLOCK_TOKENS, 1,
+                                                  r.hash_ids[system_blocks:]), i)
+        return "chat", {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return "chat", {"messages": [{"role": "user", "content": trace_prompt_text(r, i)}]}
+
+
+def tokenize_us(name: str, reqs: list[TraceRequest], system_blocks: int, path: str,
+                sample: int = TOKENIZE_SAMPLE) -> tuple[float, float]:
+    """(mean microseconds per request, mean prompt tokens) of the model's own tokenizer
+    (``path``: a ``tokenizer.json`` or model directory) turning the first ``sample``
+    requests of the workload, in order, into token ids as the gateway does
+    (:mod:`routing.tokenize`: template, prefix cache, encoding; timed by
+    :func:`loadtest.routing_cost._tokenize_us`)."""
+    from loadtest.routing_cost import _tokenize_us
+    from routing.tokenize import load_tokenizer
+
+    bodies = [http_request(name, r, i, system_blocks) for i, r in enumerate(reqs[:sample])]
+    tok = load_tokenizer(path)
+    us, _ = _tokenize_us(tok, bodies)
+    probe = load_tokenizer(path, cache_tokens=0)
+    tokens = statistics.fmean(len(probe.tokenization(e, d).token_ids()) for e, d in bodies)
+    return us, tokens
+
+
+def _job(job: tuple) -> tuple[tuple, dict]:
+    key, kind, args = job
+    name, rate = key[0], key[1]
+    reqs = make_workload(name, args, rate)
+    fleet = make_fleet(tuple(args.fleet.split(",")))
+    if kind == "ceiling":
+        bs = fleet[0].profile.block_size
+        pooled = sum(m.profile.num_gpu_blocks * m.profile.block_size for m in fleet) // bs
+        return key, {"ceiling": ceiling_hit_ratio(reqs, bs), "pooled_tokens": pooled * bs,
+                     "pooled": ceiling_hit_ratio(reqs, bs, pooled)}
+    if kind == "tokenize":
+        us, tokens = tokenize_us(name, reqs, args.system_prompt_len // TRACE_BLOCK_TOKENS, args.tokenizer)
+        return key, {"tokenize_us": us, "tokens": tokens}
+    evidence, spec = MODES[kind]
+    cpu: dict[str, float] = {}
+    t0 = time.process_time()
+    recs = replay(reqs, "estimated_ttft", fleet, seed=args.seed, evidence=evidence,
+                  speculative_s=args.speculative_s if spec is None else spec, cpu=cpu)
+    s = summarize(recs, args.ttft_slo, args.tpot_slo)
+    s.update({k: v / len(recs) * 1e6 for k, v in cpu.items()})
+    s["job_cpu_s"] = time.process_time() - t0
+    return key, s
+
+
+def format_table(rows: dict[str, dict], ref: dict, tok: dict) -> str:
+    """One workload's table: a row per mode, then the pooled-KV and ceiling rows."""
+    head = ["index", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "goodput req/s", "SLO %", "hit %", "pred. hit %",
+            "hit / pooled KV", "hit / ceiling", "routing us/req", "KV events us/req", "tokenize us/req",
+            "gateway CPU us/req"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, s in rows.items():
+        tokenize = tok["tokenize_us"] if MODES[label][0] == PRECISE else 0.0
+        total = s["route_s"] + s["kv_events_s"] + tokenize
+        out.append("| " + " | ".join([
+            label, f"{s['ttft_mean_s']:.3f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.2f}",
+            f"{s['goodput_req_s']:.2f}", f"{s['slo_attainment'] * 100:.1f}", f"{s['hit_ratio'] * 100:.1f}",
+            f"{s['predicted_hit_ratio'] * 100:.1f}", f"{s['hit_ratio'] / ref['pooled']:.2f}",
+            f"{s['hit_ratio'] / ref['ceiling']:.2f}", f"{s['route_s']:.0f}", f"{s['kv_events_s']:.0f}",
+            f"{tokenize:.0f}", f"{total:.0f}"]) + " |")
+    dash = ["-"] * 5
+    out.append("| " + " | ".join([f"pooled KV (1 backend, {ref['pooled_tokens'] / 1e6:.2f}M tokens, LRU)", *dash,
+                                   f"{ref['pooled'] * 100:.1f}", "-", "1.00",
+                                   f"{ref['pooled'] / ref['ceiling']:.2f}", *["-"] * 4]) + " |")
+    out.append("| " + " | ".join(["ceiling (1 backend, infinite KV)", *dash, f"{ref['ceiling'] * 100:.1f}", "-",
+                                   f"{ref['ceiling'] / ref['pooled']:.2f}", "1.00", *["-"] * 4]) + " |")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.precise_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=WORKLOADS, action="append", help="repeatable; default: both")
+    ap.add_argument("--mode", choices=list(MODES), action="append", help="repeatable; default: all three")
+    ap.add_argument("--conversation-requests", type=int, default=2000, help="first N rows of the conversation trace")
+    ap.add_argument("--time-scale", type=float, default=1.7, help="conversation trace inter-arrival multiplier")
+    ap.add_argument("--tenants", type=int, default=150)
+    ap.add_argument("--shared-requests", type=int, default=1500)
+    ap.add_argument("--system-prompt-len", type=int, default=6144, help="tokens, a multiple of 512")
+    ap.add_argument("--question-len", type=int, default=1200)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rate", type=float, nargs="+", default=[9.0], help="shared-prefix arrivals, req/s (a sweep)")
+    ap.add_argument("--speculative-s", type=float, default=5.0, help="speculative bound of the 'precise' row")
+    ap.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="comma-separated profile names")
+    ap.add_argument("--tokenizer", default=str(TINY_TOKENIZER), help="tokenizer.json or model directory")
+    ap.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
+    ap.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT SLO for goodput, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", help="write every row here")
+    return ap
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark; returns ``{workload title: {"rows", "reference", "tokenize"}}``."""
+    workloads = args.workload or list(WORKLOADS)
+    modes = args.mode or list(MODES)
+    keys = [(w, r) for w in workloads for r in (args.rate if w == "shared_prefix" else [None])]
+    jobs = [(k, kind, args) for k in keys for kind in ("ceiling", "tokenize", *modes)]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        results = dict(((key, job[1]), s) for job, (key, s) in zip(jobs, pool.map(_job, jobs)))
+    out: dict[str, dict] = {}
+    for key in keys:
+        w, rate = key
+        title = (f"{w}, first {args.conversation_requests} requests, inter-arrival x{args.time_scale}"
+                 if rate is None else
+                 f"{w}, {args.tenants} tenants, {args.system_prompt_len}-token system prompts, {args.question_len}-"
+                 f"token questions, {args.output_len} output tokens, {args.shared_requests} requests at {rate:g} req/s")
+        out[title] = {"rows": {m: results[(key, m)] for m in modes}, "reference": results[(key, "ceiling")],
+                      "tokenize": results[(key, "tokenize")]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.monotonic()
+    out = run(args)
+    for title, block in out.items():
+        tok = block["tokenize"]
+        print(f"\n### {title}\n")
+        print(f"fleet {args.fleet}; estimated_ttft; SLO TTFT <= {args.ttft_slo:g} s, TPOT <= "
+              f"{args.tpot_slo * 1000:.0f} ms; speculative_s {args.speculative_s:g}; tokenizer "
+              f"{args.tokenizer} ({tok['tokens']:.0f} prompt tokens per request over HTTP)\n")
+        print(format_table(block["rows"], block["reference"], tok))
+    print(f"\n(wall {time.monotonic() - t0:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
