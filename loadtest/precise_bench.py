@@ -23,6 +23,7 @@ fleet's KV and through one infinite cache (:func:`loadtest.replay.ceiling_hit_ra
 
     python -m loadtest.precise_bench --jobs 2                       # the README table
     python -m loadtest.precise_bench --workload shared_prefix --rate 6 9 12
+    python -m loadtest.precise_bench --live        # the same three modes over HTTP + ZMQ, small
 """
 
 from __future__ import annotations
@@ -141,6 +142,22 @@ def format_table(rows: dict[str, dict], ref: dict, tok: dict) -> str:
     return "\n".join(out)
 
 
+def format_live_table(rows: dict[str, dict]) -> str:
+    """The live run's table: a row per mode."""
+    head = ["index", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "goodput req/s", "hit %", "pred. hit %",
+            "evidence of the decisions", "gateway CPU us/req", "errors"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in rows.items():
+        s = r["summary"]
+        ev = ", ".join(f"{k} {v}" for k, v in sorted(r["evidence"].items()))
+        out.append("| " + " | ".join([
+            label, f"{s['mean_ttft_ms'] / 1000:.3f}", f"{s['median_ttft_ms'] / 1000:.3f}",
+            f"{s['p99_ttft_ms'] / 1000:.2f}", f"{s['goodput']:.2f}",
+            f"{r['hit_ratio'] * 100:.1f}", f"{r['predicted_hit_ratio'] * 100:.1f}", ev,
+            f"{r['gateway_cpu_us']:.0f}", str(r["errors"])]) + " |")
+    return "\n".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m loadtest.precise_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=WORKLOADS, action="append", help="repeatable; default: both")
@@ -161,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--live", action="store_true", help="instead: the small live run over HTTP + ZMQ (see live())")
+    ap.add_argument("--live-tenants", type=int, default=30)
+    ap.add_argument("--live-per-tenant", type=int, default=6)
+    ap.add_argument("--live-system-len", type=int, default=2048, help="words")
+    ap.add_argument("--live-question-len", type=int, default=400, help="words")
+    ap.add_argument("--live-output-len", type=int, default=64)
+    ap.add_argument("--live-rate", type=float, default=3.0, help="req/s")
     return ap
 
 
@@ -184,9 +208,98 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+# --- the live path: real HTTP + ZMQ, one small run per mode -----------------------------
+
+LIVE_FLEET = (("h100", "h100-llama3-8b", 3000), ("a100", "a100-llama3-8b", 2000))  # name, profile, KV blocks
+
+
+def live(args: argparse.Namespace) -> dict[str, dict]:
+    """The shared-prefix workload through the real path, once per mode, each on a fresh
+    fleet: ``python -m loadtest.sim`` engines (speed 1, ``LIVE_FLEET``: KV caches cut so
+    that the tenants' prefixes do not all fit) publishing KV events over ZMQ and
+    tokenizing with ``args.tokenizer``, ``python -m gateway`` in front with the same
+    tokenizer as the model's (so the engine's and the gateway's token ids are the same)
+    and, for the precise modes, subscribed to the engines' events; the client is
+    ``python -m loadtest run --workload shared-prefix`` (chat: system prompt + question).
+    Returns per mode the client's summary, the gateway's CPU seconds per request
+    (``/proc`` utime + stime of its process over the run, tokenization included), the
+    evidence of each routing decision (``x-turbo-route``) and the predicted
+    (``matched_tokens``) against the reported (``cached_tokens``) prefix tokens."""
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from loadtest.procs import cpu_seconds, start_gateway, start_sim, stop
+    from loadtest.sim.profiles import PROFILES
+
+    modes = args.mode or list(MODES)
+    out: dict[str, dict] = {}
+    for label in modes:
+        evidence, spec_s = MODES[label]
+        spec = [{"name": name, "models": ["m"], "profile": prof, "speed": 1.0, "tokenizer": args.tokenizer,
+                 "profile_overrides": {"num_gpu_blocks": blocks}, "kv_events": {"topic": "kv-events"}}
+                for name, prof, blocks in LIVE_FLEET]
+        sim, urls = start_sim(spec)
+        tmp = Path(tempfile.mkdtemp(prefix="tg-precise-live-"))
+        try:
+            backends = []
+            for name, prof, blocks in LIVE_FLEET:
+                b = {"name": name, "url": urls[name], "models": ["m"],
+                     "hints": {"kv_capacity_tokens": blocks * PROFILES[prof].block_size}}
+                if evidence == PRECISE:
+                    with urllib.request.urlopen(urls[name] + "/kv_event_sources", timeout=10) as r:
+                        src = json.loads(r.read())["0"]
+                    b["kv_events"] = {"endpoint": src["endpoint"], "replay_endpoint": src["replay_endpoint"],
+                                      "topic": "kv-events", "block_size": PROFILES[prof].block_size}
+                backends.append(b)
+            cfg = {"models": {"m": {"tokenizer": args.tokenizer}},
+                   "routing": {"policy": "estimated_ttft", "scrape_interval_s": 0,
+                               "speculative_s": args.speculative_s if spec_s is None else spec_s},
+                   "backends": backends}
+            gw, url, _ = start_gateway(cfg, workdir=str(tmp))
+            try:
+                cpu0 = cpu_seconds(gw.pid)
+                subprocess.run([sys.executable, "-m", "loadtest", "run", "--target", url, "--model", "m",
+                                "--workload", "shared-prefix", "-p",
+                                f"num_groups={args.live_tenants},prompts_per_group={args.live_per_tenant},"
+                                f"system_prompt_len={args.live_system_len},question_len={args.live_question_len},"
+                                f"output_len={args.live_output_len}",
+                                "-n", str(args.live_tenants * args.live_per_tenant),
+                                "--rate", str(args.live_rate), "--seed", str(args.seed + 1),
+                                "--slo", f"ttft_ms={args.ttft_slo * 1000:g},tpot_ms={args.tpot_slo * 1000:g}",
+                                "--no-plots", "--out", str(tmp / "run")],
+                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+                cpu = cpu_seconds(gw.pid) - cpu0
+            finally:
+                stop(gw)
+        finally:
+            stop(sim)
+        lane = json.loads((tmp / "run" / "results.json").read_text())["runs"][0]["lanes"][0]
+        recs = lane["records"]
+        ok = [r for r in recs if r.get("error") is None]
+        routes = [dict(p.split("=", 1) for p in r["route"].split("; ")) for r in ok if r.get("route")]
+        evid: dict[str, int] = {}
+        for rt in routes:
+            evid[rt.get("evidence", "approximate")] = evid.get(rt.get("evidence", "approximate"), 0) + 1
+        prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+        out[label] = {"summary": lane["summary"], "requests": len(recs), "errors": len(recs) - len(ok),
+                      "gateway_cpu_us": cpu / len(recs) * 1e6, "evidence": evid,
+                      "hit_ratio": sum(r["cached_tokens"] or 0 for r in ok) / prompt if prompt else 0.0,
+                      "predicted_hit_ratio": sum(float(rt.get("matched_tokens", 0)) for rt in routes) / prompt
+                      if prompt else 0.0,
+                      "prompt_tokens_mean": prompt / len(ok) if ok else 0.0}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
+    if args.live:
+        rows = live(args)
+        print(format_live_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     out = run(args)
     for title, block in out.items():
         tok = block["tokenize"]
