@@ -48,7 +48,6 @@ MODES = {  # row label: (evidence, speculative_s or None for --speculative-s)
     "precise, no speculative": (PRECISE, 0.0),
 }
 WORKLOADS = ("mooncake_conversation", "shared_prefix")
-TOKENIZE_SAMPLE = 40  # requests of each workload whose tokenization is timed
 
 
 def make_workload(name: str, args: argparse.Namespace, rate: float | None = None) -> list[TraceRequest]:
@@ -77,20 +76,22 @@ def http_request(name: str, r: TraceRequest, i: int, system_blocks: int) -> tupl
 
 
 def tokenize_us(name: str, reqs: list[TraceRequest], system_blocks: int, path: str,
-                sample: int = TOKENIZE_SAMPLE) -> tuple[float, float]:
+                sample: int | None = None) -> tuple[float, float]:
     """(mean microseconds per request, mean prompt tokens) of the model's own tokenizer
-    (``path``: a ``tokenizer.json`` or model directory) turning the first ``sample``
-    requests of the workload, in order, into token ids as the gateway does
+    (``path``: a ``tokenizer.json`` or model directory) turning the workload's requests
+    (the first ``sample``, or all), in order, into token ids as the gateway does
     (:mod:`routing.tokenize`: template, prefix cache, encoding; timed by
-    :func:`loadtest.routing_cost._tokenize_us`)."""
+    :func:`loadtest.routing_cost._tokenize_us`), starting from an empty prefix cache of
+    the gateway's default size, as a gateway starts."""
     from loadtest.routing_cost import _tokenize_us
-    from routing.tokenize import load_tokenizer
+    from routing.tokenize import DEFAULT_CACHE_TOKENS, SegmentCache, load_tokenizer
 
     bodies = [http_request(name, r, i, system_blocks) for i, r in enumerate(reqs[:sample])]
     tok = load_tokenizer(path)
+    tok.cache = SegmentCache(DEFAULT_CACHE_TOKENS)  # the loaded object is shared: give it an empty cache
     us, _ = _tokenize_us(tok, bodies)
     probe = load_tokenizer(path, cache_tokens=0)
-    tokens = statistics.fmean(len(probe.tokenization(e, d).token_ids()) for e, d in bodies)
+    tokens = statistics.fmean(len(probe.tokenization(e, d).token_ids()) for e, d in bodies[:200])
     return us, tokens
 
 
@@ -105,7 +106,8 @@ def _job(job: tuple) -> tuple[tuple, dict]:
         return key, {"ceiling": ceiling_hit_ratio(reqs, bs), "pooled_tokens": pooled * bs,
                      "pooled": ceiling_hit_ratio(reqs, bs, pooled)}
     if kind == "tokenize":
-        us, tokens = tokenize_us(name, reqs, args.system_prompt_len // TRACE_BLOCK_TOKENS, args.tokenizer)
+        us, tokens = tokenize_us(name, reqs, args.system_prompt_len // TRACE_BLOCK_TOKENS, args.tokenizer,
+                                 args.tokenize_sample or None)
         return key, {"tokenize_us": us, "tokens": tokens}
     evidence, spec = MODES[kind]
     cpu: dict[str, float] = {}
@@ -173,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-s", type=float, default=5.0, help="speculative bound of the 'precise' row")
     ap.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="comma-separated profile names")
     ap.add_argument("--tokenizer", default=str(TINY_TOKENIZER), help="tokenizer.json or model directory")
+    ap.add_argument("--tokenize-sample", type=int, default=0,
+                    help="time the tokenization of the first N requests of each workload (0: all of them)")
     ap.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
     ap.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT SLO for goodput, seconds")
     ap.add_argument("--seed", type=int, default=0)
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {title}\n")
         print(f"fleet {args.fleet}; estimated_ttft; SLO TTFT <= {args.ttft_slo:g} s, TPOT <= "
               f"{args.tpot_slo * 1000:.0f} ms; speculative_s {args.speculative_s:g}; tokenizer "
-              f"{args.tokenizer} ({tok['tokens']:.0f} prompt tokens per request over HTTP)\n")
+              f"{args.tokenizer} ({tok['tokens']:.0f} prompt tokens per request over HTTP, first 200)\n")
         print(format_table(block["rows"], block["reference"], tok))
     print(f"\n(wall {time.monotonic() - t0:.0f} s)")
     if args.json:
