@@ -308,7 +308,11 @@ class VLLMServer(_Child):
         return f"tcp://127.0.0.1:{self.replay_port}"
 
     def start(self, timeout_s: float = 600.0) -> VLLMServer:
-        self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
+        """Start the server and wait until it answers. The first start picks free
+        ports; a start after :meth:`stop` keeps them (an engine restart: same HTTP,
+        PUB and replay addresses, a cold KV cache, event sequence numbers from 0)."""
+        if not self.port:
+            self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
         # vLLM binds the PUB socket only for a wildcard address (else it connects).
         kv_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.kv_port}",
                      "replay_endpoint": f"tcp://*:{self.replay_port}", "topic": self.topic}
@@ -323,7 +327,7 @@ class VLLMServer(_Child):
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        with open(self.log, "wb") as logf:
+        with open(self.log, "ab") as logf:  # a restart appends
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         try:

@@ -10,6 +10,14 @@ shared prefix is reported as ``cached_tokens`` and chained by ``parent_block_has
 evictions, a prefix-cache reset, replay, and that the simulator given the model's
 ``tokenizer.json`` stores the same blocks. Without the virtualenv the module skips.
 
+Then the gateway (in process) in front of two such servers, subscribed to both event
+streams and tokenizing with the model's own tokenizer: a prompt's blocks are indexed
+precisely for the backend that stored them and no other, a repeated long prefix
+(text, chat, token ids) goes to its holder and vLLM's ``cached_tokens`` equal the
+gateway's ``matched_tokens`` to the block, and restarting one engine on the same
+ports clears that backend's entries. The second server and the restart add about a
+server start each to the module.
+
 ``TURBO_GATEWAY_WRITE_GOLDEN=1`` writes one real payload of each event type to
 ``tests/data/vllm_kv_events/`` (the decoder tests' golden data); otherwise the live
 payloads are checked to have the golden ones' shapes.
@@ -18,10 +26,12 @@ payloads are checked to have the golden ones' shapes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import time
 import urllib.request
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -43,6 +53,8 @@ import zmq
 
 from loadtest.sim.server import start_backends
 from loadtest.sim.spec import SimBackendConfig
+from routing.estimate import chain_seed, token_block_keys
+from tests.servers import gateway_config, running_gateway, wait_until
 
 BS = engines.VLLM_BLOCK_SIZE
 TOPIC = b"kv-events"
@@ -330,3 +342,205 @@ async def test_the_simulator_with_the_models_tokenizer_stores_the_same_blocks(vl
         assert stored_tokens(sim_evs, chain_for(sim_evs, ids)) == engine_tokens
     finally:
         await sim.cleanup()
+
+
+# ---- the gateway in front of two servers ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm2(vllm, tmp_path_factory):
+    """A second server (after the first: two starting at once share the two cores)."""
+    work = tmp_path_factory.mktemp("real-vllm2")
+    with engines.VLLMServer(PY, engines.tiny_hf_model(), work, name="vllm2").start() as server:
+        yield server
+
+
+def gateway_cfg(servers: list[engines.VLLMServer]):
+    """Both servers' KV events, the model's own tokenizer, and the ``cache_aware``
+    policy: its affinity does not hang on TTFT samples, which on a shared 2-core
+    machine are too noisy for ``estimated_ttft`` to price a tiny model's prefill
+    reliably (one slow sample makes a holder look slower than recomputing
+    elsewhere). The prediction in ``x-turbo-route`` (``matched_tokens``,
+    ``evidence``) comes from the precise index whichever policy chose."""
+    model = servers[0].alias
+    return gateway_config([{"name": s.name, "url": s.url, "models": [model],
+                            "kv_events": {"endpoint": s.kv_events_endpoint, "replay_endpoint": s.kv_replay_endpoint,
+                                          "topic": s.topic, "block_size": BS}} for s in servers],
+                          routing={"policy": "cache_aware"},
+                          models={model: {"tokenizer": str(servers[0].model)}})
+
+
+async def ask(session: aiohttp.ClientSession, url: str, prompt: str | list[int] | None = None, *,
+              messages: list[dict] | None = None, max_tokens: int = 1) -> tuple[dict[str, str], dict]:
+    """One streamed completion (``prompt``) or chat completion (``messages``) of the tiny
+    model: (response headers, ``{"usage": ...}`` from the stream's usage chunk).
+    Streamed, so that the gateway measures every request's TTFT."""
+    body: dict = {"model": engines.MODEL_ALIAS, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                  "stream": True, "stream_options": {"include_usage": True}}
+    if messages is None:
+        path, body["prompt"] = "/v1/completions", prompt
+    else:
+        path, body["messages"] = "/v1/chat/completions", messages
+    usage = None
+    async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=SETTLE_S)) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[len(b"data: "):]).get("usage") or usage
+        assert usage is not None, "no usage chunk in the stream"
+        return dict(r.headers), {"usage": usage}
+
+
+def route(headers: dict[str, str]) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in headers["x-turbo-route"].split("; "))
+
+
+def keys_of(ids: list[int]) -> tuple[int, ...]:
+    """The gateway's keys of the full blocks of the engine's token ids ``ids``."""
+    return token_block_keys(ids, BS, chain_seed(engines.MODEL_ALIAS))
+
+
+def chat_ids(server: engines.VLLMServer, messages: list[dict]) -> list[int]:
+    """The engine's own token ids of a chat prompt (its chat template, vLLM's
+    ``POST /tokenize`` with ``messages``)."""
+    body = json.dumps({"model": server.alias, "messages": messages, "add_generation_prompt": True}).encode()
+    req = urllib.request.Request(server.url + "/tokenize", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=SETTLE_S) as r:
+        return json.loads(r.read())["tokens"]
+
+
+PROBE_TOKENS = itertools.count(4000)  # a token id per probe: each probe's block is new
+
+
+async def subscribed(gw, session: aiohttp.ClientSession, server: engines.VLLMServer, tries: int = 50) -> None:
+    """Send short prompts straight to ``server`` until the gateway has applied one of
+    its event batches (a SUB socket gets only what is published after it connected;
+    the first batch it gets makes it replay the engine's earlier ones). Bounded."""
+    stats = gw.state.core.kv_stats[server.name]
+    for _ in range(tries):
+        await ask(session, server.url, [next(PROBE_TOKENS)] * BS + [7])  # stores one new block
+        try:
+            await wait_until(lambda: stats.batches > 0, timeout_s=2.0)
+        except AssertionError:
+            continue
+        await wait_until(lambda: gw.state.core.index.engine(server.name).live)
+        return
+    raise AssertionError(f"no KV event of {server.name} reached the gateway")
+
+
+@asynccontextmanager
+async def gateway_before(servers: list[engines.VLLMServer]):
+    async with running_gateway(gateway_cfg(servers)) as gw, aiohttp.ClientSession() as session:
+        for s in servers:
+            await subscribed(gw, session, s)
+        yield gw, session
+
+
+def confirmed(gw, backend: str) -> bool:
+    """Every block the gateway sent ``backend`` is confirmed by its events."""
+    return gw.state.core.index.counts(backend)[1] == 0
+
+
+def check_prediction(kind: str, headers: dict[str, str], body: dict) -> int:
+    """vLLM's ``cached_tokens`` equal the gateway's ``matched_tokens`` (printed beside
+    each other, see them with ``-s``); returns them."""
+    r = route(headers)
+    matched, cached = int(r["matched_tokens"]), body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    print(f"{kind}: prompt_tokens={body['usage']['prompt_tokens']} matched_tokens={matched} "
+          f"evidence={r['evidence']} cached_tokens={cached} backend={headers['x-turbo-backend']}")
+    assert cached == matched, f"{kind}: vLLM cached {cached} tokens, the gateway predicted {matched}"
+    return matched
+
+
+async def test_the_gateway_indexes_a_prompts_blocks_for_the_backend_that_stored_them(vllm, vllm2):
+    servers = {s.name: s for s in (vllm, vllm2)}
+    async with gateway_before([vllm, vllm2]) as (gw, session):
+        prompt = "Shop 1, hedges and lawns. " + SYSTEM * 4 + "My hedge trimmer stopped; what should I check first?"
+        h, body = await ask(session, gw.url, prompt)
+        holder = h["x-turbo-backend"]
+        (other,) = set(servers) - {holder}
+        ids = servers[holder].tokenize(prompt)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        keys = keys_of(ids)
+        assert len(keys) == len(ids) // BS >= 16
+        index = gw.state.core.index
+        # the engine's BlockStored events make every full block of the prompt precise there
+        await wait_until(lambda: index.all_precise(holder, keys), timeout_s=SETTLE_S)
+        assert confirmed(gw, holder)
+        assert index.match_tokens(keys, [holder, other], time.monotonic()) == {holder: len(keys)}
+        assert not any(index.all_precise(other, (k,)) for k in keys)
+        # the same prompt again: to its holder, predicted from that precise evidence (all
+        # but the last token, which the engine computes again)
+        h, body = await ask(session, gw.url, prompt)
+        r = route(h)
+        assert h["x-turbo-backend"] == holder and r["evidence"] == "precise", h["x-turbo-route"]
+        assert check_prediction("text, same prompt", h, body) == (len(ids) - 1) // BS * BS
+
+
+async def test_a_repeated_prefix_goes_to_its_holder_and_vllm_caches_what_the_gateway_predicted(vllm, vllm2):
+    servers = {s.name: s for s in (vllm, vllm2)}
+    system = "Shop 2, watering cans. " + SYSTEM * 4  # each test's own first block: its own chains
+    async with gateway_before([vllm, vllm2]) as (gw, session):
+        shapes = {
+            "text": lambda i: {"prompt": system + f"Question {i}: can I pay for a shovel on delivery?"},
+            "chat": lambda i: {"messages": [{"role": "system", "content": system},
+                                            {"role": "user", "content": f"Question {i}: do you sell seeds?"}]},
+        }
+        for kind, request in shapes.items():
+            holder = None
+            for i in range(3):
+                h, body = await ask(session, gw.url, **request(i))
+                backend = h["x-turbo-backend"]
+                if holder is None:
+                    holder = backend
+                else:
+                    assert backend == holder and route(h)["evidence"] == "precise", h["x-turbo-route"]
+                    matched = check_prediction(kind, h, body)
+                    ids = (servers[holder].tokenize(request(i)["prompt"]) if kind == "text"
+                           else chat_ids(servers[holder], request(i)["messages"]))
+                    prev = (servers[holder].tokenize(request(i - 1)["prompt"]) if kind == "text"
+                            else chat_ids(servers[holder], request(i - 1)["messages"]))
+                    shared = next(n for n, (a, b) in enumerate(zip(ids + [-1], prev + [-2])) if a != b)
+                    assert matched == min(shared, len(ids) - 1) // BS * BS >= 16 * BS
+                await wait_until(lambda: confirmed(gw, backend), timeout_s=SETTLE_S)
+        # token ids, a whole number of blocks: the engine computes the last block again
+        ids = vllm.tokenize("Shop 3, seeds and bulbs. " + SYSTEM * 5)[: 20 * BS]
+        assert len(ids) == 20 * BS
+        h, _ = await ask(session, gw.url, ids)
+        await wait_until(lambda: confirmed(gw, h["x-turbo-backend"]), timeout_s=SETTLE_S)
+        h, body = await ask(session, gw.url, ids)
+        assert route(h)["evidence"] == "precise"
+        assert check_prediction("token ids, 20 blocks", h, body) == 19 * BS
+
+
+async def test_an_engine_restart_clears_that_backends_entries(vllm, vllm2):
+    servers = {s.name: s for s in (vllm, vllm2)}
+    async with gateway_before([vllm, vllm2]) as (gw, session):
+        prompt = "Shop 4, chainsaws. " + SYSTEM * 4 + "Is the warranty of a chainsaw two years or three?"
+        h, _ = await ask(session, gw.url, prompt)
+        holder = h["x-turbo-backend"]
+        (other,) = set(servers) - {holder}
+        keys = keys_of(servers[holder].tokenize(prompt))
+        index = gw.state.core.index
+        await wait_until(lambda: index.all_precise(holder, keys), timeout_s=SETTLE_S)
+        other_blocks = index.counts(other)[0]
+        server = servers[holder]
+        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(server.start)  # same ports, a cold cache, sequence numbers from 0
+        stats = gw.state.core.kv_stats[holder]
+        probes = 0
+        for _ in range(50):  # the restarted engine's events: each probe stores a new block (bounded)
+            await ask(session, server.url, [next(PROBE_TOKENS)] * BS + [7])
+            probes += 1
+            try:
+                await wait_until(lambda: stats.restarts > 0, timeout_s=2.0)
+                break
+            except AssertionError:
+                pass
+        assert stats.restarts == 1
+        assert index.match_tokens(keys, [holder, other], time.monotonic()) == {}
+        assert index.counts(holder)[0] <= probes  # only the new run's blocks: the probes'
+        assert index.counts(other)[0] == other_blocks
+        h, body = await ask(session, gw.url, prompt)
+        assert route(h)["evidence"] == "precise"
+        assert check_prediction("after the restart", h, body) == 0
