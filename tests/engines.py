@@ -309,10 +309,27 @@ class VLLMServer(_Child):
 
     def start(self, timeout_s: float = 600.0) -> VLLMServer:
         """Start the server and wait until it answers. The first start picks free
-        ports; a start after :meth:`stop` keeps them (an engine restart: same HTTP,
-        PUB and replay addresses, a cold KV cache, event sequence numbers from 0)."""
-        if not self.port:
-            self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
+        ports, and picks others (up to 3 times) when the engine finds one taken
+        meanwhile (a free port is only free until someone binds it); a start after
+        :meth:`stop` keeps them (an engine restart: same HTTP, PUB and replay
+        addresses, a cold KV cache, event sequence numbers from 0)."""
+        first = not self.port
+        for attempt in range(3 if first else 1):
+            if first:
+                self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
+            mark = self.log.stat().st_size if self.log.exists() else 0
+            try:
+                self._launch(timeout_s)
+                return self
+            except RuntimeError:
+                with open(self.log, "rb") as f:
+                    f.seek(mark)
+                    taken = b"Address already in use" in f.read()
+                if not (first and taken and attempt < 2):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _launch(self, timeout_s: float) -> None:
         # vLLM binds the PUB socket only for a wildcard address (else it connects).
         kv_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.kv_port}",
                      "replay_endpoint": f"tcp://*:{self.replay_port}", "topic": self.topic}
@@ -327,7 +344,7 @@ class VLLMServer(_Child):
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        with open(self.log, "ab") as logf:  # a restart appends
+        with open(self.log, "ab") as logf:  # a restart (or another try) appends
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         try:
@@ -336,7 +353,6 @@ class VLLMServer(_Child):
         except BaseException:
             self.stop()
             raise
-        return self
 
     def stop(self) -> None:
         """SIGTERM to the server's process group (it and the engine-core process it
