@@ -19,8 +19,9 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
   exceed capacity, the request waits for running streams to free blocks; the wait is
   the overflow's share of capacity times the mean remaining decode time there.
 - LoRA: a request for an adapter that is not at work on ``b`` pays its load there
-  (unless it was sent there recently enough to be in the engine's cache), and the wait for an adapter slot when ``b``'s batch already holds ``max_lora``
-  adapters (:meth:`routing.load.BackendLoad.adapter_wait_s`). An adapter thus stays on
+  (unless it was sent there recently enough to be in the engine's cache), and the
+  wait for an adapter slot when ``b``'s batch already holds ``max_lora`` adapters
+  (:meth:`routing.load.BackendLoad.adapter_wait_s`). An adapter thus stays on
   the backends where it is at work until their queues cost more than a load
   elsewhere: its set of backends grows with its load, and no more.
 
