@@ -206,18 +206,23 @@ def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
     return line
 
 
+def config_path(config: dict[str, Any] | str | Path, workdir: str | None, prefix: str) -> Path:
+    """``config`` as a file: a path as it is, a mapping written to a temporary YAML
+    (named ``prefix*.yaml``, in ``workdir``)."""
+    if not isinstance(config, dict):
+        return Path(config)
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".yaml", dir=workdir)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+    return Path(name)
+
+
 def start_gateway(config: dict[str, Any] | str | Path, timeout_s: float = 30.0,
                   workdir: str | None = None) -> tuple[subprocess.Popen, str, Path]:
     """``python -m gateway --config X --port P`` on a free loopback port; ``config``
     is a path or a config mapping (written to a temporary YAML). Returns the process,
     its URL and the config path."""
-    if isinstance(config, dict):
-        fd, name = tempfile.mkstemp(prefix="loadtest-gw-", suffix=".yaml", dir=workdir)
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
-        path = Path(name)
-    else:
-        path = Path(config)
+    path = config_path(config, workdir, "loadtest-gw-")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1",
                              "--port", str(port), "--log-level", "warning"],
@@ -238,13 +243,7 @@ def start_envoy_epp(config: dict[str, Any] | str | Path, timeout_s: float = 60.0
     launcher process, Envoy's URL and the config path once ``/health`` answers through
     Envoy (the picker lets it through to a backend). Raises RuntimeError when it does
     not come up within ``timeout_s``."""
-    if isinstance(config, dict):
-        fd, name = tempfile.mkstemp(prefix="loadtest-epp-", suffix=".yaml", dir=workdir)
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
-        path = Path(name)
-    else:
-        path = Path(config)
+    path = config_path(config, workdir, "loadtest-epp-")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "loadtest.envoy_epp", "--config", str(path), "--port", str(port),
                              "--ready-timeout", str(timeout_s)],

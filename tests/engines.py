@@ -82,25 +82,31 @@ def tiny_model() -> Path:
     """``model.gguf`` of the tiny random-weight model, generated on first use into
     the cache (atomically: a half-written model is never picked up)."""
     out = cache_dir() / "models" / f"tiny-ctx{MODEL_CTX}"
-    gguf = out / "model.gguf"
-    if gguf.is_file():
-        return gguf
+    return _generated(out, out / "model.gguf", MODEL_CTX, "--no-hf")
+
+
+def _generated(out: Path, marker: Path, ctx: int, skip: str) -> Path:
+    """``marker`` once ``make_tiny_model.py`` wrote the tiny model (context ``ctx``,
+    without the format ``skip`` names) into ``out``: generated into a temporary
+    directory and renamed, so a half-written model is never picked up."""
+    if marker.is_file():
+        return marker
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         subprocess.run([sys.executable, str(SCRIPTS / "make_tiny_model.py"), "--out", str(tmp), "--preset", "tiny",
-                        "--tokenizer", str(SCRIPTS / "tokenizer.json"), "--ctx", str(MODEL_CTX), "--no-hf"],
+                        "--tokenizer", str(SCRIPTS / "tokenizer.json"), "--ctx", str(ctx), skip],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             os.rename(tmp, out)
         except OSError:  # another process won the race
-            if not gguf.is_file():
+            if not marker.is_file():
                 raise
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"make_tiny_model.py failed:\n{e.stderr}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return gguf
+    return marker
 
 
 def vllm_python() -> Path | None:
@@ -119,25 +125,7 @@ def tiny_hf_model() -> Path:
     (``config.json``, ``model.safetensors``, ``tokenizer.json``, ...), generated on first
     use into the cache, atomically."""
     out = cache_dir() / "models" / f"tiny-hf-ctx{VLLM_MODEL_CTX}"
-    hf = out / "hf"
-    if (hf / "model.safetensors").is_file():
-        return hf
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        subprocess.run([sys.executable, str(SCRIPTS / "make_tiny_model.py"), "--out", str(tmp), "--preset", "tiny",
-                        "--tokenizer", str(SCRIPTS / "tokenizer.json"), "--ctx", str(VLLM_MODEL_CTX), "--no-gguf"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process won the race
-            if not (hf / "model.safetensors").is_file():
-                raise
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"make_tiny_model.py failed:\n{e.stderr}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return hf
+    return _generated(out, out / "hf" / "model.safetensors", VLLM_MODEL_CTX, "--no-gguf").parent
 
 
 def free_port() -> int:
