@@ -181,11 +181,12 @@ async def test_the_subset_hint_is_honoured_and_an_empty_one_is_503():
 
 async def test_no_ready_endpoint_is_503_and_a_key_over_its_limit_is_429_with_retry_after():
     a = ScriptedBackend()
-    key = "sk-test-alpha"
+    key, other = "sk-test-alpha", "sk-test-beta"
     async with a.running():
         cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}],
                              auth={"keys": [{"name": "alpha", "key_sha256": hashlib.sha256(key.encode()).hexdigest(),
-                                             "requests_per_minute": 2}]})
+                                             "requests_per_minute": 2},
+                                            {"name": "beta", "key_sha256": hashlib.sha256(other.encode()).hexdigest()}]})
         async with picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
             auth = {"Authorization": f"Bearer {key}"}
             body = {"model": "m", "messages": CHAT}
@@ -201,14 +202,15 @@ async def test_no_ready_endpoint_is_503_and_a_key_over_its_limit_is_429_with_ret
                 assert (await r.json())["error"]["type"] == "rate_limit_error"
             assert len(a.bodies) == 2
             assert "authorization" not in {k.lower() for k in a.headers[0]}  # the caller's key stays here
+            beta = {"Authorization": f"Bearer {other}"}  # a key with no limits: the other refusals show
             async with s.post(stack.url + "/v1/chat/completions", json={"model": "nope", "messages": CHAT},
-                              headers=auth) as r:
-                assert r.status in (404, 429)
+                              headers=beta) as r:
+                assert r.status == 404
             stack.state.fleet.backends["a"].healthy = False
             stack.state.fleet.backends["a"].draining = True
-            async with s.post(stack.url + "/v1/chat/completions", json=body,
-                              headers={"Authorization": f"Bearer {key}"}) as r:
-                assert r.status in (429, 503)
+            async with s.post(stack.url + "/v1/chat/completions", json=body, headers=beta) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["code"] == "no_backend_available"
             assert len(a.bodies) == 2
 
 
