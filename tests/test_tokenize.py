@@ -14,6 +14,7 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
+from loadtest.sim.server import render_chat as sim_render_chat
 from routing.core import BackendSpec, DecisionCore
 from routing.tokenize import (MIN_SEGMENT_CHARS, OFFLOAD_CHARS, ModelTokenizer, TokenizerError, Unsupported,
                               load_tokenizer)
@@ -223,6 +224,8 @@ def test_chatml_render_and_text_parts():
     assert tok.render_chat(data) == ("<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHéllo\n世界<|im_end|>\n"
                                      "<|im_start|>assistant\n")
     assert tok.render_chat({**data, "add_generation_prompt": False}).endswith("世界<|im_end|>\n")
+    # the simulated engine renders the same ChatML text, so its blocks are the gateway's
+    assert sim_render_chat(data["messages"]) == tok.render_chat(data)
 
 
 def test_continue_final_message_leaves_the_last_message_open():

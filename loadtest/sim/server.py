@@ -86,7 +86,7 @@ def _content_text(content: Any) -> str:
                     parts.append("<audio>")
             elif isinstance(p, str):
                 parts.append(p)
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins a message's text parts
     return "" if content is None else str(content)
 
 
