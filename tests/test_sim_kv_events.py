@@ -212,7 +212,7 @@ async def test_tagged_arrays_with_bytes_hashes_for_older_engines():
             # tag, block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
             # extra_keys, group_idx, kv_cache_spec_kind (the trailing default omitted)
             assert len(ev) == 11
-            assert ev[1] and all(isinstance(h, bytes) and len(h) == 8 for h in ev[1])
+            assert ev[1] and all(isinstance(h, bytes) and len(h) == 32 for h in ev[1])
             assert ev[2] is None and ev[3] == ids[: len(ids) // bs * bs] and ev[4] == bs
             assert ev[5:] == [None, "GPU", None, [None] * len(ev[1]), 0, "full_attention"]
             # a prompt that needs more than the never-used blocks: evictions as ["BlockRemoved", [hash], "GPU", 0]

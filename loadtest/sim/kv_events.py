@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import random
 import time
 from typing import Any
@@ -91,13 +92,20 @@ def _struct(tag: str, fields: tuple, values: dict[str, Any], encoding: str) -> A
     return arr[:n]
 
 
+def _digest32(block_hash: int) -> bytes:
+    low = block_hash.to_bytes(8, "big")
+    return hashlib.sha256(low).digest()[:24] + low
+
+
 def encode_event(ev: KVStored | KVRemoved | KVCleared, *, block_size: int, encoding: str = "map",
                  block_hash: str = "int") -> Any:
     """One engine event as the msgpack-ready object vLLM would send (see module doc).
 
-    ``encoding``: ``map`` | ``array``; ``block_hash``: ``int`` | ``bytes`` (8 bytes
-    big-endian). Raises TypeError for an object that is not an engine event."""
-    h = (lambda x: x) if block_hash == "int" else (lambda x: x.to_bytes(8, "big"))
+    ``encoding``: ``map`` | ``array``; ``block_hash``: ``int`` | ``bytes`` (32 bytes,
+    as vLLM's sha256 block hashes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; the int
+    form is their low 64 bits, ``vllm/v1/core/kv_cache_utils.maybe_convert_block_hash``).
+    Raises TypeError for an object that is not an engine event."""
+    h = (lambda x: x) if block_hash == "int" else _digest32
     if isinstance(ev, KVStored):
         return _struct("BlockStored", _STORED_FIELDS, {
             "block_hashes": [h(x) for x in ev.block_hashes],
