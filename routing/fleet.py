@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from routing.breaker import CircuitBreaker
 from routing.load import BackendLoad, RequestLoad
+from routing.lora import AdapterSets
 
 
 class RoutingError(Exception):
@@ -286,7 +287,8 @@ class Reservation:
 
 
 class Fleet:
-    """All backends, indexed by name and by model served.
+    """All backends, indexed by name and by model served, and where each LoRA adapter
+    is placed (``adapter_sets``, :mod:`routing.lora`).
 
     Raises :class:`ValueError` on duplicate backend names.
     """
@@ -294,6 +296,7 @@ class Fleet:
     def __init__(self, specs: list[BackendSpec]) -> None:
         self.backends: dict[str, BackendState] = {}
         self.by_model: dict[str, list[BackendState]] = {}
+        self.adapter_sets = AdapterSets()
         for spec in specs:
             if spec.name in self.backends:
                 raise ValueError(f"duplicate backend name {spec.name!r}")
@@ -348,13 +351,15 @@ class Fleet:
     def reserve(self, backend: BackendState, request_load: RequestLoad | None = None, now: float = 0.0,
                 adapter: str | None = None) -> Reservation:
         """Count one more in-flight request on ``backend`` (with its token load, if
-        given, and its LoRA ``adapter``) and return its reservation."""
+        given, and its LoRA ``adapter``, which places the adapter there:
+        :meth:`routing.lora.AdapterSets.dispatched`) and return its reservation."""
         backend.in_flight += 1
         backend.dispatched_total += 1
         r = Reservation(backend, request_load, adapter=adapter)
         if adapter is not None:
             backend.adapter_streams[adapter] = backend.adapter_streams.get(adapter, 0) + 1
             backend.sent_adapter(adapter)
+            self.adapter_sets.dispatched(adapter, backend, self.backends, now)
         if backend.breaker.state != "closed":
             r.probe = backend.breaker.dispatched(now)
         return r

@@ -241,6 +241,8 @@ class Router:
         backend publishes KV events). Raises what :meth:`eligible` raises."""
         candidates = self.eligible(request, now)
         self._match(request, now)
+        if candidates[0].adapter_base(request.model) is not None:
+            request.adapter_set = self.fleet.adapter_sets.members(request.model)
         decision = self.policy.choose(request, candidates)
         decision.detail.setdefault("matched_tokens", request.cached_tokens(decision.backend.name))
         if request.exact_tokens:

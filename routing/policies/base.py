@@ -41,7 +41,9 @@ class RouteRequest:
       ``matched_blocks`` (per backend, leading approximate blocks it probably holds)
       and, for backends whose KV events are live and whose block size ``token_keys``
       has, ``exact_tokens`` (leading prompt tokens held, from token-exact entries,
-      precise or speculative), which overrides ``matched_blocks``.
+      precise or speculative), which overrides ``matched_blocks``; for a LoRA
+      adapter, ``adapter_set``: the backends it is placed on, in join order
+      (:mod:`routing.lora`; empty before its first placement; ``None`` for a base model).
     """
 
     model: str
@@ -63,6 +65,7 @@ class RouteRequest:
     matched_blocks: dict[str, int] = field(default_factory=dict)
     matched_at: float | None = None
     exact_tokens: dict[str, int] = field(default_factory=dict)
+    adapter_set: tuple[str, ...] | None = None
 
     def cached_tokens(self, backend: str) -> float:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""

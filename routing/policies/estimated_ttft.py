@@ -21,9 +21,10 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
 - LoRA: a request for an adapter that is not at work on ``b`` pays its load there
   (unless it was sent there recently enough to be in the engine's cache), and the
   wait for an adapter slot when ``b``'s batch already holds ``max_lora`` adapters
-  (:meth:`routing.load.BackendLoad.adapter_wait_s`). An adapter thus stays on
-  the backends where it is at work until their queues cost more than a load
-  elsewhere: its set of backends grows with its load, and no more.
+  (:meth:`routing.load.BackendLoad.adapter_wait_s`). Among the candidates, an
+  adapter's request goes to its placement set, which grows only when the set's best
+  estimate exceeds the best other by more than a load there, and shrinks as its
+  members fall idle (:func:`routing.lora.place`).
 
 The lowest estimate wins; candidates within ``TIE_RELATIVE`` (2%) + ``TIE_ABSOLUTE_S``
 (0.5 ms) of the best are ties broken at random, so that several gateway replicas with
@@ -37,6 +38,7 @@ import random
 from typing import Sequence
 
 from routing.fleet import BackendState
+from routing.lora import place
 from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 # vLLM's default token budget per step with chunked prefill (max_num_batched_tokens
@@ -131,7 +133,10 @@ class EstimatedTTFT(BasePolicy):
         if len(candidates) > FULL_SCAN_MAX:
             candidates = self._sample(request, candidates)
         scored = [(estimate_ttft(b, request), b) for b in candidates]
-        if len(scored) == 1:
+        if request.adapter_set is not None and len(scored) > 1:  # a LoRA adapter: its placement set
+            ((est, uncached), chosen), reason = place(request.model, request.adapter_set, scored,
+                                                      TIE_RELATIVE, TIE_ABSOLUTE_S)
+        elif len(scored) == 1:
             (est, uncached), chosen = scored[0]
             reason = "only_candidate"
         else:
@@ -174,4 +179,8 @@ class EstimatedTTFT(BasePolicy):
         picked = [b for _, b in holders[:SAMPLE_MATCHED]]
         rest = rest or [b for _, b in holders[SAMPLE_MATCHED:]]
         picked += self._rng.sample(rest, min(SAMPLE_RANDOM, len(rest)))
+        if request.adapter_set:  # a LoRA adapter's placement set is always scored
+            have = {b.name for b in picked}
+            members = set(request.adapter_set) - have
+            picked += [b for b in candidates if b.name in members]
         return picked
