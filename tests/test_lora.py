@@ -241,6 +241,124 @@ def test_engine_reported_adapters_steer_routing():
     assert b["b2"].active_adapters(1.0 + 60.0) == ({"x"}, None)
 
 
+def _estimates(core, model: str, prompt: str, now: float):
+    """A request for ``model`` and every backend's estimated TTFT for it at ``now`` (s),
+    as the policy will see them when it is routed at ``now``."""
+    from routing.policies.estimated_ttft import estimate_ttft
+    _, req = core.request(model, prompt, 16)
+    core.plan(req, now, 10**9)  # matches the prefix index at ``now``, as route does
+    return req, {b.name: estimate_ttft(b, req)[0] for b in core.fleet.backends.values()}
+
+
+def test_a_lightly_loaded_adapter_stays_on_one_backend_and_the_same_one_everywhere():
+    homes = set()
+    for _ in range(2):  # two gateway replicas, sharing nothing
+        core = _lora_core(4)
+        served = []
+        for i in range(40):  # one request at a time: it ends before the next one comes
+            now = 1.0 + i
+            _, req = core.request("x", "word " * 400, 16)
+            decision, res = core.route(req, now)
+            res.first_token(now + 0.05)
+            res.release(now + 0.5, 16)
+            served.append(decision.backend.name)
+        assert len(set(served)) == 1
+        assert core.fleet.adapter_sets.members("x") == (served[0],)
+        homes.add(served[0])
+    assert len(homes) == 1  # an idle fleet's tie goes to the adapter's rendezvous choice
+
+
+def test_an_adapter_set_grows_only_past_a_load_and_shrinks_when_load_falls():
+    core = _lora_core(4)
+    sets = core.fleet.adapter_sets
+    load_s = core.fleet.backends["b0"].load.lora_load_s
+    held, reasons, sizes = [], [], []
+    for i in range(80):  # heavy load: none of these requests ends
+        members = sets.members("x")
+        req, est = _estimates(core, "x", f"request {i} " + "word " * 400, 1.0)
+        decision, res = core.route(req, 1.0)
+        held.append(res)
+        reasons.append(decision.reason)
+        chosen = decision.backend.name
+        if members:
+            best_in = min(est[m] for m in members)
+            best_out = min([t for name, t in est.items() if name not in members], default=None)
+            if chosen in members:  # the set was not saturated: an outsider had not won by a load
+                assert best_out is None or best_in - best_out <= load_s
+                assert est[chosen] <= best_in * 1.02 + 0.0005
+            else:  # the best outsider won by more than a load on top of its own
+                assert best_in - best_out > load_s and est[chosen] == best_out
+        sizes.append(len(sets.members("x")))
+    assert sizes[0] == 1 and sizes == sorted(sizes) and sizes[-1] >= 3  # grew with the queue, never shrank
+    assert reasons[0] == "adapter_home" and "adapter_grow" in reasons and "adapter_set" in reasons
+    grown = sets.members("x")
+    for res in held:  # the load falls: every request ends
+        res.first_token(2.0)
+        res.release(3.0, 16)
+    served = []
+    for i in range(len(grown) + 5):  # light load again: one request at a time
+        now = 4.0 + i
+        _, req = core.request("x", "word " * 400, 16)
+        decision, res = core.route(req, now)
+        res.first_token(now + 0.05)
+        res.release(now + 0.5, 16)
+        served.append(decision.backend.name)
+    (kept,) = sets.members("x")  # one idle member left per request, down to one
+    assert kept in grown and served[-5:] == [kept] * 5
+
+
+def test_a_base_model_request_is_routed_by_its_estimate_alone():
+    core = _lora_core(3)
+    held = [core.route(core.request("x", "word " * 400, 16)[1], 1.0)[1] for _ in range(6)]
+    assert len(core.fleet.adapter_sets.members("x")) >= 1
+    for i in range(9):
+        req, est = _estimates(core, "base", f"base {i} " * 200, 1.0)
+        decision, res = core.route(req, 1.0)
+        held.append(res)
+        assert req.adapter_set is None and decision.reason in {"least_load", "tie", "prefix_hit"}
+        assert est[decision.backend.name] <= min(est.values()) * 1.02 + 0.0005
+    assert "base" not in core.fleet.adapter_sets.sets
+
+
+async def test_an_adapter_gathers_spreads_and_gathers_again_on_simulated_engines():
+    """Through the gateway, on three simulated vLLM engines serving adapter a1: one
+    request at a time stays on one backend; a burst of concurrent requests spreads it;
+    once they all ended, requests one at a time bring it back to one backend."""
+    import asyncio
+
+    from loadtest.sim.fleet import profile_hints
+
+    specs = [SimBackendConfig(name=f"b{i}", models=["base"], speed=0.2,
+                              lora={"adapters": ["a1"], "max_lora": 2, "load_s": 0.0}) for i in range(3)]
+    sims, urls = await start_backends(specs)
+    try:
+        cfg = gateway_config([{"name": c.name, "url": urls[c.name], "models": "auto", "hints": profile_hints(c)}
+                              for c in specs],
+                             health={"interval_s": 0.05},
+                             routing={"policy": "estimated_ttft", "scrape_interval_s": 0})
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+            fleet = gw.state.fleet
+            await wait_until(lambda: len(fleet.by_model.get("a1", ())) == 3)
+
+            async def complete(i: int) -> str:
+                body = {"model": "a1", "prompt": f"request {i} " + "word " * 300, "max_tokens": 4, "stream": True}
+                async with s.post(gw.url + "/v1/completions", json=body) as r:
+                    await r.read()
+                    assert r.status == 200
+                    return r.headers["x-turbo-backend"]
+
+            light = [await complete(i) for i in range(6)]
+            assert len(set(light)) == 1 and fleet.adapter_sets.members("a1") == (light[0],)
+            burst = await asyncio.gather(*(complete(100 + i) for i in range(24)))
+            assert len(set(burst)) > 1 and len(fleet.adapter_sets.members("a1")) > 1
+            await wait_until(lambda: all(b.in_flight == 0 for b in fleet.backends.values()))
+            after = [await complete(200 + i) for i in range(6)]
+            assert len(fleet.adapter_sets.members("a1")) == 1 and len(set(after[-3:])) == 1
+    finally:
+        for b in sims:
+            await b.cleanup()
+
+
 def test_scraper_reads_the_latest_lora_requests_info_series():
     from gateway.scraper import parse_engine_metrics
     text = """# TYPE vllm:lora_requests_info gauge
