@@ -269,6 +269,7 @@ def test_a_lightly_loaded_adapter_stays_on_one_backend_and_the_same_one_everywhe
 
 
 def test_an_adapter_set_grows_only_past_a_load_and_shrinks_when_load_falls():
+    from routing.lora import share_bound
     core = _lora_core(4)
     sets = core.fleet.adapter_sets
     load_s = core.fleet.backends["b0"].load.lora_load_s
@@ -283,6 +284,8 @@ def test_an_adapter_set_grows_only_past_a_load_and_shrinks_when_load_falls():
         if members:
             best_in = min(est[m] for m in members)
             best_out = min([t for name, t in est.items() if name not in members], default=None)
+            # x is all the traffic: its share of the requests never stops the set growing
+            assert share_bound("x", [(None, b) for b in core.fleet.backends.values()]) == 4
             if chosen in members:  # the set was not saturated: an outsider had not won by a load
                 assert best_out is None or best_in - best_out <= load_s
                 assert est[chosen] <= best_in * 1.02 + 0.0005
@@ -305,6 +308,35 @@ def test_an_adapter_set_grows_only_past_a_load_and_shrinks_when_load_falls():
         served.append(decision.backend.name)
     (kept,) = sets.members("x")  # one idle member left per request, down to one
     assert kept in grown and served[-5:] == [kept] * 5
+
+
+def test_an_adapter_with_a_small_share_grows_only_off_an_overloaded_backend():
+    core = _lora_core(4)
+    b = core.fleet.backends
+    decision, _ = core.route(core.request("y", "word " * 400, 16)[1], 1.0)
+    home = decision.backend.name
+    assert decision.reason == "adapter_home"
+
+    def base(name: str, words: int, n: int) -> None:
+        for i in range(n):
+            _, req = core.request("base", " ".join(f"{name}{i}-{j}" for j in range(words)), 16)
+            core.reserve(req, b[name], 1.0)
+
+    # the home's queue is long (long prompts) but it holds no more requests than the others
+    base(home, 4000, 3)
+    for name in b:
+        if name != home:
+            base(name, 50, 4)
+    req, est = _estimates(core, "y", "word " * 400, 1.0)
+    outside = min(t for name, t in est.items() if name != home)
+    assert est[home] - outside > b[home].load.lora_load_s  # saturated: the queues alone would grow the set
+    decision, _ = core.route(req, 1.0)
+    assert (decision.backend.name, decision.reason) == (home, "adapter_set")  # y's share fits on one backend
+    # now the home holds far more requests than the mean: the set may grow
+    base(home, 50, 12)
+    decision, _ = core.route(core.request("y", "word " * 400, 16)[1], 1.0)
+    assert decision.reason == "adapter_grow" and decision.backend.name != home
+    assert core.fleet.adapter_sets.members("y") == (home, decision.backend.name)
 
 
 def test_a_base_model_request_is_routed_by_its_estimate_alone():

@@ -22,9 +22,10 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
   (unless it was sent there recently enough to be in the engine's cache), and the
   wait for an adapter slot when ``b``'s batch already holds ``max_lora`` adapters
   (:meth:`routing.load.BackendLoad.adapter_wait_s`). Among the candidates, an
-  adapter's request goes to its placement set, which grows only when the set's best
-  estimate exceeds the best other by more than a load there, and shrinks as its
-  members fall idle (:func:`routing.lora.place`).
+  adapter's request goes to its placement set, which grows only while the adapter's
+  share of the requests needs more backends and the set's best estimate exceeds the
+  best other by more than a load there, and shrinks as its members fall idle
+  (:func:`routing.lora.place`).
 
 The lowest estimate wins; candidates within ``TIE_RELATIVE`` (2%) + ``TIE_ABSOLUTE_S``
 (0.5 ms) of the best are ties broken at random, so that several gateway replicas with
