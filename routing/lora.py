@@ -67,8 +67,8 @@ the engines' metrics that every replica scrapes), an idle fleet gives the same h
 everywhere (the rendezvous tie-break), and a set is cheap to rebuild: a new replica's
 first request for an adapter that is at work somewhere goes where it works, which
 costs no load. The share counts this replica's requests, so with several replicas it
-is each replica's share of its own traffic. Cost per decision: two passes over the
-scored candidates.
+is each replica's share of its own traffic. Cost per decision: a few passes over the
+scored candidates, no I/O.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def place(adapter: str, members: Sequence[str], scored: Sequence[Scored], tie_re
     backend, non-empty; estimates within ``best * (1 + tie_relative) +
     tie_absolute_s`` of the best are near-ties. Reasons: ``adapter_home`` (no member
     among the candidates: the near-best with the highest rendezvous weight),
-    ``adapter_grow`` (a non-member, the members being saturated) and ``adapter_set``
-    (a member). See the module docstring for the rule."""
+    ``adapter_grow`` (a non-member: the members are saturated, or none is a
+    candidate) and ``adapter_set`` (a member). See the module docstring for the rule."""
     if members:
         rank = {name: i for i, name in enumerate(members)}
         inside = [s for s in scored if s[1].name in rank]

@@ -23,9 +23,9 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
   wait for an adapter slot when ``b``'s batch already holds ``max_lora`` adapters
   (:meth:`routing.load.BackendLoad.adapter_wait_s`). Among the candidates, an
   adapter's request goes to its placement set, which grows only while the adapter's
-  share of the requests needs more backends and the set's best estimate exceeds the
-  best other by more than a load there, and shrinks as its members fall idle
-  (:func:`routing.lora.place`).
+  share of the requests needs more backends (or its members carry far more than the
+  mean) and the set's best estimate exceeds the best other by more than a load there,
+  and shrinks as its members fall idle (:func:`routing.lora.place`).
 
 The lowest estimate wins; candidates within ``TIE_RELATIVE`` (2%) + ``TIE_ABSOLUTE_S``
 (0.5 ms) of the best are ties broken at random, so that several gateway replicas with
