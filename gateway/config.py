@@ -543,7 +543,7 @@ class Usage(_Strict):
     prices: dict[str, Price] = Field(
         {}, description="Prices per model (the `model` a backend serves), per million tokens: `input`, "
         "`cached_input`, `output`. A request is charged at the prices in force when it settled; a model "
-        "without a price has no `cost`.")
+        "without a price costs 0.")
 
 
 class Lifecycle(_Strict):
