@@ -189,20 +189,35 @@ class DecisionCore:
             self.tokenize_stats.setdefault(model, TokenizeStats())
         for st in states.values():
             self.index.set_capacity(st.name, self.router.capacity_blocks(st))
-        events: dict[str, dict[int, list[str]]] = {}
         for st in states.values():
             size = st.spec.kv_block_size
             before = self.index.engine(st.name)
             self.index.set_engine(st.name, size, st.spec.kv_base_model)
             if size is None:
                 self.kv_stats.pop(st.name, None)
-                continue
-            if before is None or before.block_size != size:
+            elif before is None or before.block_size != size:
                 self.kv_stats[st.name] = KVEventStats()
-            for model in sorted(st.spec.models):
-                events.setdefault(model, {}).setdefault(size, []).append(st.name)
         for name in set(self.kv_stats) - set(states):
             del self.kv_stats[name]
+        self._index_event_backends()
+
+    def _models_changed(self) -> None:
+        """A backend's served models changed (discovery, an adapter loaded on demand):
+        index them for routing and for the backends' KV events."""
+        self.fleet.index_models()
+        self._index_event_backends()
+
+    def _index_event_backends(self) -> None:
+        """For each model, the backends serving it now (discovered models and adapters
+        included) whose KV events are on, by their block size: whose requests get
+        token-exact keys and precise lookups (``Router.event_backends``)."""
+        events: dict[str, dict[int, list[str]]] = {}
+        for st in self.fleet.backends.values():
+            size = st.spec.kv_block_size
+            if size is None:
+                continue
+            for model in sorted(st.models()):
+                events.setdefault(model, {}).setdefault(size, []).append(st.name)
         self.router.event_backends = events
 
     # ---- one request -----------------------------------------------------------------
@@ -331,7 +346,7 @@ class DecisionCore:
         before = backend.models()
         backend.discovered = new
         if backend.models() != before:
-            self.fleet.index_models()
+            self._models_changed()
             return True
         return False
 
@@ -342,7 +357,7 @@ class DecisionCore:
         listed = dict(backend.discovered or {})
         listed[adapter] = ServedModel(adapter, base)
         backend.discovered = listed
-        self.fleet.index_models()
+        self._models_changed()
 
     def set_lora_activity(self, backend: BackendState, activity: LoraActivity | None) -> None:
         """``backend``'s LoRA adapters at work (from its engine metrics), read by the

@@ -200,3 +200,25 @@ async def test_chat_and_text_prompts_tokenized_by_the_gateway_match_the_engines_
             r = route(h)
             assert r["evidence"] == "precise"
             assert int(r["matched_tokens"]) == body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
+
+
+async def test_models_found_by_discovery_get_precise_evidence():
+    """A backend with ``models: auto``: the model its ``/v1/models`` lists is matched
+    token-exactly against its KV events, as a configured one is."""
+    async with AsyncExitStack() as st:
+        (s1,) = await st.enter_async_context(sim_fleet("s1"))
+        cfg = gateway_config([{"name": "s1", "url": s1.url, "models": "auto",
+                               "kv_events": {"endpoint": s1.kv_publisher.endpoint,
+                                             "replay_endpoint": s1.kv_publisher.replay_endpoint,
+                                             "topic": "kv-events", "block_size": BS, "base_model": MODEL}}],
+                             routing={"policy": "estimated_ttft"})
+        gw = await st.enter_async_context(running_gateway(cfg))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        await wait_until(lambda: MODEL in gw.state.core.fleet.by_model)
+        await subscribed(gw, session, s1)
+        prefix = [7000 + i for i in range(256)]
+        await post(session, gw.url, prefix + [1])
+        await wait_until(lambda: all(o.get("s1") == PRECISE for o in holders(gw, prefix)))
+        h, body = await post(session, gw.url, prefix + [2] * 20)
+        assert route(h)["evidence"] == "precise" and route(h)["matched_tokens"] == "256"
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
