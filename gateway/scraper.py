@@ -150,7 +150,10 @@ class MetricsScraper:
         if m.waiting is not None or m.running is not None or m.kv_usage is not None:
             state.load.observe_engine(EngineSample(now, m.waiting or 0.0, m.running or 0.0, m.kv_usage))
         if m.prefill_s_total is not None and m.prefill_tokens_total is not None:
-            state.load.observe_engine_prefill(now, m.prefill_s_total, m.prefill_tokens_total)
+            if state.load.observe_engine_prefill(now, m.prefill_s_total, m.prefill_tokens_total):
+                log.info("the engine of backend %s restarted (its counters went back): its prefix entries "
+                         "are dropped", name)
+                self.core.backend_restarted(state)
 
     async def run(self) -> None:
         for c in self.clients.values():

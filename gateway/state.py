@@ -211,7 +211,7 @@ def connect(state: GatewayState, urls: dict[str, str]) -> None:
     state.urls = dict(urls)
     cfg = state.cfg
     _connect(state, cfg)
-    state.health = HealthChecker(cfg.health, state.clients.values(), {}, on_recovered=state.core.backend_recovered,
+    state.health = HealthChecker(cfg.health, state.clients.values(), {}, on_recovered=state.core.backend_restarted,
                                  core=state.core)
     _configure_health(state.health, state, cfg)
     if cfg.routing.scrape_interval_s > 0:

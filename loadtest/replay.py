@@ -162,7 +162,7 @@ class Scenario:
       fail: those without a first token are retried elsewhere as the gateway does, the
       others are cut), the router hears "health down"; ``duration_s`` later a cold
       engine is up, the router hears "health up" (``healthy = True`` and
-      :meth:`routing.core.DecisionCore.backend_recovered`, the gateway's hooks).
+      :meth:`routing.core.DecisionCore.backend_restarted`, the gateway's hooks).
     - ``slow``: from ``start`` for ``duration_s`` the backend's engine runs at its speed
       divided by ``slowdown`` (a noisy neighbour); the router is told nothing.
     - ``gateway_restart``: at ``start`` every gateway replica is replaced by a new one
@@ -539,7 +539,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         for core, _ in gateways:  # ... and up again, with the gateway's on_recovered hook
             b = core.fleet.backends[name]
             b.healthy = True
-            core.backend_recovered(b)
+            core.backend_restarted(b)
         if watch:
             watch("restart_up", t, engines)
 

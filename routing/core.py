@@ -364,10 +364,11 @@ class DecisionCore:
         LoRA-affinity term of the estimated TTFT (:mod:`routing.load`)."""
         backend.lora = activity
 
-    def backend_recovered(self, backend: BackendState) -> None:
-        """``backend`` came back after failing its health checks: it may have restarted
-        with an empty KV cache, so its prefix entries are dropped (its KV capacity in
-        the index stays)."""
+    def backend_restarted(self, backend: BackendState) -> None:
+        """``backend`` may have restarted with an empty KV cache: it came back after
+        failing its health checks, or its engine's counters went back between two
+        scrapes. Its prefix entries, approximate and precise, are dropped (its KV
+        capacity in the index stays)."""
         self.index.forget_backend(backend.name)
         self.index.set_capacity(backend.name, self.router.capacity_blocks(backend))
 

@@ -358,7 +358,7 @@ class BackendLoad:
     def observe_engine(self, sample: EngineSample) -> None:
         self.engine = sample
 
-    def observe_engine_prefill(self, now: float, prefill_s_total: float, prefill_tokens_total: float) -> None:
+    def observe_engine_prefill(self, now: float, prefill_s_total: float, prefill_tokens_total: float) -> bool:
         """One scrape of the engine's own prefill counters at loop time ``now``: the
         seconds its requests spent in prefill and the uncached prompt tokens it
         prefilled, both counted since the engine started (vLLM's
@@ -379,18 +379,26 @@ class BackendLoad:
         probe. It is not one of the backend's own samples: the silence probes of
         :mod:`routing.policies.estimated_ttft` still come, since a lower bound cannot
         say that a backend is no faster. An interval without prefill teaches nothing.
-        Negative or non-finite counters are ignored."""
+        Negative or non-finite counters are ignored.
+
+        Returns whether a counter went back since the previous scrape: the engine
+        restarted (and its KV cache is empty)."""
         if not (0.0 <= prefill_s_total < math.inf and 0.0 <= prefill_tokens_total < math.inf):
-            return
+            return False
         prev = self._prefill_counters
         self._prefill_counters = (now, prefill_s_total, prefill_tokens_total)
+        restarted = prev is not None and (prefill_s_total < prev[1] or prefill_tokens_total < prev[2])
         seconds, tokens = prefill_s_total, prefill_tokens_total
-        if prev is not None and prefill_s_total >= prev[1] and prefill_tokens_total >= prev[2]:
+        if prev is not None and not restarted:
             seconds -= prev[1]
             tokens -= prev[2]
-        if seconds <= 0 or tokens <= 0:
-            return
-        rate = tokens / seconds
+        if seconds > 0 and tokens > 0:
+            self._learn_engine_prefill(tokens / seconds, prev)
+        return restarted
+
+    def _learn_engine_prefill(self, rate: float, prev: tuple[float, float, float] | None) -> None:
+        """The engine's prefill ``rate`` (tokens/s) over the last scrape interval, which
+        began at ``prev`` (see :meth:`observe_engine_prefill`)."""
         self.engine_prefill_tokens_per_s = rate
         fit = self.ttft_fit
         if not fit.samples and self.prior_from != "hint":

@@ -66,11 +66,12 @@ async def sim_fleet(*names: str, encoding: str = "map", model: str = MODEL,
 
 
 def gateway_cfg(backends: list[SimBackend], model: str = MODEL, **overrides: Any):
+    overrides.setdefault("routing", {"policy": "estimated_ttft"})
     return gateway_config([{"name": b.cfg.name, "url": b.url, "models": [model],
                             "kv_events": {"endpoint": b.kv_publisher.endpoint,
                                           "replay_endpoint": b.kv_publisher.replay_endpoint,
                                           "topic": "kv-events", "block_size": BS}} for b in backends],
-                          routing={"policy": "estimated_ttft"}, **overrides)
+                          **overrides)
 
 
 async def post(session: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int = 2,
@@ -222,3 +223,26 @@ async def test_models_found_by_discovery_get_precise_evidence():
         h, body = await post(session, gw.url, prefix + [2] * 20)
         assert route(h)["evidence"] == "precise" and route(h)["matched_tokens"] == "256"
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+
+
+async def test_an_engine_restart_seen_in_its_metrics_clears_its_entries_before_any_event():
+    """A restarted engine publishes nothing until it stores a block; its counters going
+    back in its ``/metrics`` already say its KV cache is empty."""
+    async with AsyncExitStack() as st:
+        (s1,) = await st.enter_async_context(sim_fleet("s1"))
+        cfg = gateway_cfg([s1], routing={"policy": "estimated_ttft", "scrape_interval_s": 0.05})
+        gw = await st.enter_async_context(running_gateway(cfg))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        await subscribed(gw, session, s1)
+        prefix = [9000 + i for i in range(256)]
+        await post(session, gw.url, prefix + [1])
+        await wait_until(lambda: all(o.get("s1") == PRECISE for o in holders(gw, prefix)))
+        load = gw.state.core.fleet.backends["s1"].load
+        await wait_until(lambda: load.engine_prefill_tokens_per_s is not None)  # a scrape counted the prefill
+        events = gw.state.core.kv_stats["s1"].batches
+        await s1.crash(0)  # a cold engine on the same addresses
+        await wait_until(lambda: not any("s1" in o for o in holders(gw, prefix)))
+        assert gw.state.core.kv_stats["s1"].batches == events  # no event told the gateway
+        h, body = await post(session, gw.url, prefix + [2])
+        assert route(h)["matched_tokens"] == "0"
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

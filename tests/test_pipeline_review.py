@@ -113,7 +113,7 @@ def test_a_recovered_backend_keeps_its_kv_capacity_in_the_prefix_index():
     b = core.fleet.backends["b"]
     assert core.index.backends["b"].capacity_blocks == 100
     core.index.record("b", tuple(range(50)), 0.0)
-    core.backend_recovered(b)
+    core.backend_restarted(b)
     assert core.index.match(tuple(range(50)), 0.0).get("b", 0) == 0  # its entries are gone
     assert core.index.backends["b"].capacity_blocks == 100  # its capacity is not
 
