@@ -11,6 +11,7 @@ KV-event subscriptions.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from gateway.scraper import MetricsScraper
 from gateway.transport import BackendClient
 from gateway.usage import UsageLedger, UsageSync
 from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, StoreSettings, load_tokenizer
+
+log = logging.getLogger("gateway.state")
 
 STATE = web.AppKey("state", "GatewayState")
 # the app's own middleware: the lean protocol does for completions what they do
@@ -105,9 +108,19 @@ def canary_splits(cfg: GatewayConfig) -> dict[str, tuple[str, str, float]]:
 def model_tokenizers(cfg: GatewayConfig) -> dict[str, ModelTokenizer]:
     """The models' own tokenizers (``models[].tokenizer``), by model name. Loaded
     once per unchanged set of files: validating the config already loaded them.
-    Raises ``routing.core.TokenizerError`` when a file changed into a bad one since."""
-    return {name: load_tokenizer(m.tokenizer, m.chat_template, m.prefix_cache_tokens)
-            for name, m in cfg.models.items() if m.tokenizer is not None}
+    Raises ``routing.core.TokenizerError`` when a file changed into a bad one since.
+    A tokenizer without a chat template is logged: its chat requests are estimated."""
+    out = {}
+    for name, m in cfg.models.items():
+        if m.tokenizer is None:
+            continue
+        out[name] = tok = load_tokenizer(m.tokenizer, m.chat_template, m.prefix_cache_tokens)
+        if tok.template is None:
+            log.warning("model %s: its tokenizer %s has no chat template (no tokenizer_config.json "
+                        "`chat_template` or chat_template.jinja beside it, no `models.%s.chat_template`): its "
+                        "chat requests are estimated, not tokenized, and route on approximate prefix evidence",
+                        name, m.tokenizer, name)
+    return out
 
 
 def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str = "unknown") -> GatewayState:
