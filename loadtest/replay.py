@@ -421,8 +421,9 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                 if name in down:
                     continue
                 eng = engines[name]
-                b.load.observe_engine_prefill(t, eng.prefill_s_total,
-                                              eng.prompt_tokens_total - eng.prompt_tokens_cached_total)
+                if b.load.observe_engine_prefill(t, eng.prefill_s_total,
+                                                 eng.prompt_tokens_total - eng.prompt_tokens_cached_total):
+                    core.backend_restarted(b)  # its counters went back (gateway/scraper.py)
 
     def forget_pending(i: int) -> None:
         entry = req_blocks.pop(i, None)
