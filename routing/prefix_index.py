@@ -25,6 +25,21 @@ engine-confirmed entries (``AllBlocksCleared``, an engine restart, a gap in its
 events that replay could not fill); until events flow again (:meth:`PrefixIndex.set_live`)
 its lookups fall back to the approximate entries, which are recorded for every
 backend regardless.
+
+*Turnover* (:meth:`PrefixIndex.turnover`): per backend, the KV tokens its cache can
+still take without evicting, and the probability that a block it evicts is asked for
+again, the weight of the eviction cost in :mod:`routing.policies.estimated_ttft`. Each
+evicted block is remembered as a *ghost* (its hash and the backend that evicted it)
+until as many blocks as the caches hold (at most ``max_blocks``) were evicted after it,
+the ghost list of ARC
+(Megiddo and Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", FAST 2003);
+a ghost that a later request brings back into a cache (anywhere: the prefix was
+recomputed) counts as *refetched* for the backend that evicted it. The probability is
+refetched / evicted over about the backend's last two cache-fulls of evictions; the
+blocks still remembered count as not asked for (yet), so the estimate errs low, and
+most where few evictions have had time to be asked for (a cache that just filled). A backend whose
+events are live is measured from its engine's own ``BlockRemoved`` and ``BlockStored``
+(what it evicted and what it computed again); the others from the approximate LRU.
 """
 
 from __future__ import annotations
@@ -39,9 +54,33 @@ PRECISE = math.inf  # a token entry's value: engine-confirmed (else: when its sp
 
 
 @dataclass(slots=True)
+class _Evictions:
+    """Blocks a cache evicted, and of those the ones a later request brought back into
+    a cache (``refetched``); both are halved together once ``evicted`` passes twice
+    ``window`` (the cache's size in blocks)."""
+
+    evicted: float = 0.0
+    refetched: float = 0.0
+    window: int = 1
+
+    def evict(self) -> None:
+        self.evicted += 1.0
+        if self.evicted > 2 * self.window:
+            self.evicted *= 0.5
+            self.refetched *= 0.5
+
+    def reuse(self) -> float:
+        """The share of evicted blocks asked for again, in [0, 1]."""
+        n = self.evicted
+        r = self.refetched / n if n else 0.0
+        return r if r < 1.0 else 1.0
+
+
+@dataclass(slots=True)
 class _BackendBlocks:
     capacity_blocks: int
     lru: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> last use (s)
+    evictions: _Evictions = field(default_factory=_Evictions)
 
 
 @dataclass(slots=True)
@@ -54,17 +93,20 @@ class _EngineBlocks:
     speculative: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> decays at (s)
     holders: dict[int, int] = field(default_factory=dict)  # precise key -> ranks holding it
     engine_keys: dict[int, dict[int | bytes, int]] = field(default_factory=dict)  # rank -> engine hash -> key
+    evictions: _Evictions = field(default_factory=_Evictions)  # from BlockRemoved and BlockStored
 
 
 class PrefixIndex:
     """``record(backend, hashes, now)`` and ``match(hashes, now) -> {backend: blocks}``
     for approximate entries; ``record_speculative``, ``store``, ``remove``,
-    ``clear_precise`` and ``match_tokens`` for token-exact ones.
+    ``clear_precise`` and ``match_tokens`` for token-exact ones; ``turnover`` for
+    the eviction cost.
 
     - ``ttl_s``: seconds after which an unused block is considered evicted.
     - ``max_blocks``: bound on entries over all backends (memory: about 100 bytes
       each), for each kind; a backend whose precise entries pass it (its engine's
-      removals are lost) has them cleared.
+      removals are lost) has them cleared; it bounds the ghosts of evicted blocks
+      of each kind as well.
     - ``default_capacity_blocks``: per-backend bound until :meth:`set_capacity` says more.
     - ``speculative_s``: seconds a speculative entry waits for the engine's event
       (0: no speculative entries).
@@ -81,17 +123,25 @@ class PrefixIndex:
         self.size = 0
         self.engines: dict[str, _EngineBlocks] = {}  # backends with KV events
         self.token_owners: dict[int, dict[str, float]] = {}  # key -> {backend: PRECISE or decay time}
+        # evicted blocks, oldest first: hash (or token key) -> the backend that evicted it
+        self.ghosts: OrderedDict[int, str] = OrderedDict()
+        self.token_ghosts: OrderedDict[int, str] = OrderedDict()
+        self.capacity_total = 0  # blocks over all backends' approximate entries: the ghosts' bound
 
     def _blocks(self, backend: str) -> _BackendBlocks:
         b = self.backends.get(backend)
         if b is None:
             b = self.backends[backend] = _BackendBlocks(self.default_capacity_blocks)
+            b.evictions.window = b.capacity_blocks
+            self.capacity_total += b.capacity_blocks
         return b
 
     def set_capacity(self, backend: str, capacity_blocks: int) -> None:
         """Bound ``backend``'s entries to its KV capacity in (index) blocks."""
         b = self._blocks(backend)
-        b.capacity_blocks = max(1, capacity_blocks)
+        capacity_blocks = max(1, capacity_blocks)
+        self.capacity_total += capacity_blocks - b.capacity_blocks
+        b.capacity_blocks = b.evictions.window = capacity_blocks
         self._evict(backend, b)
 
     def record(self, backend: str, hashes: tuple[int, ...], now: float) -> None:
@@ -101,11 +151,18 @@ class PrefixIndex:
         b = self._blocks(backend)
         lru = b.lru
         owners = self.owners
+        ghosts = self.ghosts
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
             else:
                 self.size += 1
+                if ghosts:  # :meth:`_refetched`, inlined: this runs for every block a cache takes in
+                    by = ghosts.pop(h, None)
+                    if by is not None:
+                        c = self.backends.get(by)
+                        if c is not None:
+                            c.evictions.refetched += 1.0
             lru[h] = now
             o = owners.get(h)
             if o is None:
@@ -128,11 +185,49 @@ class PrefixIndex:
         self._disown(self.owners, h, backend)
         self.size -= 1
 
+    @staticmethod
+    def _refetched(ghosts: OrderedDict[int, str], key: int, caches: dict) -> None:
+        # ``key`` enters a cache again: if a cache evicted it, that eviction cost a recompute
+        by = ghosts.pop(key, None)
+        if by is not None:
+            c = caches.get(by)
+            if c is not None:
+                c.evictions.refetched += 1.0
+
+    @staticmethod
+    def _ghost(ghosts: OrderedDict[int, str], key: int, evictions: _Evictions, backend: str, bound: int) -> None:
+        # ``backend`` evicted ``key``: remembered as the newest ghost, the oldest beyond ``bound`` forgotten
+        ghosts.pop(key, None)
+        ghosts[key] = backend
+        evictions.evict()
+        while len(ghosts) > bound:
+            ghosts.popitem(last=False)
+
     def _evict(self, backend: str, b: _BackendBlocks) -> None:
         lru = b.lru
-        while len(lru) > b.capacity_blocks:
+        capacity = b.capacity_blocks
+        if len(lru) <= capacity:
+            return
+        ghosts = self.ghosts
+        ev = b.evictions
+        twice = 2 * ev.window
+        evicted, refetched = ev.evicted, ev.refetched
+        while len(lru) > capacity:
             h, _ = lru.popitem(last=False)
             self._drop(backend, h)
+            # :meth:`_ghost` and :meth:`_Evictions.evict`, inlined: this runs for every
+            # block a full cache takes in
+            if h in ghosts:
+                del ghosts[h]
+            ghosts[h] = backend
+            evicted += 1.0
+            if evicted > twice:
+                evicted *= 0.5
+                refetched *= 0.5
+        ev.evicted, ev.refetched = evicted, refetched
+        bound = min(self.capacity_total, self.max_blocks)
+        while len(ghosts) > bound:
+            ghosts.popitem(last=False)
 
     def _evict_global(self) -> None:
         # shed the oldest entries of the largest backends until under the bound
@@ -166,6 +261,7 @@ class PrefixIndex:
         b = self.backends.pop(backend, None)
         if b is None:
             return
+        self.capacity_total -= b.capacity_blocks
         for h in b.lru:
             self._drop(backend, h)
 
@@ -298,6 +394,8 @@ class PrefixIndex:
             c = holders.get(k, 0)
             holders[k] = c + 1
             if c == 0:
+                if self.token_ghosts:
+                    self._refetched(self.token_ghosts, k, self.engines)
                 o = owners.get(k)
                 if o is None:
                     owners[k] = {backend: PRECISE}
@@ -327,10 +425,17 @@ class PrefixIndex:
         if not emap:
             return 0
         n = 0
+        ghosts = self.token_ghosts
+        engines = self.engines
+        bound = min(sum(len(x.holders) for x in engines.values()) + 1, self.max_blocks)
+        holders = e.holders
+        e.evictions.window = len(holders) + 1
         for h in engine_hashes:
             k = emap.pop(h, None)
             if k is not None:
                 self._release(backend, e, k)
+                if k not in holders:
+                    self._ghost(ghosts, k, e.evictions, backend, bound)
                 n += 1
         return n
 
@@ -405,3 +510,22 @@ class PrefixIndex:
             return False
         holders = e.holders
         return all(k in holders for k in keys)
+
+    # ---- turnover ----------------------------------------------------------------------------
+
+    def turnover(self, backend: str, block_tokens: int, capacity_tokens: float) -> tuple[float, float]:
+        """(KV tokens ``backend``'s cache can still take without evicting, probability
+        that a block it evicts is asked for again in [0, 1]) for a backend of
+        ``capacity_tokens`` whose approximate entries are blocks of ``block_tokens``.
+        From its engine's events while they are live (the blocks it holds, precisely
+        or speculatively), else from its approximate entries. O(1)."""
+        e = self.engines.get(backend) if self.engines else None
+        if e is not None and e.live:
+            held = (len(e.holders) + len(e.speculative)) * e.block_size
+            return max(capacity_tokens - held, 0.0), e.evictions.reuse()
+        b = self.backends.get(backend)
+        if b is None:
+            return capacity_tokens, 0.0
+        ev = b.evictions
+        reuse = ev.refetched / ev.evicted if ev.evicted else 0.0  # :meth:`_Evictions.reuse`, inlined
+        return float((b.capacity_blocks - len(b.lru)) * block_tokens), reuse if reuse < 1.0 else 1.0
