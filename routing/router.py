@@ -52,6 +52,7 @@ class Router:
         # model -> {engine block size: backends publishing KV events in it}, set by the core
         self.event_backends: dict[str, dict[int, list[str]]] = {}
         self.canaries: dict[str, tuple[str, str, float]] = {}
+        self._kv_turnover = self.kv_turnover  # one bound method for every request
         self._canary_rng = random.Random()
         for b in fleet.backends.values():
             self.index.set_capacity(b.name, self.capacity_blocks(b))
@@ -133,6 +134,7 @@ class Router:
             self._next_expire = now + EXPIRE_EVERY_S
         request.now = now
         request.matched_blocks = self.index.match(request.block_hashes, now)
+        request.kv_turnover = self._kv_turnover
         if request.token_keys:
             self._match_tokens(request, request.token_keys, now)
         request.matched_at = now
@@ -161,6 +163,13 @@ class Router:
             for n in live:
                 exact[n] = min(held.get(n, 0), cap) * size
         request.exact_tokens = exact
+
+    def kv_turnover(self, b: BackendState) -> tuple[float, float]:
+        """(KV tokens ``b``'s cache can take without evicting, share of its evicted
+        blocks asked for again): the prefix index's
+        :meth:`~routing.prefix_index.PrefixIndex.turnover`, O(1). Routed requests
+        carry it as ``RouteRequest.kv_turnover``."""
+        return self.index.turnover(b.name, self.block_tokens, b.load.kv_capacity_tokens)
 
     def evidence(self, request: RouteRequest, backend: str) -> str:
         """What stands behind ``request``'s matched tokens on ``backend``: ``precise``

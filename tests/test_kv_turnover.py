@@ -1,10 +1,13 @@
-"""The KV-cache turnover of each backend: free KV, reuse of evicted blocks."""
+"""The KV-cache turnover of each backend (free KV, reuse of evicted blocks) and the
+eviction cost it puts into ``estimated_ttft``."""
 
 from __future__ import annotations
 
 import pytest
 
-from routing.core import BackendSpec, DecisionCore
+from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
+from routing.core import DecisionCore
+from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from tests.kv_payloads import batch, cleared, removed, stored
 
@@ -93,3 +96,86 @@ def test_engine_events_measure_free_kv_and_reuse_where_they_are_live():
     assert c.index.turnover("b", 64, 640.0) == (640.0, 0.5)  # b's block 2
     c.kv_event_batch("a", 0, batch([cleared()]))  # a clear is no eviction: what was measured stays
     assert c.index.turnover("a", 64, 640.0) == (640.0, pytest.approx(2 / 3))
+
+
+# ---- the eviction cost in estimated_ttft --------------------------------------------------------
+
+def backend(rate: float = 10_000.0, capacity: int = 100_000):
+    fleet = Fleet([BackendSpec("a", frozenset({MODEL}), prefill_tokens_per_s=rate, kv_capacity_tokens=capacity)])
+    return fleet.backends["a"]
+
+
+def test_eviction_cost_is_the_recompute_time_of_what_the_request_evicts():
+    b = backend(rate=10_000.0)
+    req = RouteRequest(MODEL, prompt_tokens=6_000, output_tokens=1_000)
+    base, uncached = estimate_ttft(b, req)
+    assert uncached == 6_000
+    req.kv_turnover = lambda _: (2_000.0, 0.5)  # 7,000 tokens into 2,000 free: 5,000 evicted, half asked again
+    assert estimate_ttft(b, req)[0] == pytest.approx(base + 5_000 * 0.5 / 10_000)
+    req.kv_turnover = lambda _: (7_000.0, 0.5)  # fits in the free KV: evicts nothing
+    assert estimate_ttft(b, req)[0] == base
+    req.kv_turnover = lambda _: (0.0, 0.0)  # what it evicts is never asked for again
+    assert estimate_ttft(b, req)[0] == base
+
+
+def router(capacity_blocks: int) -> Router:
+    specs = [BackendSpec(n, frozenset({MODEL}), prefill_tokens_per_s=10_000.0, kv_capacity_tokens=capacity_blocks * 64)
+             for n in ("a", "b")]
+    return Router(Fleet(specs), make_policy("estimated_ttft"), block_tokens=64)
+
+
+def prompt(tenant: int, question: int, system_blocks: int = 20) -> RouteRequest:
+    hashes = tuple(range(1000 * tenant, 1000 * tenant + system_blocks)) + (10**6 + question,)
+    return RouteRequest(MODEL, block_hashes=hashes, prompt_tokens=64 * len(hashes), output_tokens=8)
+
+
+def test_a_new_prefix_goes_where_it_evicts_nothing_reusable():
+    r = router(capacity_blocks=42)
+    a, b = r.fleet.backends["a"], r.fleet.backends["b"]
+    for i in range(12):  # a's cache holds two of three tenants that keep coming back
+        r.reserve(prompt(i % 3, i), a, float(i)).release(float(i))
+    free_a, reuse_a = r.index.turnover("a", 64, a.load.kv_capacity_tokens)
+    assert free_a == 0.0 and reuse_a > 0.5
+    queued = b.load.admit(uncached_tokens=300, prompt_tokens=300, output_tokens=8, now=12.0)  # b: empty, a queue
+    new = prompt(9, 99)
+    r._match(new, 12.0)
+    assert new.kv_turnover(b) == (42 * 64.0, 0.0)
+    est_a, est_b = estimate_ttft(a, new)[0], estimate_ttft(b, new)[0]
+    with_term, new.kv_turnover = new.kv_turnover, None
+    plain_a, plain_b = estimate_ttft(a, new)[0], estimate_ttft(b, new)[0]
+    assert plain_a < plain_b  # by its own TTFT alone, a's empty queue wins
+    assert est_b == plain_b and est_a == pytest.approx(plain_a + (new.prompt_tokens + 8) * reuse_a / 10_000)
+    assert est_b < est_a  # b's queue costs less than recomputing what the prompt would evict on a
+    new.kv_turnover = with_term
+    d, res = r.route(new, 12.0)
+    assert d.backend is b
+    res.release(12.0)
+    queued.finish(12.0)
+
+
+def test_a_tenant_stays_with_its_partial_prefix_when_moving_would_evict():
+    r = router(capacity_blocks=30)
+    a, b = r.fleet.backends["a"], r.fleet.backends["b"]
+    for i in range(6):  # both caches full of two tenants each that come back; tenant 1 came last on a
+        r.reserve(prompt(i % 2, 100 + i), a, float(i)).release(float(i))
+        r.reserve(prompt(2 + i % 2, 200 + i), b, float(i)).release(float(i))
+    req = prompt(0, 500)
+    r._match(req, 6.0)
+    held = req.cached_tokens("a")
+    assert req.cached_tokens("b") == 0 and 0 < held < req.prompt_tokens - 64  # a kept the head of tenant 0's prompt
+    (_, reuse_a), (_, reuse_b) = req.kv_turnover(a), req.kv_turnover(b)
+    assert reuse_a > 0.5 and reuse_b > 0.5
+    stay_s = held / 10_000  # what staying saves in prefill
+    evicted_b, evicted_a = req.prompt_tokens + 8, req.prompt_tokens - held + 8  # both caches are full
+    stay_with_eviction_s = stay_s + (evicted_b * reuse_b - evicted_a * reuse_a) / 10_000
+    assert stay_with_eviction_s > stay_s + 0.02
+    # a is busier than b by more than its held prefix saves, by less than it saves with the eviction cost
+    queued = a.load.admit(uncached_tokens=(stay_s + stay_with_eviction_s) / 2 * 10_000, prompt_tokens=100,
+                          output_tokens=8, now=6.0)
+    with_term, req.kv_turnover = req.kv_turnover, None
+    assert estimate_ttft(b, req)[0] < estimate_ttft(a, req)[0]  # greedy on its own TTFT: it moves
+    req.kv_turnover = with_term
+    d, res = r.route(req, 6.0)
+    assert d.backend is a and d.detail["matched_tokens"] == held
+    res.release(6.0)
+    queued.finish(6.0)

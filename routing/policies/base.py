@@ -4,7 +4,7 @@ what it answers (:class:`Decision`) and the :class:`Policy` protocol itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from routing.fleet import BackendState
 
@@ -43,7 +43,10 @@ class RouteRequest:
       has, ``exact_tokens`` (leading prompt tokens held, from token-exact entries,
       precise or speculative), which overrides ``matched_blocks``; for a LoRA
       adapter, ``adapter_set``: the backends it is placed on, in join order
-      (:mod:`routing.lora`; empty before its first placement; ``None`` for a base model).
+      (:mod:`routing.lora`; empty before its first placement; ``None`` for a base model);
+      and ``kv_turnover``, a function of a candidate giving (KV tokens its cache can
+      take without evicting, share of its evicted blocks asked for again)
+      (:meth:`routing.router.Router.kv_turnover`; ``None``: not known).
     """
 
     model: str
@@ -66,6 +69,7 @@ class RouteRequest:
     matched_at: float | None = None
     exact_tokens: dict[str, int] = field(default_factory=dict)
     adapter_set: tuple[str, ...] | None = None
+    kv_turnover: Callable[[BackendState], tuple[float, float]] | None = None
 
     def cached_tokens(self, backend: str) -> float:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""

@@ -4,6 +4,7 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
 
     TTFT_est(b) = overhead_b
                 + (queued_prefill_b + uncached_b) / prefill_rate_b      # queue + own prefill
+                + evicted_b * reuse_b / prefill_rate_b                  # eviction cost
                 + steps * itl_per_stream_b * running_b                  # decode interference
                 + kv_wait_b                                             # KV pressure
 
@@ -12,6 +13,26 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
   its queue costs more than recomputing elsewhere: no hand-set affinity thresholds.
 - ``queued_prefill_b`` includes the other gateway replicas' load (shared store) and
   load the engine reports that no gateway sent.
+- Eviction cost: what placing the request on ``b`` costs later requests. Its
+  ``uncached_b + output`` tokens enter ``b``'s prefix cache; beyond the KV that cache
+  can still take without evicting (``free_b``, tokens), they evict as many cached
+  tokens, ``evicted_b = max(0, uncached_b + output - free_b)``, and each evicted token
+  is asked for again, and prefilled again, with probability ``reuse_b`` (measured per
+  backend from the prefix index's ghosts of evicted blocks:
+  :meth:`routing.prefix_index.PrefixIndex.turnover`, from the engine's own KV events
+  where they are live). This is the eviction cost of Preble's E2 scheduler (Srivatsa
+  et al., "Preble: Efficient Distributed Prompt Scheduling for LLM Serving", ICLR
+  2025, section 3.2: the recompute time of the cached prefixes a placement evicts,
+  weighted by how likely they are to be hit again), with the hit likelihood of the
+  blocks at the LRU's end measured per backend rather than per prefix. It makes a
+  placement pay for the KV it takes where KV is scarce: a new prefix goes where the
+  cache has room or turns over blocks nobody asks for again, a prefix that is
+  partly held stays with its holder unless a queue costs more than the holder's hit
+  plus what moving would evict, so prefixes are not duplicated needlessly. Nothing
+  is added where the request fits in the free KV or where evicted blocks never
+  come back (``reuse_b`` 0: one-off prompts). Cost per scored candidate: O(1) (the
+  router gives ``RouteRequest.kv_turnover``); without it (a request built outside the
+  router) the term is absent.
 - Decode interference: with chunked prefill each engine step also runs one token of every
   running stream, so the prefill's ``steps = ceil(work / CHUNK_TOKENS)`` steps each cost
   ``running * itl_per_stream`` more (the learned ITL slope).
@@ -86,6 +107,12 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
         if waited > 0 and 0 < done_by < rate * waited:
             rate = done_by / waited
     est = overhead + work / rate
+    turnover = request.kv_turnover
+    if turnover is not None:
+        free, reuse = turnover(b)
+        evicted = uncached + request.output_tokens - free
+        if evicted > 0 and reuse > 0:
+            est += evicted * reuse / rate
     if running:
         now = request.now
         est += math.ceil(work / CHUNK_TOKENS) * load.itl_per_stream_s * running
