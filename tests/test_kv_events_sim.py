@@ -51,8 +51,10 @@ TINY = Path(__file__).resolve().parent / "data" / "tiny-tokenizer"
 
 @asynccontextmanager
 async def sim_fleet(*names: str, encoding: str = "map", model: str = MODEL,
-                    tokenizer: str | None = None) -> AsyncIterator[list[SimBackend]]:
-    extra = {"tokenizer": tokenizer} if tokenizer else {}
+                    tokenizer: str | None = None, lora: dict | None = None) -> AsyncIterator[list[SimBackend]]:
+    extra: dict[str, Any] = {"tokenizer": tokenizer} if tokenizer else {}
+    if lora is not None:
+        extra["lora"] = lora
     cfgs = [SimBackendConfig.from_dict({"name": n, "models": [model], "speed": 50.0,
                                         "profile_overrides": {"block_size": BS},
                                         "kv_events": {"topic": "kv-events", "encoding": encoding}, **extra})
@@ -65,9 +67,10 @@ async def sim_fleet(*names: str, encoding: str = "map", model: str = MODEL,
             await b.cleanup()
 
 
-def gateway_cfg(backends: list[SimBackend], model: str = MODEL, **overrides: Any):
+def gateway_cfg(backends: list[SimBackend], model: str = MODEL, *, adapters: tuple[str, ...] = (),
+                **overrides: Any):
     overrides.setdefault("routing", {"policy": "estimated_ttft"})
-    return gateway_config([{"name": b.cfg.name, "url": b.url, "models": [model],
+    return gateway_config([{"name": b.cfg.name, "url": b.url, "models": [model, *adapters],
                             "kv_events": {"endpoint": b.kv_publisher.endpoint,
                                           "replay_endpoint": b.kv_publisher.replay_endpoint,
                                           "topic": "kv-events", "block_size": BS}} for b in backends],
@@ -100,8 +103,8 @@ async def subscribed(gw, session: aiohttp.ClientSession, b: SimBackend, tries: i
     raise AssertionError(f"no KV event of {b.cfg.name} reached the gateway")
 
 
-def holders(gw, prompt: list[int]) -> list[dict[str, float]]:
-    keys = token_block_keys(prompt, BS, chain_seed(MODEL))
+def holders(gw, prompt: list[int], model: str = MODEL) -> list[dict[str, float]]:
+    keys = token_block_keys(prompt, BS, chain_seed(model))
     return [dict(gw.state.core.index.token_owners.get(k, {})) for k in keys]
 
 
@@ -129,6 +132,38 @@ async def test_precise_index_follows_the_engines_and_routes_to_the_holder():
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == int(r["matched_tokens"])
         assert gw.metric("turbo_gateway_prefix_predicted_tokens_total", evidence="precise") == \
             gw.metric("turbo_gateway_prefix_reported_cached_tokens_total", evidence="precise") == 4 * 1024
+
+
+async def test_an_adapters_blocks_are_confirmed_for_that_adapter_and_no_other():
+    """An adapter's blocks are its own in the engine (vLLM hashes them with the adapter
+    name) and its events name it: the gateway's precise index keys them under the
+    adapter, so a repeated adapter prompt is matched to the token as the engine
+    reports it, while the base model's same prompt is 0 on both sides."""
+    async with AsyncExitStack() as st:
+        backends = await st.enter_async_context(sim_fleet("s1", "s2", lora={"adapters": ["ops-lora"]}))
+        gw = await st.enter_async_context(running_gateway(gateway_cfg(backends, adapters=("ops-lora",))))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        for b in backends:
+            await subscribed(gw, session, b)
+        prefix = [7000 + (i * 7919) % 20000 for i in range(512)]  # 32 blocks
+        h, body = await post(session, gw.url, prefix + [1, 2, 3], model="ops-lora")
+        holder = h["x-turbo-backend"]
+        await wait_until(lambda: all(o.get(holder) == PRECISE for o in holders(gw, prefix, "ops-lora")))
+        assert not any(holders(gw, prefix, MODEL))
+        for i in range(2):
+            h, body = await post(session, gw.url, prefix + [9000 + i] * 20, model="ops-lora")
+            r = route(h)
+            assert h["x-turbo-backend"] == holder and r["evidence"] == "precise"
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == int(r["matched_tokens"]) == 512
+        # the base model's same prompt: the adapter's holder has none of it (its own lookup,
+        # no state change), and the gateway predicts 0 where the engine reports 0
+        engine = next(b for b in backends if b.cfg.name == holder).engine
+        assert engine.cached_prefix_tokens(prefix + [4, 5, 6], lora="ops-lora") == 512
+        assert engine.cached_prefix_tokens(prefix + [4, 5, 6]) == 0
+        h, body = await post(session, gw.url, prefix + [4, 5, 6])
+        r = route(h)
+        assert r["evidence"] == "precise" and r["matched_tokens"] == "0"
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 async def test_blocks_another_client_put_in_an_engine_are_known():

@@ -19,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from loadtest.sim.engine import block_hash
+from loadtest.sim.engine import block_hash, lora_extra_key
 from loadtest.sim.server import start_backends
 from loadtest.sim.spec import FaultConfig, KVEventsConfig, SimBackendConfig
 from loadtest.sim.tokenizer import HFTokenizer
@@ -194,6 +194,51 @@ async def test_block_stored_carries_the_prompt_tokens_of_a_real_tokenizer_as_vll
             ev2 = got[-1][1]
             assert ev2["parent_block_hash"] == first[shared // bs - 1]
             assert ev2["token_ids"] == ids2[shared // bs * bs: len(ids2) // bs * bs]
+        finally:
+            sub.close()
+
+
+async def test_an_adapters_blocks_are_its_own_and_its_events_name_it_as_vllm_0_32_does():
+    """vLLM hashes a LoRA request's blocks with the adapter's name in their extra keys
+    and its BlockStored carries ``lora_id`` (the server's ``lora_int_id``, 1, 2, ... in
+    load order), ``lora_name`` and ``extra_keys`` of ``[name]`` per block
+    (``_build_block_stored_event``, ``to_event_extra_keys``): an adapter's blocks hit
+    for that adapter only."""
+    bs = 16
+    async with backend(lora={"adapters": ["ops-lora", "sql-lora"]},
+                       profile_overrides={"block_size": bs}) as (session, b):
+        sub = Subscriber(b.kv_publisher.endpoint)
+        try:
+            await sub.joined(session, b.url)
+            prompt = SYSTEM + "How do I read an invoice?"
+            ids = await tokenize(session, b.url, prompt)
+            n = len(ids) // bs
+            full = (len(ids) - 1) // bs * bs  # the last prompt token is always recomputed
+
+            async def cached(model: str) -> int:
+                async with session.post(b.url + "/v1/completions", json={
+                        "model": model, "prompt": prompt, "max_tokens": 1}) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            assert await cached("sql-lora") == 0
+            _, (_, events, _) = await sub.recv()
+            ev = events[0]
+            assert list(ev) == STORED_KEYS and ev["lora_id"] == 2 and ev["lora_name"] == "sql-lora"
+            assert ev["extra_keys"] == [["sql-lora"]] * n and ev["token_ids"] == ids[:n * bs]
+            parent = 0  # the hashes chain over the token ids and the adapter's extra key
+            for i, h in enumerate(ev["block_hashes"]):
+                parent = block_hash(parent, ids[i * bs:(i + 1) * bs], lora_extra_key("sql-lora"))
+                assert h == parent
+            assert await cached("sql-lora") == full
+            # the same prompt for another adapter and for the base model: no hit, new blocks
+            assert await cached("ops-lora") == 0
+            assert await cached(MODEL) == 0
+            stored = [e for _ in range(2) for e in (await sub.recv())[1][1] if e["type"] == "BlockStored"]
+            assert [(e["lora_id"], e["lora_name"], e["parent_block_hash"]) for e in stored] == \
+                [(1, "ops-lora", None), (None, None, None)]
+            assert stored[1]["extra_keys"] == [None] * n
+            assert len({e["block_hashes"][0] for e in (ev, *stored)}) == 3
         finally:
             sub.close()
 

@@ -65,9 +65,11 @@ https://docs.vllm.ai/en/latest/design/prefix_caching/)
 * ``num_gpu_blocks`` blocks of ``block_size`` tokens; a request holds
   ``ceil(computed tokens / block_size)`` blocks.
 * Every *full* block of a request's tokens (prompt and generated) gets a chained hash:
-  ``h_i = blake2b-64(h_{i-1} || token ids of block i as little-endian uint32)``, with
-  ``h_{-1} = 0``, so ``h_i`` covers blocks ``0..i``. Once computed, a full block is
-  registered in the cache under its hash (the first block with a hash wins).
+  ``h_i = blake2b-64(h_{i-1} || token ids of block i as little-endian uint32 || extra)``,
+  with ``h_{-1} = 0``, so ``h_i`` covers blocks ``0..i``; ``extra`` names the request's
+  LoRA adapter (empty for the base model), as vLLM's block hashes carry the adapter
+  name in their extra keys, so an adapter's blocks are its own. Once computed, a full
+  block is registered in the cache under its hash (the first block with a hash wins).
 * A new request looks up its leading block hashes; the longest run of cached blocks
   is reused and skips prefill compute. As in vLLM, the last prompt token is always
   recomputed (the hit is capped at ``num_tokens - 1`` tokens, whole blocks only).
@@ -137,18 +139,30 @@ class RequestOutput(NamedTuple):
     kv_transfer_params: dict | None = None
 
 
-def block_hash(parent: int, token_ids) -> int:
-    """Chained hash of one full block: blake2b-64 of parent hash and uint32 LE token ids."""
+def lora_extra_key(lora: str | None) -> bytes:
+    """The extra key a block of a request running with LoRA adapter ``lora`` is hashed
+    with (empty for the base model): vLLM puts the adapter's name in every block's
+    hash (``_gen_lora_extra_hash_keys`` in ``vllm/v1/core/kv_cache_utils.py``), so an
+    adapter's blocks never hit for the base model or another adapter."""
+    return b"" if lora is None else b"lora\x00" + lora.encode("utf-8")
+
+
+def block_hash(parent: int, token_ids, extra: bytes = b"") -> int:
+    """Chained hash of one full block: blake2b-64 of parent hash, uint32 LE token ids
+    and the block's ``extra`` key (:func:`lora_extra_key`)."""
     h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
     h.update(array("I", token_ids).tobytes())
+    if extra:
+        h.update(extra)
     return int.from_bytes(h.digest(), "little")
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``token_ids`` (the engine's own scheme)."""
-    out, parent = [], 0
+def prompt_block_hashes(token_ids: list[int], block_size: int, lora: str | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (the engine's own scheme),
+    for a request with LoRA adapter ``lora`` (None: the base model)."""
+    out, parent, extra = [], 0, lora_extra_key(lora)
     for i in range(len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
 
@@ -158,11 +172,14 @@ class KVStored(NamedTuple):
 
     ``block_hashes[i]`` covers ``token_ids[i * block_size:(i + 1) * block_size]``;
     ``parent_block_hash`` is the hash of the block before the first one (None for a
-    prompt's first block). vLLM's ``BlockStored``."""
+    prompt's first block); ``lora_name`` and ``lora_id`` name the LoRA adapter the
+    blocks were computed with (None: the base model). vLLM's ``BlockStored``."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 class KVRemoved(NamedTuple):
@@ -288,12 +305,14 @@ class Request:
         "num_output", "num_computed", "blocks", "hashes", "num_registered", "status",
         "num_cached_tokens", "prefill_only", "remote_prefill_tokens", "kv_ready_at",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "lora",
+        "lora_id",
     )
 
     def __init__(self, req_id, prompt, max_tokens, arrival_time, prefill_only,
-                 remote_prefill_tokens, output_tokens, seed, lora=None):
+                 remote_prefill_tokens, output_tokens, seed, lora=None, lora_id=None):
         self.req_id = req_id
         self.lora = lora
+        self.lora_id = lora_id
         self.token_ids = list(prompt)  # prompt + generated, grows
         self.prompt_len = len(prompt)
         self.max_tokens = max_tokens
@@ -413,9 +432,12 @@ class Engine:
         output_tokens: int | None = None,
         seed: int | None = None,
         lora: str | None = None,
+        lora_id: int | None = None,
     ) -> None:
         """Queue a request (see module docstring for the flags; ``lora``: the adapter
-        it runs with, LoRA must be on). Units: tokens, seconds."""
+        it runs with, LoRA must be on; ``lora_id``: that adapter's id on the server,
+        vLLM's ``lora_int_id``, reported in KV events). Its KV blocks are its adapter's
+        own (:func:`lora_extra_key`). Units: tokens, seconds."""
         p = self.profile
         n = len(prompt_token_ids)
         if req_id in self.requests:
@@ -439,7 +461,7 @@ class Engine:
         if lora is not None and self.max_loras is None:
             raise ValueError("LoRA is not enabled on this engine")
         req = Request(req_id, prompt_token_ids, max_tokens, arrival_time, prefill_only,
-                      max(0, int(remote_prefill_tokens)), output_tokens, seed, lora)
+                      max(0, int(remote_prefill_tokens)), output_tokens, seed, lora, lora_id)
         self.requests[req_id] = req
         self.waiting.append(req)
 
@@ -501,14 +523,15 @@ class Engine:
             i += 1
         return i
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Leading tokens of a prompt ``token_ids`` that this engine would serve from its
-        prefix cache if the prompt were admitted now: whole blocks, at most
-        ``len(token_ids) - 1`` tokens (the last prompt token is always recomputed), as
-        the scheduler's own lookup counts a hit. No state changes."""
+    def cached_prefix_tokens(self, token_ids: list[int], lora: str | None = None) -> int:
+        """Leading tokens of a prompt ``token_ids`` (run with LoRA adapter ``lora``, None:
+        the base model) that this engine would serve from its prefix cache if the prompt
+        were admitted now: whole blocks, at most ``len(token_ids) - 1`` tokens (the last
+        prompt token is always recomputed), as the scheduler's own lookup counts a hit.
+        No state changes."""
         n = max(len(token_ids) - 1, 0) // self.block_size
-        return self.cached_prefix_blocks(prompt_block_hashes(token_ids[: n * self.block_size], self.block_size)) \
-            * self.block_size
+        hashes = prompt_block_hashes(token_ids[: n * self.block_size], self.block_size, lora)
+        return self.cached_prefix_blocks(hashes) * self.block_size
 
     def stats(self) -> dict:
         """Snapshot of gauges and counters as plain numbers (for /metrics)."""
@@ -804,8 +827,9 @@ class Engine:
             bs = self.block_size
             toks = req.token_ids
             parent = hs[-1] if hs else 0
+            extra = lora_extra_key(req.lora)
             for i in range(len(hs), n_blocks):
-                parent = block_hash(parent, toks[i * bs : (i + 1) * bs])
+                parent = block_hash(parent, toks[i * bs : (i + 1) * bs], extra)
                 hs.append(parent)
         return hs
 
@@ -831,7 +855,7 @@ class Engine:
                     continue
                 if start is not None:
                     kv.events.append(KVStored(hs[start:i], hs[start - 1] if start else None,
-                                              toks[start * bs:i * bs]))
+                                              toks[start * bs:i * bs], req.lora, req.lora_id))
                     start = None
         req.num_registered = n_full
 

@@ -24,6 +24,11 @@ Wire format
       {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
       {"type": "AllBlocksCleared"}
 
+  A LoRA adapter's blocks carry its ``lora_id`` (the server's ``lora_int_id``: 1, 2,
+  ... in the order adapters were loaded), its ``lora_name``, and ``extra_keys`` of
+  ``[lora_name]`` per block (vLLM's ``to_event_extra_keys`` publishes a block's LoRA
+  extra key as the bare name).
+
   ``array`` encoding (older engines): the same fields in the same order as a tagged
   array, ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind]``, with
@@ -110,8 +115,9 @@ def encode_event(ev: KVStored | KVRemoved | KVCleared, *, block_size: int, encod
         return _struct("BlockStored", _STORED_FIELDS, {
             "block_hashes": [h(x) for x in ev.block_hashes],
             "parent_block_hash": None if ev.parent_block_hash is None else h(ev.parent_block_hash),
-            "token_ids": list(ev.token_ids), "block_size": block_size, "lora_id": None,
-            "medium": MEDIUM_GPU, "lora_name": None, "extra_keys": [None] * len(ev.block_hashes),
+            "token_ids": list(ev.token_ids), "block_size": block_size, "lora_id": ev.lora_id,
+            "medium": MEDIUM_GPU, "lora_name": ev.lora_name,
+            "extra_keys": [None if ev.lora_name is None else [ev.lora_name]] * len(ev.block_hashes),
             "group_idx": 0, "kv_cache_spec_kind": KV_CACHE_SPEC_KIND, "kv_cache_spec_sliding_window": None,
             "locality": None, "ownership": None, "session_id": None,
         }, encoding)

@@ -394,10 +394,22 @@ class SimBackend:
         self.runner = AsyncEngineRunner(self.engine, on_step=self._publish_kv_events)
         self.metrics = _Metrics(self)
         lc = self.cfg.lora
-        # Registered adapters (what /v1/models lists): the spec's, as a restart reloads them.
-        self.lora_adapters: dict[str, None] = dict.fromkeys(lc.adapters) if lc is not None else {}
+        # Registered adapters (what /v1/models lists) and their ids: the spec's, as a
+        # restart reloads them. An id is vLLM's lora_int_id: 1, 2, ... in load order,
+        # counted by the server (vllm/entrypoints/openai/models/serving.py).
+        self._lora_ids = itertools.count(1)
+        self.lora_adapters: dict[str, int] = {}
+        for a in (lc.adapters if lc is not None else ()):
+            self._register_lora(a)
         if lc is not None:
             self.engine.enable_lora(lc.max_lora, lc.max_cpu_loras, lc.load_s, lc.swap_s)
+
+    def _register_lora(self, name: str) -> int:
+        """Adapter ``name``'s id, registering it with the next one if it is new."""
+        lid = self.lora_adapters.get(name)
+        if lid is None:
+            lid = self.lora_adapters[name] = next(self._lora_ids)
+        return lid
 
     def _start_kv_publisher(self) -> None:
         """A fresh publisher (sequence 0, empty replay buffer) on the first start's
@@ -591,7 +603,7 @@ class SimBackend:
             return error_response(e.status, str(e), param=e.param)
         lc = self.cfg.lora
         await asyncio.sleep(lc.load_s / self.cfg.speed)
-        self.lora_adapters[name] = None
+        self._register_lora(name)
         self.engine.preload_lora(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -719,10 +731,11 @@ class SimBackend:
             return error_response(400, "the body must be a JSON object")
         model = data.get("model")
         lora: str | None = None
+        lora_id: int | None = None
         if model not in self.cfg.models:
             lc = self.cfg.lora
             if isinstance(model, str) and model and (model in self.lora_adapters or (lc is not None and lc.dynamic)):
-                self.lora_adapters.setdefault(model, None)  # a resolver registers it; the engine reads it
+                lora_id = self._register_lora(model)  # a resolver registers it; the engine reads it
                 lora = model
             else:
                 return error_response(404, f"The model `{model}` does not exist.", param="model")
@@ -768,7 +781,7 @@ class SimBackend:
         except BadRequest as e:
             return error_response(e.status, str(e), param=e.param)
 
-        kw: dict[str, Any] = {"output_tokens": self._output_tokens(data, ids), "lora": lora}
+        kw: dict[str, Any] = {"output_tokens": self._output_tokens(data, ids), "lora": lora, "lora_id": lora_id}
         seed = data.get("seed")
         if isinstance(seed, int) and not isinstance(seed, bool):
             kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF
