@@ -126,6 +126,40 @@ async def test_chat_stream_and_completion_shapes():
         assert status == 400 and "maximum context length" in orjson.loads(raw)["error"]["message"]
 
 
+async def test_bad_token_ids_get_vllms_400s():
+    """A prompt of token ids is checked as vLLM 0.32 checks it: its request model
+    (``list[Annotated[int, Field(ge=0)]]``, pydantic's lax integers) answers a negative
+    or fractional id with a validation error naming its place, its renderer an id past
+    the vocabulary with ``Token id N is out of vocabulary``; ``true`` and ``2.0`` are
+    the integers 1 and 2 there, as in vLLM. Never a 500."""
+    tiny = str(ROOT / "tests" / "data" / "tiny-tokenizer")
+    async with backends({"name": "a"}, {"name": "t", "tokenizer": tiny}) as (s, b, t):
+        cases = [
+            ([1, 2, -5], "Input should be greater than or equal to 0", "Bad Request", "body.prompt.2"),
+            ([[1, -2]], "Input should be greater than or equal to 0", "Bad Request", "body.prompt.0.1"),
+            ([1.5, 2], "Input should be a valid integer, got a number with a fractional part", "Bad Request",
+             "body.prompt.0"),
+            ([3, "x"], "Input should be a valid integer", "Bad Request", "body.prompt.1"),
+            ([99999999999], "Token id 99999999999 is out of vocabulary", "BadRequestError", None),
+            ([tokenizer.VOCAB_SIZE], f"Token id {tokenizer.VOCAB_SIZE} is out of vocabulary", "BadRequestError",
+             None),
+        ]
+        for prompt, message, etype, param in cases:
+            status, _, raw = await post(s, b.url, "/v1/completions", {"model": MODEL, "prompt": prompt})
+            assert status == 400, (prompt, raw)
+            assert orjson.loads(raw)["error"] == {"message": message, "type": etype, "param": param, "code": 400}
+        # the vocabulary is the backend's tokenizer's (8192 ids for the tiny one)
+        status, _, raw = await post(s, t.url, "/v1/completions", {"model": MODEL, "prompt": [8191, 8192]})
+        assert status == 400 and orjson.loads(raw)["error"]["message"] == "Token id 8192 is out of vocabulary"
+        for prompt in ([True, 2], [1.0, 2], [1, 2]):
+            status, _, raw = await post(s, t.url, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                                       "max_tokens": 1})
+            assert status == 200 and orjson.loads(raw)["usage"]["prompt_tokens"] == 2
+        for prompt in (["a", "b"], [[1], [2]]):  # a real batch: refused for that reason
+            status, _, raw = await post(s, b.url, "/v1/completions", {"model": MODEL, "prompt": prompt})
+            assert status == 400 and "batched prompts" in orjson.loads(raw)["error"]["message"]
+
+
 async def test_eos_after_and_ignore_eos():
     async with backends({"name": "a", "eos_after": 3}) as (s, b):
         req = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 10}

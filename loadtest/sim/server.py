@@ -9,7 +9,7 @@ Endpoints (shapes follow vLLM's OpenAI server)
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not.
   Chat messages are rendered with a ChatML template (:func:`render_chat`) and
   tokenized with the backend's tokenizer (:mod:`loadtest.sim.tokenizer`); ``prompt`` may be a string, a list of
-  token ids, or a one-element list of either. ``usage`` carries
+  token ids (checked as vLLM checks them: :func:`_token_ids`), or a one-element list of either. ``usage`` carries
   ``prompt_tokens_details.cached_tokens`` (prefix-cache hits, as vLLM reports them);
   with ``stream_options.include_usage`` a final ``choices: []`` chunk carries it
   (``continuous_usage_stats`` puts running usage on every chunk). ``max_tokens`` /
@@ -110,31 +110,70 @@ def render_chat(messages: list[Any], tools: Any = None) -> str:
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    """A request the server refuses: ``status`` (400 by default), the ``param`` it
+    names, and ``etype``, the error ``type`` when it is not the status's usual one."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, etype: str | None = None):
         super().__init__(message)
         self.param = param
         self.status = status
+        self.etype = etype
+
+
+# vLLM answers a request body that fails its pydantic model with this error type
+# (`validation_exception_handler` in vllm/entrypoints/serve/exception_handling/).
+VALIDATION_ERROR_TYPE = "Bad Request"
+
+
+def _token_ids(p: list[Any], loc: str, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked as vLLM 0.32 checks it: its request model
+    (``prompt: list[Annotated[int, Field(ge=0)]] | ...``, pydantic's lax integers, so
+    ``true`` is 1 and ``2.0`` is 2) and then its renderer's vocabulary check
+    (``validate_token_ids`` in ``vllm/renderers/base.py``). Raises :class:`BadRequest`
+    with vLLM's wording: an element that is no integer or a negative one names its
+    place (``param`` ``body.prompt.I``, type ``Bad Request``); an id past the
+    vocabulary (``vocab_size`` ids) is ``Token id N is out of vocabulary``."""
+    out = []
+    for i, x in enumerate(p):
+        if isinstance(x, float) and x.is_integer():
+            x = int(x)
+        elif isinstance(x, float):
+            raise BadRequest("Input should be a valid integer, got a number with a fractional part",
+                             f"{loc}.{i}", etype=VALIDATION_ERROR_TYPE)
+        elif not isinstance(x, int):  # bool is an int
+            raise BadRequest("Input should be a valid integer", f"{loc}.{i}", etype=VALIDATION_ERROR_TYPE)
+        if x < 0:
+            raise BadRequest("Input should be greater than or equal to 0", f"{loc}.{i}",
+                             etype=VALIDATION_ERROR_TYPE)
+        out.append(int(x))
+    top = max(out)
+    if top >= vocab_size:
+        raise BadRequest(f"Token id {top} is out of vocabulary")
+    return out
 
 
 def prompt_token_ids(data: dict[str, Any], chat: bool,
                      tok: tokenizer.Tokenizer = tokenizer.EMULATOR) -> list[int]:
     """Token ids of the request's prompt with ``tok`` (a rendered chat without added
-    special tokens, a text prompt with them, as vLLM). Raises :class:`BadRequest`."""
+    special tokens, a text prompt with them, as vLLM). A prompt given as token ids is
+    checked as vLLM checks it (:func:`_token_ids`). Raises :class:`BadRequest`."""
     if chat:
         msgs = data.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("`messages` must be a non-empty list", "messages")
         return tok.tokenize(render_chat(msgs, data.get("tools")), add_special_tokens=False)
     p = data.get("prompt")
+    loc = "body.prompt"
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
+        p, loc = p[0], "body.prompt.0"
     if isinstance(p, str):
         return tok.tokenize(p)
-    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        return list(p)
-    if isinstance(p, list) and len(p) > 1:
+    if isinstance(p, list) and len(p) > 1 and (all(isinstance(x, str) for x in p)
+                                               or all(isinstance(x, list) for x in p)):
         raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)",
                          "prompt")
+    if isinstance(p, list) and p and isinstance(p[0], (int, float)):
+        return _token_ids(p, loc, tok.vocab_size)
     raise BadRequest("`prompt` must be a string or a list of token ids", "prompt")
 
 
@@ -345,9 +384,10 @@ def _dumps(o: Any) -> str:
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI-shaped error (``{"error": {message, type, param, code}}``)."""
-    etype = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(
+                   headers: dict[str, str] | None = None, etype: str | None = None) -> web.Response:
+    """An OpenAI-shaped error (``{"error": {message, type, param, code}}``); ``etype``:
+    the ``type``, by default the one vLLM gives ``status``."""
+    etype = etype or {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(
         status, "InternalServerError" if status >= 500 else "BadRequestError")
     body = {"error": {"message": message, "type": etype, "param": param, "code": status}}
     return web.json_response(body, status=status, headers=headers, dumps=_dumps)
@@ -600,7 +640,7 @@ class SimBackend:
             if name in self.lora_adapters or name in self.cfg.models:
                 raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param)
+            return error_response(e.status, str(e), param=e.param, etype=e.etype)
         lc = self.cfg.lora
         await asyncio.sleep(lc.load_s / self.cfg.speed)
         self._register_lora(name)
@@ -614,7 +654,7 @@ class SimBackend:
             if name not in self.lora_adapters:
                 raise BadRequest(f"The lora adapter '{name}' cannot be found.", "lora_name", status=404)
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param)
+            return error_response(e.status, str(e), param=e.param, etype=e.etype)
         del self.lora_adapters[name]
         self.engine.unload_lora(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
@@ -633,7 +673,7 @@ class SimBackend:
         except orjson.JSONDecodeError:
             return error_response(400, "invalid JSON body")
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param)
+            return error_response(e.status, str(e), param=e.param, etype=e.etype)
         return web.json_response({"count": len(ids), "max_model_len": self.profile.max_model_len,
                                   "tokens": ids}, dumps=_dumps)
 
@@ -779,7 +819,7 @@ class SimBackend:
             if kvp is not None and not isinstance(kvp, dict):
                 raise BadRequest("`kv_transfer_params` must be an object", "kv_transfer_params")
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param)
+            return error_response(e.status, str(e), param=e.param, etype=e.etype)
 
         kw: dict[str, Any] = {"output_tokens": self._output_tokens(data, ids), "lora": lora, "lora_id": lora_id}
         seed = data.get("seed")

@@ -166,10 +166,12 @@ class Tokenizer(Protocol):
     prompt is tokenized with ``add_special_tokens=True``, a rendered chat with False,
     as vLLM does). ``detokenize(ids)``: generated ids -> text (EOS and other special
     tokens decode to nothing). ``output_token_id(seed, i)``: the i-th generated token
-    of a request; generated text re-tokenizes to the same ids. ``eos_token_id``.
+    of a request; generated text re-tokenizes to the same ids. ``eos_token_id``;
+    ``vocab_size``: ids of the vocabulary, added tokens included.
     """
 
     eos_token_id: int
+    vocab_size: int  # token ids are in [0, vocab_size)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -182,6 +184,7 @@ class EmulatorTokenizer:
     """:class:`Tokenizer` of this module's emulated vocabulary (no special tokens)."""
 
     eos_token_id = EOS_TOKEN_ID
+    vocab_size = VOCAB_SIZE
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return tokenize(text)
@@ -246,6 +249,7 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {str(file)!r}: no EOS token (name it as eos_token in a "
                              "tokenizer_config.json beside it)")
         self.eos_token_id = eos
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         out = []
         for w in _OUTPUT_WORDS:
             ids = self._tok.encode(w, add_special_tokens=False).ids
