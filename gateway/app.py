@@ -19,13 +19,13 @@ from aiohttp import web
 from gateway.admin import auth_middleware, setup_admin
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
-from gateway.demo import DemoFleet
+from gateway.demo import DemoFleet, DemoFleetError, simulated_kv_sources
 from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id
 from gateway.openai_api import model_card, models_list, read_body
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.reload import watch_config
-from gateway.state import OWN_MIDDLEWARES, STATE, build_state, connect, limiter_sync, usage_sync
+from gateway.state import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
 
 log = logging.getLogger("gateway")
 
@@ -84,6 +84,14 @@ def _lifecycle(backend_urls: dict[str, str]):
             demo = await DemoFleet.start(to_simulate)
             urls.update(demo.urls)
             log.info("started simulated demo fleet: %s", ", ".join(f"{k}={v}" for k, v in demo.urls.items()))
+        try:
+            state.kv_sources = await simulated_kv_sources(cfg.backends, urls)
+        except DemoFleetError:
+            if demo is not None:
+                await demo.stop()
+            raise
+        if state.kv_sources:
+            configure(state, cfg)  # with the simulated backends' KV events wired in
         connect(state, urls)
         assert state.health is not None
         await state.health.check_all()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
 from routing.core import DEFAULT_TOKENIZER_CACHE_TOKENS, POLICIES, TokenizerError, load_tokenizer
@@ -213,9 +213,14 @@ class Backend(_Strict):
         "port (`python -m loadtest.sim`). Takes the simulator's backend spec fields: `profile` (`demo`, "
         "`h100-llama3-8b`, `a100-llama3-8b`, ...), `speed` (emulated GPU time runs this many times faster "
         "than real time), `eos_after` (natural answer length in tokens, or `[lo, hi]`), `role`, "
-        "`max_tokens_default`, `profile_overrides`, `faults` (see `loadtest/README.md`, \"Backend spec "
-        "fields\"). Checked with the rest of the config by the simulator's own rules: a bad field is a config "
-        "error. Adding or changing one needs a restart.")
+        "`max_tokens_default`, `profile_overrides`, `faults`, `kv_events`, `tokenizer`, `lora` (see "
+        "`loadtest/README.md`, \"Backend spec fields\"). Checked with the rest of the config by the "
+        "simulator's own rules: a bad field is a config error. With `kv_events` the gateway subscribes to the "
+        "backend's KV-cache events by itself (the addresses from its `GET /kv_event_sources`, the block size "
+        "from its profile) unless this backend's own `kv_events` is set; with `tokenizer` its models get that "
+        "tokenizer in `models` unless they name one. Adding or changing one needs a restart.")
+    # the KV block size of a simulated backend that publishes KV events (its profile's)
+    _simulated_block_size: int | None = PrivateAttr(None)
 
     @field_validator("models", mode="before")
     @classmethod
@@ -261,6 +266,27 @@ class Backend(_Strict):
         from loadtest.sim.spec import check_simulate
         check_simulate(info.data["name"], [m for m in info.data["models"] if m != AUTO_MODELS], v)
         return v
+
+    @model_validator(mode="after")
+    def _simulated_kv_events(self) -> "Backend":
+        if self.simulate is not None and self.simulate.get("kv_events") is not None:
+            from loadtest.sim.spec import check_simulate
+            spec = check_simulate(self.name, self.static_models, self.simulate)
+            self._simulated_block_size = spec.build_profile().block_size
+        return self
+
+    @property
+    def simulated_kv_events(self) -> bool:
+        """Whether the gateway wires this backend's KV events itself: a ``simulate:``
+        section that publishes them, and no ``kv_events`` of the backend's own."""
+        return self._simulated_block_size is not None and self.kv_events is None
+
+    def simulated_kv_source(self, endpoint: str, replay_endpoint: str | None, topic: str) -> KVEvents:
+        """The ``kv_events`` of this simulated backend, from the addresses and topic its
+        ``GET /kv_event_sources`` gives, in its profile's block size."""
+        assert self._simulated_block_size is not None
+        return KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, topic=topic,
+                        block_size=self._simulated_block_size)
 
     @model_validator(mode="after")
     def _kv_events_base_model(self) -> "Backend":
@@ -801,8 +827,9 @@ class GatewayConfig(_Strict):
         "or simulated demo backends. At least one; names unique.")
     models: dict[str, ModelSettings] = Field(
         {}, description="Per model (the `model` name clients send): its own tokenizer, for token-exact prefix "
-        "blocks and exact prompt token counts. A model not listed is served on estimated tokens. Every model "
-        "listed must be served by a backend.")
+        "blocks and exact prompt token counts. A model not listed is served on estimated tokens, unless a "
+        "`simulate:` backend serving it names a `tokenizer` (then that one). Every model listed must be served "
+        "by a backend.")
     pools: list[Pool] = Field(
         [Pool(name="mixed")], description="Named groups of backends with a role: `mixed`, `prefill` or "
         "`decode`. Every `backends[].pool` must name one.")
@@ -887,6 +914,48 @@ class GatewayConfig(_Strict):
         if unpriced:
             raise ValueError(f"usage.prices: no backend serves {', '.join(map(repr, unpriced))}")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _simulated_tokenizers(cls, data: Any) -> Any:
+        # A simulated backend's `tokenizer` is its models' own unless `models` names one.
+        if not isinstance(data, dict) or not isinstance(data.get("backends"), list):
+            return data
+        found: dict[str, tuple[str, str]] = {}  # model -> (tokenizer path, backend)
+        for b in data["backends"]:
+            sim = b.get("simulate") if isinstance(b, dict) else None
+            tok = sim.get("tokenizer") if isinstance(sim, dict) else None
+            if not isinstance(tok, str) or not isinstance(b.get("models"), list):
+                continue
+            path = os.path.abspath(tok)  # the simulator reads it from the gateway's working directory
+            for m in b["models"]:
+                if not isinstance(m, str) or m == AUTO_MODELS:
+                    continue
+                prev = found.setdefault(m, (path, str(b.get("name"))))
+                if prev[0] != path:
+                    raise ValueError(f"simulated backends {prev[1]!r} and {b.get('name')!r} serve model {m!r} with "
+                                     f"different tokenizers; name the model's own in `models.{m}.tokenizer`")
+        models = data.get("models")
+        if not found or not isinstance(models if models is not None else {}, dict):
+            return data
+        models = dict(models or {})
+        for m, (path, _) in found.items():
+            settings = models.get(m)
+            if settings is None:
+                models[m] = {"tokenizer": path}
+            elif isinstance(settings, dict) and "tokenizer" not in settings and "lora" not in settings:
+                models[m] = {**settings, "tokenizer": path}
+        return {**data, "models": models}
+
+    def with_kv_events(self, sources: dict[str, KVEvents]) -> "GatewayConfig":
+        """This config with the ``kv_events`` of the simulated backends the gateway
+        wires itself (:attr:`Backend.simulated_kv_events`) taken from ``sources`` (by
+        backend name; see :func:`gateway.demo.simulated_kv_sources`)."""
+        if not sources:
+            return self
+        backends = [b.model_copy(update={"kv_events": sources[b.name]})
+                    if b.simulated_kv_events and b.name in sources else b for b in self.backends]
+        return self.model_copy(update={"backends": backends})
 
     @model_validator(mode="after")
     def _batch_needs_redis(self) -> "GatewayConfig":

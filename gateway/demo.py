@@ -5,6 +5,11 @@ The gateway does not import ``loadtest`` to run them (DESIGN.md section 2; only 
 config loader checks ``simulate:`` sections with :mod:`loadtest.sim.spec`): it talks to
 the child over its standard streams and to the backends over HTTP. The child exits when the
 gateway closes its standard input, so a killed gateway leaves no orphans behind.
+
+A simulated backend that publishes KV-cache events binds free ports for them; once it
+listens, :func:`simulated_kv_sources` reads where from its ``GET /kv_event_sources``
+(vLLM's endpoint), and the gateway subscribes as to any engine's
+(:meth:`gateway.config.GatewayConfig.with_kv_events`).
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import json
 import logging
 import subprocess
 import sys
+from urllib.parse import urlsplit
 
-from gateway.config import Backend
+import aiohttp
+
+from gateway.config import Backend, KVEvents
 
 START_TIMEOUT_S = 30.0
 
@@ -54,6 +62,44 @@ def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, di
         raise DemoFleetError("the simulated demo fleet (python -m loadtest.sim) failed to start "
                              "(its message is above)")
     return proc, urls
+
+
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def _reachable(endpoint: str | None, host: str) -> str | None:
+    """A bound ZMQ address as a client reaches it: a wildcard host becomes ``host``."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    bound, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return f"tcp://{host}:{port}" if bound in _WILDCARD_HOSTS else endpoint
+
+
+async def simulated_kv_sources(backends: list[Backend], urls: dict[str, str],
+                               timeout_s: float = START_TIMEOUT_S) -> dict[str, KVEvents]:
+    """The ``kv_events`` of every listening simulated backend whose events the gateway
+    wires itself (:attr:`Backend.simulated_kv_events`; ``urls``: base URLs by name),
+    from its ``GET {url}/kv_event_sources`` (vLLM's answer: ``{rank: {endpoint,
+    replay_endpoint, topic, ...}}``, one rank per simulated backend) and its profile's
+    block size. Raises :class:`DemoFleetError` when one cannot be read."""
+    wanted = [b for b in backends if b.simulated_kv_events and b.name in urls]
+    out: dict[str, KVEvents] = {}
+    if not wanted:
+        return out
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        for b in wanted:
+            url = urls[b.name]
+            try:
+                async with session.get(url + "/kv_event_sources") as r:
+                    r.raise_for_status()
+                    (src,) = (await r.json()).values()
+                host = urlsplit(url).hostname or "127.0.0.1"
+                out[b.name] = b.simulated_kv_source(_reachable(src["endpoint"], host),
+                                                    _reachable(src.get("replay_endpoint"), host), src.get("topic", ""))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise DemoFleetError(f"simulated backend {b.name!r}: cannot read where it publishes its KV events "
+                                     f"({url}/kv_event_sources): {e or type(e).__name__}") from None
+    return out
 
 
 class DemoFleet:

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from gateway.admission import AdmissionControl
 from gateway.auth import KeyRing
-from gateway.config import Backend, GatewayConfig
+from gateway.config import Backend, GatewayConfig, KVEvents
 from gateway.health import HealthChecker
 from gateway.kv_events import KVEventSubscribers
 from gateway.limits import Limiter, LimiterSync
@@ -69,6 +69,7 @@ class GatewayState:
     reloads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     urls: dict[str, str] = field(default_factory=dict)  # backend URLs given at startup (simulated demo backends)
+    kv_sources: dict[str, KVEvents] = field(default_factory=dict)  # simulated backends' KV events, read at startup
     sessions: list[aiohttp.ClientSession] = field(default_factory=list)  # the clients' aiohttp sessions, to close
     tasks: list[asyncio.Task] = field(default_factory=list)  # background tasks, cancelled at shutdown
     created: int = field(default_factory=lambda: int(time.time()))
@@ -145,8 +146,10 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     """Apply ``cfg`` to ``state`` in one synchronous step: backends kept by name keep
     their live state, removed ones leave routing and finish what they carry. Returns
     the clients replaced or removed (their pools take no new request; close their
-    sessions once their requests are done). Raises ``ValueError`` on duplicate
-    backend names."""
+    sessions once their requests are done). The simulated backends' KV events read at
+    startup (``state.kv_sources``) are wired into ``cfg`` first. Raises ``ValueError``
+    on duplicate backend names."""
+    cfg = cfg.with_kv_events(state.kv_sources)
     core = state.core
     core.apply(backend_specs(cfg), cfg.routing.policy, canary_splits(cfg), model_tokenizers(cfg))
     core.index.speculative_s = cfg.routing.speculative_s

@@ -176,3 +176,34 @@ def test_kv_events_config_defaults_and_base_model():
     assert (specs["a"].kv_block_size, specs["a"].kv_base_model) == (16, "llama")
     assert (specs["b"].kv_block_size, specs["b"].kv_base_model) == (32, "base")
     assert (specs["c"].kv_block_size, specs["c"].kv_base_model) == (None, "")
+
+
+def test_simulated_backends_wire_their_kv_events_and_tokenizer():
+    """A ``simulate:`` section with ``kv_events`` is wired by the gateway (unless the
+    backend has its own ``kv_events``), in its profile's block size; its ``tokenizer``
+    is its models' unless ``models`` names one; two simulated tokenizers for one model
+    are a config error that says what to do."""
+    from gateway.config import KVEvents
+
+    sim = {"tokenizer": str(TINY_TOKENIZER), "kv_events": {"topic": "t"}}
+    cfg = parse_config({"backends": [
+        {"name": "a", "models": ["m"], "simulate": {**sim, "profile_overrides": {"block_size": 32}}},
+        {"name": "b", "models": ["m"], "simulate": {"kv_events": {}}},  # the demo profile's 16-token blocks
+        {"name": "c", "models": ["m"], "simulate": {"kv_events": {"endpoint": "tcp://127.0.0.1:5557"}},
+         "kv_events": {"endpoint": "tcp://127.0.0.1:5557"}},
+        {"name": "d", "models": ["n"], "simulate": {"tokenizer": str(TINY_TOKENIZER)}}]})
+    assert [b.simulated_kv_events for b in cfg.backends] == [True, True, False, False]
+    assert cfg.models["m"].tokenizer == cfg.models["n"].tokenizer == str(TINY_TOKENIZER)
+    src = {n: KVEvents(endpoint=f"tcp://127.0.0.1:{p}", topic="t") for n, p in (("a", 1), ("b", 2), ("c", 3))}
+    wired = cfg.with_kv_events({n: cfg.backends[i].simulated_kv_source(s.endpoint, None, s.topic)
+                                for i, (n, s) in enumerate(src.items())})
+    assert [(b.kv_events.endpoint, b.kv_events.block_size) if b.kv_events else None for b in wired.backends] == \
+        [("tcp://127.0.0.1:1", 32), ("tcp://127.0.0.1:2", 16), ("tcp://127.0.0.1:5557", 16), None]
+    own = parse_config({"backends": [{"name": "a", "models": ["m"], "simulate": sim}],
+                        "models": {"m": {"tokenizer": str(TINY_TOKENIZER / "tokenizer.json")}}})
+    assert own.models["m"].tokenizer == str(TINY_TOKENIZER / "tokenizer.json")
+    with pytest.raises(ConfigError, match="simulated backends 'a' and 'b' serve model 'm' with different "
+                                          "tokenizers; name the model's own in `models.m.tokenizer`"):
+        parse_config({"backends": [{"name": "a", "models": ["m"], "simulate": sim},
+                                   {"name": "b", "models": ["m"],
+                                    "simulate": {"tokenizer": str(TINY_TOKENIZER / "tokenizer.json")}}]})

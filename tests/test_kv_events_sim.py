@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 import msgpack
 
+from gateway.reload import apply_config
 from loadtest.sim.server import SimBackend, start_backends
 from loadtest.sim.spec import SimBackendConfig
 from routing.estimate import chain_seed, token_block_keys
@@ -93,14 +94,19 @@ async def subscribed(gw, session: aiohttp.ClientSession, b: SimBackend, tries: i
     """Send requests straight to ``b`` (another client of that engine) until the
     gateway has received one of its events: a SUB socket gets only what is sent after
     it connected. Bounded."""
-    stats = gw.state.core.kv_stats[b.cfg.name]
-    model = next(iter(b.cfg.models))
+    await subscribed_to(gw, session, b.cfg.name, b.url, next(iter(b.cfg.models)), tries)
+
+
+async def subscribed_to(gw, session: aiohttp.ClientSession, name: str, url: str, model: str,
+                        tries: int = 200) -> None:
+    """:func:`subscribed` for the engine ``name`` at ``url`` serving ``model``."""
+    stats = gw.state.core.kv_stats[name]
     for i in range(tries):
-        await post(session, b.url, [1000 + i] * 32 + [1], 1, model)  # new blocks: each probe publishes
+        await post(session, url, [1000 + i] * 32 + [1], 1, model)  # new blocks: each probe publishes
         if stats.batches > 0:
-            await wait_until(lambda: gw.state.core.index.engine(b.cfg.name).live)
+            await wait_until(lambda: gw.state.core.index.engine(name).live)
             return
-    raise AssertionError(f"no KV event of {b.cfg.name} reached the gateway")
+    raise AssertionError(f"no KV event of {name} reached the gateway")
 
 
 def holders(gw, prompt: list[int], model: str = MODEL) -> list[dict[str, float]]:
@@ -281,3 +287,44 @@ async def test_an_engine_restart_seen_in_its_metrics_clears_its_entries_before_a
         h, body = await post(session, gw.url, prefix + [2])
         assert route(h)["matched_tokens"] == "0"
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_simulate_sections_with_kv_events_route_on_precise_evidence_with_no_other_config():
+    """Backends the gateway starts itself (``simulate:``) with ``kv_events`` and a
+    ``tokenizer``: the gateway reads where each publishes (``/kv_event_sources``) and
+    its block size (its profile's, here 32), subscribes, and tokenizes the model's
+    prompts with the simulated tokenizer; nothing else is configured."""
+    sim = {"speed": 50.0, "tokenizer": str(TINY), "profile_overrides": {"block_size": 32},
+           "kv_events": {"topic": "kv-events"}}
+    cfg = gateway_config([{"name": n, "models": ["tiny"], "simulate": sim} for n in ("e1", "e2")],
+                         routing={"policy": "estimated_ttft"})
+    assert cfg.models["tiny"].tokenizer == str(TINY) and all(b.kv_events is None for b in cfg.backends)
+    async with AsyncExitStack() as st:
+        gw = await st.enter_async_context(running_gateway(cfg))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        wired = {b.name: b.kv_events for b in gw.state.cfg.backends}
+        assert all(k is not None and k.block_size == 32 and k.topic == "kv-events" and k.replay_endpoint
+                   for k in wired.values())
+        tasks = {n: ts for n, (_, ts) in gw.state.kv_events.running.items()}
+        apply_config(gw.app, cfg)  # a reload of the same config keeps the wiring and the subscriptions
+        assert {b.name: b.kv_events for b in gw.state.cfg.backends} == wired
+        assert {n: ts for n, (_, ts) in gw.state.kv_events.running.items()} == tasks
+        for name, url in gw.state.urls.items():
+            await subscribed_to(gw, session, name, url, "tiny")
+        system = "You are a careful assistant for the billing team of a large company. " * 20
+        index = gw.state.core.index
+        seen = []
+        for i in range(3):
+            async with session.post(gw.url + "/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 2,
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": f"Question {i}: why?"}]}) as r:
+                assert r.status == 200, await r.text()
+                h, body = dict(r.headers), await r.json()
+            seen.append((h, body))
+            await wait_until(lambda: index.counts(h["x-turbo-backend"])[1] == 0)  # confirmed by its events
+        assert route(seen[0][0])["matched_tokens"] == "0"
+        for h, body in seen[1:]:
+            r = route(h)
+            assert r["evidence"] == "precise" and h["x-turbo-backend"] == seen[0][0]["x-turbo-backend"]
+            assert int(r["matched_tokens"]) == body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300

@@ -330,16 +330,16 @@ class SimBackendConfig:
 BACKEND_OWNED = ("name", "models")
 
 
-def check_simulate(name: str, models: list[str], fields: Any) -> None:
+def check_simulate(name: str, models: list[str], fields: Any) -> SimBackendConfig:
     """Validate the ``simulate:`` section ``fields`` of the gateway backend ``name``
-    serving ``models``, as the simulator will when it starts that backend. Raises
-    ValueError with the simulator's message naming the bad field."""
+    serving ``models``, as the simulator will when it starts that backend; returns the
+    backend's spec. Raises ValueError with the simulator's message naming the bad field."""
     if not isinstance(fields, dict):
         raise ValueError(f"must be a mapping of simulator fields, got {type(fields).__name__}")
     owned = [k for k in BACKEND_OWNED if k in fields]
     if owned:
         raise ValueError(f"{owned} belong to the backend itself, not to its `simulate:` section")
     try:
-        SimBackendConfig.from_dict({"name": name, "models": models, **fields})
+        return SimBackendConfig.from_dict({"name": name, "models": models, **fields})
     except TypeError as e:  # a value of the wrong shape, e.g. `faults: 3`
         raise ValueError(f"backend {name!r}: {e}") from None
