@@ -9,13 +9,19 @@ payloads of ``tests/data/vllm_kv_events`` decode as the engine sent them."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import aiohttp
 import msgpack
+import pytest
+import yaml
 
+from gateway.config import load_config
 from gateway.reload import apply_config
 from loadtest.sim.server import SimBackend, start_backends
 from loadtest.sim.spec import SimBackendConfig
@@ -24,7 +30,8 @@ from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decod
 from routing.prefix_index import PRECISE
 from tests.servers import gateway_config, running_gateway, wait_until
 
-GOLDEN = Path(__file__).resolve().parent / "data" / "vllm_kv_events"
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "data" / "vllm_kv_events"
 MODEL = "sim-model"
 BS = 16
 
@@ -328,3 +335,49 @@ async def test_simulate_sections_with_kv_events_route_on_precise_evidence_with_n
             r = route(h)
             assert r["evidence"] == "precise" and h["x-turbo-backend"] == seen[0][0]["x-turbo-backend"]
             assert int(r["matched_tokens"]) == body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
+
+
+@pytest.mark.slow
+async def test_the_fleet_clis_gateway_config_wires_kv_events_and_the_tokenizer(tmp_path):
+    """``python -m loadtest.sim --fleet F --write-gateway-config OUT``: each backend that
+    publishes KV events gets ``kv_events`` (its bound addresses, its profile's block
+    size) and the simulated tokenizer becomes ``models.<m>.tokenizer``; a gateway on that
+    file alone routes on precise evidence."""
+    fleet, out = tmp_path / "fleet.yaml", tmp_path / "gw.yaml"
+    fleet.write_text(yaml.safe_dump({
+        "models": ["tiny"], "speed": 50.0,
+        "backends": [{"name": "e", "replicas": 2, "tokenizer": str(TINY), "profile_overrides": {"block_size": 32},
+                      "kv_events": {"topic": "kv-events"}}]}))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest.sim", "--fleet", str(fleet), "--write-gateway-config", str(out),
+        "--exit-on-stdin-eof", cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL)
+    try:
+        urls = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+        cfg = load_config(out)
+        assert cfg.models["tiny"].tokenizer == str(TINY)
+        async with AsyncExitStack() as st:
+            session = await st.enter_async_context(aiohttp.ClientSession())
+            for b in cfg.backends:
+                async with session.get(urls[b.name] + "/kv_event_sources") as r:
+                    (src,) = (await r.json()).values()
+                assert (b.kv_events.endpoint, b.kv_events.replay_endpoint, b.kv_events.topic,
+                        b.kv_events.block_size) == (src["endpoint"], src["replay_endpoint"], "kv-events", 32)
+            gw = await st.enter_async_context(running_gateway(cfg))
+            for name, url in urls.items():
+                await subscribed_to(gw, session, name, url, "tiny")
+            prompt = "You are a careful assistant for the billing team of a large company. " * 20
+            h, _ = await post(session, gw.url, prompt + "Question 1?", model="tiny")
+            await wait_until(lambda: gw.state.core.index.counts(h["x-turbo-backend"])[1] == 0)
+            h, body = await post(session, gw.url, prompt + "Question 2?", model="tiny")
+            r = route(h)
+            assert r["evidence"] == "precise"
+            assert int(r["matched_tokens"]) == body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
+    finally:
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 20)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0

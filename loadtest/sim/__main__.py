@@ -31,7 +31,11 @@ async def _serve(configs: list[SimBackendConfig], exit_on_eof: bool, fleet: Flee
     if fleet is not None and write_config:
         header = ("# Written by `python -m loadtest.sim --fleet`: the gateway config fronting that\n"
                   "# simulated fleet. Valid while that process runs.\n")
-        Path(write_config).write_text(dump_gateway_config(gateway_config(fleet, urls), header), encoding="utf-8")
+        kv_sources = {b.cfg.name: {"endpoint": b.kv_publisher.endpoint, "topic": b.kv_publisher.cfg.topic,
+                                   "replay_endpoint": b.kv_publisher.replay_endpoint}
+                      for b in backends if b.kv_publisher is not None}
+        Path(write_config).write_text(dump_gateway_config(gateway_config(fleet, urls, kv_sources), header),
+                                      encoding="utf-8")
     print(json.dumps(urls), flush=True)
     _describe(backends, fleet, write_config)
     loop = asyncio.get_running_loop()

@@ -23,7 +23,9 @@ A fleet file (see ``loadtest/fleets/*.yaml``)::
 
 A backend's ``role`` defaults to its pool's role. :func:`gateway_config` writes each
 backend's ``hints`` (prefill and single-stream decode rates, KV capacity) from its
-profile and speed, in the caller's clock.
+profile and speed, in the caller's clock, its ``kv_events`` when it publishes them, and
+the ``models.<m>.tokenizer`` of a backend with a ``tokenizer``, so that the gateway
+routes on the engines' own KV events with no other config.
 """
 
 from __future__ import annotations
@@ -134,15 +136,30 @@ def profile_hints(cfg: SimBackendConfig) -> dict[str, Any]:
     }
 
 
-def gateway_config(fleet: Fleet, urls: dict[str, str]) -> dict[str, Any]:
-    """The gateway config (``backends.yaml`` format) fronting the running fleet."""
+def gateway_config(fleet: Fleet, urls: dict[str, str],
+                   kv_sources: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The gateway config (``backends.yaml`` format) fronting the running fleet.
+
+    ``kv_sources``: by backend name, where a backend that publishes KV events bound
+    them (``{endpoint, replay_endpoint, topic}``, as its ``/kv_event_sources`` says);
+    each such backend gets ``kv_events`` with those and its profile's ``block_size``.
+    A backend with a ``tokenizer`` makes it its models' ``models.<m>.tokenizer``
+    (absolute; a model the fleet's ``gateway:`` section already gives one keeps it)."""
     cfg: dict[str, Any] = copy.deepcopy(fleet.gateway)
     cfg["pools"] = copy.deepcopy(fleet.pools)
-    cfg["backends"] = [
-        {"name": b.sim.name, "url": urls[b.sim.name], "models": list(b.sim.models), "pool": b.pool,
-         "weight": b.weight, "hints": b.hints if b.hints is not None else profile_hints(b.sim)}
-        for b in fleet.backends
-    ]
+    cfg["backends"] = []
+    for b in fleet.backends:
+        out = {"name": b.sim.name, "url": urls[b.sim.name], "models": list(b.sim.models), "pool": b.pool,
+               "weight": b.weight, "hints": b.hints if b.hints is not None else profile_hints(b.sim)}
+        src = (kv_sources or {}).get(b.sim.name)
+        if src is not None:
+            out["kv_events"] = {"endpoint": src["endpoint"], "replay_endpoint": src["replay_endpoint"],
+                                "topic": src["topic"], "block_size": b.sim.build_profile().block_size}
+        cfg["backends"].append(out)
+        if b.sim.tokenizer is not None:
+            models = cfg.setdefault("models", {})
+            for m in b.sim.models:
+                models.setdefault(m, {}).setdefault("tokenizer", str(Path(b.sim.tokenizer).resolve()))
     return cfg
 
 
