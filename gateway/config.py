@@ -215,12 +215,16 @@ class Backend(_Strict):
         "than real time), `eos_after` (natural answer length in tokens, or `[lo, hi]`), `role`, "
         "`max_tokens_default`, `profile_overrides`, `faults`, `kv_events`, `tokenizer`, `lora` (see "
         "`loadtest/README.md`, \"Backend spec fields\"). Checked with the rest of the config by the "
-        "simulator's own rules: a bad field is a config error. With `kv_events` the gateway subscribes to the "
+        "simulator's own rules: a bad field is a config error. It serves the backend's `models`; with "
+        "`models: [auto]` alone, the simulator's default model `demo-model` (and its `lora.adapters`), which "
+        "`auto` discovers. With `kv_events` the gateway subscribes to the "
         "backend's KV-cache events by itself (the addresses from its `GET /kv_event_sources`, the block size "
         "from its profile) unless this backend's own `kv_events` is set; with `tokenizer` its models get that "
         "tokenizer in `models` unless they name one. Adding or changing one needs a restart.")
-    # the KV block size of a simulated backend that publishes KV events (its profile's)
+    # a simulated backend that publishes KV events: its profile's KV block size, and the
+    # model its blocks without a LoRA adapter belong to (the simulator's first model)
     _simulated_block_size: int | None = PrivateAttr(None)
+    _simulated_base_model: str | None = PrivateAttr(None)
 
     @field_validator("models", mode="before")
     @classmethod
@@ -273,7 +277,17 @@ class Backend(_Strict):
             from loadtest.sim.spec import check_simulate
             spec = check_simulate(self.name, self.static_models, self.simulate)
             self._simulated_block_size = spec.build_profile().block_size
+            self._simulated_base_model = spec.models[0]
         return self
+
+    def simulate_spec(self) -> dict[str, Any]:
+        """The simulator's spec entry of this ``simulate:`` backend (what ``python -m
+        loadtest.sim --spec`` takes): its name, its configured models (none with
+        ``models: [auto]`` alone: the simulator's default model, discovered), the
+        section's fields."""
+        assert self.simulate is not None
+        from loadtest.sim.spec import simulate_spec
+        return simulate_spec(self.name, self.static_models, self.simulate)
 
     @property
     def simulated_kv_events(self) -> bool:
@@ -286,7 +300,7 @@ class Backend(_Strict):
         ``GET /kv_event_sources`` gives, in its profile's block size."""
         assert self._simulated_block_size is not None
         return KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, topic=topic,
-                        block_size=self._simulated_block_size)
+                        block_size=self._simulated_block_size, base_model=self._simulated_base_model)
 
     @model_validator(mode="after")
     def _kv_events_base_model(self) -> "Backend":

@@ -47,7 +47,7 @@ def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, di
     """Blocking variant of :meth:`DemoFleet.start` for a parent process without an
     event loop (``--workers``). Close the child's stdin to stop it. Raises
     :class:`DemoFleetError`."""
-    spec = [{"name": b.name, "models": b.static_models, **b.simulate} for b in backends if b.simulate]
+    spec = [b.simulate_spec() for b in backends if b.simulate]
     proc = subprocess.Popen([sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -122,7 +122,7 @@ class DemoFleet:
         """Start every backend with a ``simulate`` section on a free loopback port.
         Returns the fleet with ``urls`` = ``{name: base_url}``. Raises
         :class:`DemoFleetError`."""
-        spec = [{"name": b.name, "models": b.static_models, **b.simulate} for b in backends if b.simulate]
+        spec = [b.simulate_spec() for b in backends if b.simulate]
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

@@ -54,6 +54,25 @@ def test_models_auto_in_config():
                        routing={"fallbacks": {"m": [{"model": "n"}]}})
 
 
+async def test_a_simulated_backend_with_models_auto_serves_the_simulators_model_and_adapters():
+    """``models: [auto]`` on a ``simulate:`` backend: the simulator serves its default
+    model, ``demo-model``, with the section's adapters, and ``auto`` discovers them all;
+    its KV events (wired by the gateway) key base-model blocks under that model."""
+    cfg = gateway_config([{"name": "s", "models": ["auto"], "simulate": {
+        "speed": 50.0, "lora": {"adapters": ["ops-lora"], "load_s": 0.01}, "kv_events": {}}}],
+        health={"interval_s": 0.05})
+    assert cfg.backends[0].simulate_spec() == {"name": "s", **cfg.backends[0].simulate}
+    async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+        fleet = gw.state.fleet
+        await wait_until(lambda: {"demo-model", "ops-lora"} <= set(fleet.by_model))
+        async with s.get(gw.url + "/v1/models") as r:
+            cards = {m["id"]: m for m in (await r.json())["data"]}
+        assert cards["ops-lora"]["parent"] == "demo-model" and "parent" not in cards["demo-model"]
+        assert await _complete(s, gw.url, "ops-lora") == (200, "s")
+        assert await _complete(s, gw.url, "demo-model") == (200, "s")
+        assert gw.state.cfg.backends[0].kv_events.base_model == "demo-model"
+
+
 async def _complete(s: aiohttp.ClientSession, url: str, model: str) -> tuple[int, str | None]:
     async with s.post(url + "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2}) as r:
         await r.read()

@@ -330,16 +330,24 @@ class SimBackendConfig:
 BACKEND_OWNED = ("name", "models")
 
 
+def simulate_spec(name: str, models: list[str], fields: dict[str, Any]) -> dict[str, Any]:
+    """The simulator's spec entry of the gateway backend ``name`` serving ``models``
+    (its configured names; none: the simulator's default model, which a gateway
+    backend with ``models: [auto]`` then discovers) with ``simulate:`` section ``fields``."""
+    return {"name": name, **({"models": list(models)} if models else {}), **fields}
+
+
 def check_simulate(name: str, models: list[str], fields: Any) -> SimBackendConfig:
     """Validate the ``simulate:`` section ``fields`` of the gateway backend ``name``
-    serving ``models``, as the simulator will when it starts that backend; returns the
-    backend's spec. Raises ValueError with the simulator's message naming the bad field."""
+    serving ``models`` (see :func:`simulate_spec`), as the simulator will when it starts
+    that backend; returns the backend's spec. Raises ValueError with the simulator's
+    message naming the bad field."""
     if not isinstance(fields, dict):
         raise ValueError(f"must be a mapping of simulator fields, got {type(fields).__name__}")
     owned = [k for k in BACKEND_OWNED if k in fields]
     if owned:
         raise ValueError(f"{owned} belong to the backend itself, not to its `simulate:` section")
     try:
-        return SimBackendConfig.from_dict({"name": name, "models": models, **fields})
+        return SimBackendConfig.from_dict(simulate_spec(name, models, fields))
     except TypeError as e:  # a value of the wrong shape, e.g. `faults: 3`
         raise ValueError(f"backend {name!r}: {e}") from None
