@@ -91,7 +91,8 @@ COLD_START_REQUESTS = 100  # the first requests of a run, where the router has l
 
 @dataclass(slots=True)
 class Record:
-    """One request's outcome (seconds, tokens)."""
+    """One request's outcome (seconds, tokens); ``direct``: sent to its engine by a
+    client outside the gateway (:attr:`loadtest.traces.TraceRequest.direct_backend`)."""
 
     arrival: float
     backend: str = ""
@@ -104,6 +105,7 @@ class Record:
     generated: int = 0
     error: str | None = None
     attempts: int = 1
+    direct: bool = False
 
 
 @dataclass
@@ -221,9 +223,10 @@ def ceiling_hit_ratio(reqs: list[TraceRequest], block_size: int = 16, capacity_b
     request arrives). A request's hit is the longest run of its leading ``block_size``
     blocks that an earlier prompt had, capped at ``prompt - 1`` tokens as the engine's
     own lookup (:meth:`loadtest.sim.engine.Engine.cached_prefix_tokens`); the ratio is
-    hit tokens over prompt tokens. No fleet of any size can hit more: a backend's cache
-    only ever holds blocks of prompts that arrived earlier (generated tokens never
-    match a trace prompt).
+    hit tokens over prompt tokens of the gateway's requests (a request with a
+    ``direct_backend`` fills the cache but is not counted). No fleet of any size can
+    hit more: a backend's cache only ever holds blocks of prompts that arrived earlier
+    (generated tokens never match a trace prompt).
 
     With ``capacity_blocks`` the one cache is finite: an LRU of that many blocks, a
     prompt's blocks touched last-first so that its tail is evicted before its prefix
@@ -239,8 +242,9 @@ def ceiling_hit_ratio(reqs: list[TraceRequest], block_size: int = 16, capacity_b
         k = 0
         while k < n and hashes[k] in seen:
             k += 1
-        hit += k * block_size
-        total += len(tokens)
+        if r.direct_backend is None:
+            hit += k * block_size
+            total += len(tokens)
         if capacity_blocks is None:
             seen.update(dict.fromkeys(hashes))
             continue
@@ -302,12 +306,25 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     event (0: none recorded). ``cpu``, when given, gets the process CPU seconds the
     router spent: ``route_s`` (estimate, token keys, route, reservation updates) and
     ``kv_events_s`` (decoding and applying event batches), summed over replicas.
+
+    A request with a ``direct_backend`` comes from a client outside the gateway: at its
+    arrival that engine queues it (its prefill stores its blocks and evicts others; with
+    ``precise`` its KV events reach the routers like any other), but no router routes
+    it, reserves load for it, records it in its prefix index or learns from its
+    outcome; the engines' prefill counters that the routers scrape include it, as an
+    engine's ``/metrics`` would. Its :class:`Record` has ``direct`` set (it fails,
+    without a retry, when its engine is down). Raises ``ValueError`` when a
+    ``direct_backend`` is not in the fleet.
     """
     random.seed(seed)
     if policy not in REPLAY_POLICIES:
         raise KeyError(f"unknown replay policy {policy!r}; known: {', '.join(REPLAY_POLICIES)}")
     if evidence not in EVIDENCE:
         raise ValueError(f"unknown evidence {evidence!r}; known: {', '.join(EVIDENCE)}")
+    unknown = {r.direct_backend for r in reqs} - {None} - {m.name for m in fleet}
+    if unknown:
+        raise ValueError(f"direct_backend {', '.join(sorted(unknown))} not in the fleet "  # type: ignore[arg-type]
+                         f"({', '.join(m.name for m in fleet)})")
     oracle = policy == ORACLE
     precise = evidence == PRECISE
     clock = time.process_time
@@ -351,7 +368,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
 
     gateways = [make_gateway(k) for k in range(replicas)]
     busy = {m.name: False for m in fleet}
-    records: list[Record] = [Record(r.arrival_s) for r in reqs]
+    records: list[Record] = [Record(r.arrival_s, direct=r.direct_backend is not None) for r in reqs]
     reservations: dict[str, tuple[object, TokenEstimator]] = {}
     excluded: dict[int, set[str]] = {}
     retry_rng = random.Random(seed)
@@ -453,10 +470,39 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         rec.error = error
         pending -= 1
 
+    def submit(i: int, name: str, tokens: list[int], t: float) -> str | None:
+        """Queue request ``i`` on engine ``name``; the engine's refusal, or None."""
+        r = reqs[i]
+        try:
+            engines[name].add_request(f"r{i}", tokens, r.output_tokens, arrival_time=t, output_tokens=r.output_tokens)
+        except ValueError as e:
+            return str(e)
+        if oracle:
+            hashes = prompt_block_hashes(tokens, engines[name].block_size)
+            req_blocks[i] = (name, hashes)
+            pending_blocks[name].update(hashes)
+        if not busy[name]:
+            start_step(name, t)
+        return None
+
+    def direct(i: int, t: float) -> None:
+        """Request ``i`` from a client outside the gateway: straight to its engine."""
+        nonlocal pending
+        r, rec = reqs[i], records[i]
+        tokens, _ = request_tokens_and_text(r, i)
+        rec.backend, rec.prompt_tokens, rec.output_tokens = r.direct_backend, len(tokens), r.output_tokens
+        error = "connection refused" if r.direct_backend in down else submit(i, r.direct_backend, tokens, t)
+        if error is not None:
+            rec.error = error
+            pending -= 1
+
     def dispatch(i: int, t: float) -> None:
         nonlocal seq, pending
         r = reqs[i]
         rec = records[i]
+        if r.direct_backend is not None:
+            direct(i, t)
+            return
         k = i % replicas
         core, estimator = gateways[k]
         tokens, text = request_tokens_and_text(r, i)
@@ -496,23 +542,16 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             core.cool_down(decision.backend, t + FAILED_BACKEND_COOLDOWN_S)
             fail(i, t, name, "connection refused", retry=True)
             return
-        rid = f"r{i}"
-        try:
-            engines[name].add_request(rid, tokens, r.output_tokens, arrival_time=t, output_tokens=r.output_tokens)
-        except ValueError as e:
-            rec.error = str(e)
+        error = submit(i, name, tokens, t)
+        if error is not None:
+            rec.error = error
             res.release(t)
             pending -= 1
             return
-        if oracle:
-            hashes = current["hashes"][engines[name].block_size]  # type: ignore[index]
-            req_blocks[i] = (name, hashes)
-            pending_blocks[name].update(hashes)
-        reservations[rid] = (res, estimator)
-        if not busy[name]:
-            start_step(name, t)
+        reservations[f"r{i}"] = (res, estimator)  # the engine's step that uses it is a later event
 
     def restart(name: str, t: float) -> None:
+        nonlocal pending
         if watch:
             watch("restart_before", t, engines)
         for rid, (res, _) in list(reservations.items()):
@@ -523,6 +562,11 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             res.outcome(False, t)  # type: ignore[attr-defined]
             res.release(t)  # type: ignore[attr-defined]
             fail(i, t, name, "backend restarted mid-stream", retry=True)
+        for i, rec in enumerate(records):  # direct clients' requests in flight there are lost
+            if rec.direct and rec.backend == name and rec.end is None and rec.error is None:
+                rec.error = "backend restarted mid-stream"
+                forget_pending(i)
+                pending -= 1
         engines[name] = Engine(profiles[name], engine_id=f"{name}-restarted", kv_events=precise)
         if precise:  # its events start again at seq 0: the subscriber sees a restart
             for core, _ in gateways:
@@ -580,23 +624,25 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             for out in outs:
                 i = int(out.req_id[1:])
                 rec = records[i]
-                res, estimator = reservations[out.req_id]
+                res, estimator = reservations.get(out.req_id, (None, None))  # None: a direct client's request
                 if out.new_token_ids:
                     if rec.first_token is None:
                         rec.first_token = t
                         rec.cached_tokens = out.num_cached_tokens
-                        res.first_token(t)  # type: ignore[attr-defined]
+                        if res is not None:
+                            res.first_token(t)  # type: ignore[attr-defined]
                         forget_pending(i)
                     rec.generated += len(out.new_token_ids)
                 if out.finished:
                     rec.end = t
-                    res.outcome(True, t)  # type: ignore[attr-defined]
-                    res.release(t, rec.generated)  # type: ignore[attr-defined]
-                    del reservations[out.req_id]
                     pending -= 1
                     forget_pending(i)
-                    estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN, rec.prompt_tokens,
-                                            rec.generated)
+                    if res is not None:
+                        res.outcome(True, t)  # type: ignore[attr-defined]
+                        res.release(t, rec.generated)  # type: ignore[attr-defined]
+                        del reservations[out.req_id]
+                        estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN,  # type: ignore[union-attr]
+                                                rec.prompt_tokens, rec.generated)
             spent["route_s"] += clock() - c0
             start_step(name, t)
         elif kind == "restart_start":
@@ -631,12 +677,18 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float,
-              cold_from: float = -math.inf) -> dict[str, float]:
+              cold_from: float = -math.inf, direct: bool = False) -> dict[str, float]:
     """TTFT / TPOT / e2e statistics (vLLM benchmark definitions: TPOT = (e2e - TTFT) /
     (output tokens - 1)), throughput, goodput at the SLO, prefix hit ratio, imbalance,
     and (not floats) ``share``: per backend, the fraction of requests it served last,
     and ``cold_start``: the same over the first :data:`COLD_START_REQUESTS` requests by
-    arrival (from ``cold_from``, e.g. a gateway restart), with their mean TTFT."""
+    arrival (from ``cold_from``, e.g. a gateway restart), with their mean TTFT.
+
+    Of the gateway's own requests, or with ``direct`` of the direct clients' ones
+    (:attr:`Record.direct`). Raises ``ValueError`` when there are none."""
+    records = [r for r in records if r.direct == direct]
+    if not records:
+        raise ValueError(f"no {'direct clients' if direct else 'gateway'} requests to summarize")
     done = [r for r in records if r.end is not None and r.first_token is not None]
     ttft = [r.first_token - r.arrival for r in done]
     tpot = [(r.end - r.first_token) / (r.generated - 1) for r in done if r.generated > 1]

@@ -48,12 +48,18 @@ MAX_INPUT_TOKENS = 32768
 @dataclass(slots=True)
 class TraceRequest:
     """One trace row: ``arrival_s`` (seconds from the trace start), token counts, and
-    the prefix block ids (Mooncake) or ``None`` (Azure: no sharing)."""
+    the prefix block ids (Mooncake) or ``None`` (Azure: no sharing).
+
+    ``direct_backend``: the backend name a client outside the gateway sends this
+    request to (another team's client, a batch job, a second gateway): the offline
+    replay has that engine serve it without the router seeing it. ``None`` (every
+    trace's rows): the request goes through the gateway."""
 
     arrival_s: float
     input_tokens: int
     output_tokens: int
     hash_ids: list[int] | None = None
+    direct_backend: str | None = None
 
 
 def load_trace(name: str, limit: int | None = None, max_input_tokens: int = MAX_INPUT_TOKENS,
