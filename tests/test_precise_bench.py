@@ -4,6 +4,9 @@
 - with KV events the router's index holds what the engines hold: its predicted hits are
   the engines' reported ones, request by request, and its entries are the engines';
 - the shared-prefix workload is what it says (tenants, lengths, rate);
+- a direct client's request (``direct_backend``) is served by its engine, never enters
+  the approximate index and enters the precise one through that engine's KV events;
+  the gateway's metrics leave it out;
 - the harness runs a tiny slice of both workloads end to end and gives every row.
 """
 
@@ -15,7 +18,7 @@ import pytest
 
 from loadtest import precise_bench as pb
 from loadtest import replay as rp
-from loadtest.traces import TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, shared_prefix_trace
+from loadtest.traces import TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, TraceRequest, shared_prefix_trace
 
 from tests.test_replay_oracle import sharing_trace, small_fleet
 
@@ -49,6 +52,51 @@ def test_without_kv_events_nothing_is_decoded_and_the_approximate_index_decides(
 def test_unknown_evidence_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown evidence 'exact'"):
         rp.replay(sharing_trace(n=2), "estimated_ttft", small_fleet(), evidence="exact")
+
+
+def direct_then_gateway() -> list[TraceRequest]:
+    """Three requests of a direct client to b1 with one 2,048-token prefix (and a
+    question of their own), then one through the gateway with the same prefix; 10 s
+    apart, so each is finished (and its events published) before the next arrives."""
+    prefix = [500, 501, 502, 503]
+    reqs = [TraceRequest(10.0 * k, 4 * 512 + 100, 8, prefix + [900 + k], direct_backend="b1") for k in range(3)]
+    return reqs + [TraceRequest(30.0, 4 * 512 + 100, 8, prefix + [999])]
+
+
+def test_direct_requests_reach_their_engine_and_only_events_tell_the_router():
+    reqs = direct_then_gateway()
+    approximate = rp.replay(reqs, "estimated_ttft", small_fleet())
+    precise = rp.replay(reqs, "estimated_ttft", small_fleet(), evidence=rp.PRECISE)
+    for recs in (approximate, precise):
+        assert [r.direct for r in recs] == [True, True, True, False]
+        assert all(r.end is not None and r.error is None for r in recs)
+        # the direct client's repeats hit on its engine; the router predicted nothing for them
+        assert [r.cached_tokens for r in recs[:3]] == [0, 4 * 512, 4 * 512]
+        assert all(r.predicted_cached == 0.0 for r in recs[:3])
+    # the approximate index never saw the prefix: it predicts no hit wherever it routes
+    assert approximate[3].predicted_cached == 0.0
+    # b1's events put the prefix in the precise index, under b1 only: routed there, hit as predicted
+    assert precise[3].backend == "b1"
+    assert precise[3].cached_tokens == 4 * 512
+    assert precise[3].predicted_cached == precise[3].cached_tokens
+
+
+def test_the_gateways_metrics_leave_the_direct_clients_out():
+    recs = rp.replay(direct_then_gateway(), "estimated_ttft", small_fleet(), evidence=rp.PRECISE)
+    gateway = rp.summarize(recs, 2.0, 0.1)
+    direct = rp.summarize(recs, 2.0, 0.1, direct=True)
+    assert (gateway["requests"], direct["requests"]) == (1, 3)
+    assert direct["hit_ratio"] == pytest.approx(2 * 4 * 512 / (3 * (4 * 512 + 100)))
+    assert gateway["hit_ratio"] == pytest.approx(4 * 512 / (4 * 512 + 100))
+    assert rp.ceiling_hit_ratio(direct_then_gateway()) == pytest.approx(gateway["hit_ratio"])
+    with pytest.raises(ValueError, match="no direct clients requests"):
+        rp.summarize(recs[3:], 2.0, 0.1, direct=True)
+
+
+def test_a_direct_backend_outside_the_fleet_is_a_clear_error():
+    reqs = [TraceRequest(0.0, 600, 4, [1, 2], direct_backend="b9")]
+    with pytest.raises(ValueError, match=r"direct_backend b9 not in the fleet \(b0, b1\)"):
+        rp.replay(reqs, "estimated_ttft", small_fleet())
 
 
 def test_shared_prefix_trace_has_one_system_prompt_per_tenant():
