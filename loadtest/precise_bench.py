@@ -16,13 +16,17 @@ The router's token ids are the engine's own (the trace's token ids, given to bot
 the blocks match exactly; a live gateway gets them from the model's tokenizer, whose
 cost is measured here separately on each workload's HTTP prompt text
 (:func:`tokenize_us`: the tests' tiny BPE tokenizer by default, prefix cache on) and
-added to the gateway CPU column. Workloads: the Mooncake conversation trace, and a
-many-tenant shared-prefix workload (:func:`loadtest.traces.shared_prefix_trace`). The
-reference rows are the trace's hit ratio through one LRU cache as large as the
-fleet's KV and through one infinite cache (:func:`loadtest.replay.ceiling_hit_ratio`).
+added to the gateway CPU column. Workloads: the Mooncake conversation trace, a
+many-tenant shared-prefix workload (:func:`loadtest.traces.shared_prefix_trace`), and
+(only when asked for) the same with clients outside the gateway sending to the same
+engines (:func:`direct_clients_trace`); every number but the direct clients' own table
+is of the gateway's requests. The reference rows are the trace's hit ratio through one
+LRU cache as large as the fleet's KV and through one infinite cache
+(:func:`loadtest.replay.ceiling_hit_ratio`).
 
     python -m loadtest.precise_bench --jobs 2                       # the README table
     python -m loadtest.precise_bench --workload shared_prefix --rate 6 9 12
+    python -m loadtest.precise_bench --workload shared_prefix_direct_clients --rate 6 9
     python -m loadtest.precise_bench --live        # the same three modes over HTTP + ZMQ, small
 """
 
@@ -37,7 +41,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from loadtest.replay import (APPROXIMATE, DEFAULT_FLEET, PRECISE, ceiling_hit_ratio, make_fleet, replay, summarize)
+from loadtest.replay import (APPROXIMATE, DEFAULT_FLEET, PRECISE, FleetMember, ceiling_hit_ratio, make_fleet,
+                             replay, summarize)
 from loadtest.traces import (TRACE_BLOCK_TOKENS, TraceRequest, block_words, load_trace, scale_time,
                              shared_prefix_trace, trace_prompt_text)
 
@@ -47,18 +52,56 @@ MODES = {  # row label: (evidence, speculative_s or None for --speculative-s)
     "precise": (PRECISE, None),
     "precise, no speculative": (PRECISE, 0.0),
 }
-WORKLOADS = ("mooncake_conversation", "shared_prefix")
+SHARED_PREFIX, DIRECT_CLIENTS = "shared_prefix", "shared_prefix_direct_clients"
+WORKLOADS = ("mooncake_conversation", SHARED_PREFIX, DIRECT_CLIENTS)
+DEFAULT_WORKLOADS = WORKLOADS[:2]
+DIRECT_SEED_OFFSET = 1_000_003  # the direct clients' draws share no random stream with any seed's gateway draws
+
+
+def direct_clients_trace(args: argparse.Namespace, rate: float, fleet: list[FleetMember]) -> list[TraceRequest]:
+    """The shared-prefix workload with clients outside the gateway on the same engines.
+
+    ``args.shared_requests`` requests arrive at ``rate`` req/s in all; a fraction
+    ``args.direct_share`` of them (rounded) come from ``args.direct_tenants`` direct
+    tenants, the rest from the gateway's ``args.tenants`` tenants, as two independent
+    Poisson streams (:func:`loadtest.traces.shared_prefix_trace`, same prompt shapes,
+    the gateway's stream exactly the ``shared_prefix`` workload's at its share of the
+    rate). Direct tenants have system prompts of their own (block ids disjoint from the
+    gateway's) and each is pinned to one engine, ``fleet[tenant % len(fleet)]``, as a
+    session-sticky client spreads its sessions evenly over the engines it knows
+    regardless of their speed. Returns the merged requests by arrival, the direct ones
+    with ``direct_backend`` set. Raises ``ValueError`` unless ``0 < direct_share < 1``
+    and both populations get at least one request."""
+    share = args.direct_share
+    n_direct = round(args.shared_requests * share)
+    if not 0 < share < 1 or not 0 < n_direct < args.shared_requests:
+        raise ValueError(f"direct_share {share:g} of {args.shared_requests} requests leaves the gateway or the "
+                         "direct clients without a request")
+    gateway = shared_prefix_trace(args.tenants, args.shared_requests - n_direct, args.system_prompt_len,
+                                  args.question_len, args.output_len, rate * (1 - share), args.seed)
+    direct = shared_prefix_trace(args.direct_tenants, n_direct, args.system_prompt_len, args.question_len,
+                                 args.output_len, rate * share, args.seed + DIRECT_SEED_OFFSET)
+    offset = max(h for r in gateway for h in r.hash_ids)  # type: ignore[union-attr]
+    sys_blocks = args.system_prompt_len // TRACE_BLOCK_TOKENS
+    for r in direct:
+        tenant = (r.hash_ids[0] - 1) // sys_blocks  # type: ignore[index]
+        r.direct_backend = fleet[tenant % len(fleet)].name
+        r.hash_ids = [h + offset for h in r.hash_ids]  # type: ignore[union-attr]
+    return sorted(gateway + direct, key=lambda r: r.arrival_s)
 
 
 def make_workload(name: str, args: argparse.Namespace, rate: float | None = None) -> list[TraceRequest]:
     """The requests of workload ``name`` under the command's settings (``rate``: the
-    shared-prefix workload's arrival rate, req/s). Raises ``ValueError`` for an unknown
+    shared-prefix workloads' arrival rate, req/s). Raises ``ValueError`` for an unknown
     name."""
     if name == "mooncake_conversation":
         return scale_time(load_trace(name, args.conversation_requests), args.time_scale)
     if name == "shared_prefix":
         return shared_prefix_trace(args.tenants, args.shared_requests, args.system_prompt_len, args.question_len,
                                    args.output_len, rate if rate is not None else args.rate[0], args.seed)
+    if name == DIRECT_CLIENTS:
+        return direct_clients_trace(args, rate if rate is not None else args.rate[0],
+                                    make_fleet(tuple(args.fleet.split(","))))
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
@@ -67,7 +110,7 @@ def http_request(name: str, r: TraceRequest, i: int, system_blocks: int) -> tupl
     shared-prefix request as a chat with the tenant's system prompt and the question,
     a conversation-trace request as one user message (the prompt words of
     :func:`loadtest.traces.trace_prompt_text`)."""
-    if name == "shared_prefix":
+    if name in (SHARED_PREFIX, DIRECT_CLIENTS):
         system = "".join(block_words(h) for h in r.hash_ids[:system_blocks])
         question = trace_prompt_text(TraceRequest(0.0, r.input_tokens - system_blocks * TRACE_BLOCK_TOKENS, 1,
                                                   r.hash_ids[system_blocks:]), i)
@@ -105,7 +148,8 @@ def _job(job: tuple) -> tuple[tuple, dict]:
         pooled = sum(m.profile.num_gpu_blocks * m.profile.block_size for m in fleet) // bs
         return key, {"ceiling": ceiling_hit_ratio(reqs, bs), "pooled_tokens": pooled * bs,
                      "pooled": ceiling_hit_ratio(reqs, bs, pooled)}
-    if kind == "tokenize":
+    if kind == "tokenize":  # the gateway tokenizes its own requests only
+        reqs = [r for r in reqs if r.direct_backend is None]
         us, tokens = tokenize_us(name, reqs, args.system_prompt_len // TRACE_BLOCK_TOKENS, args.tokenizer,
                                  args.tokenize_sample or None)
         return key, {"tokenize_us": us, "tokens": tokens}
@@ -115,7 +159,10 @@ def _job(job: tuple) -> tuple[tuple, dict]:
     recs = replay(reqs, "estimated_ttft", fleet, seed=args.seed, evidence=evidence,
                   speculative_s=args.speculative_s if spec is None else spec, cpu=cpu)
     s = summarize(recs, args.ttft_slo, args.tpot_slo)
-    s.update({k: v / len(recs) * 1e6 for k, v in cpu.items()})
+    gateway_requests = sum(1 for r in recs if not r.direct)
+    s.update({k: v / gateway_requests * 1e6 for k, v in cpu.items()})
+    if gateway_requests < len(recs):
+        s["direct"] = summarize(recs, args.ttft_slo, args.tpot_slo, direct=True)
     s["job_cpu_s"] = time.process_time() - t0
     return key, s
 
@@ -144,6 +191,20 @@ def format_table(rows: dict[str, dict], ref: dict, tok: dict) -> str:
     return "\n".join(out)
 
 
+def format_direct_table(rows: dict[str, dict]) -> str:
+    """The direct clients' requests of a workload that has them: a row per mode."""
+    head = ["index (gateway's)", "direct requests", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "goodput req/s",
+            "SLO %", "hit %"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, s in rows.items():
+        d = s["direct"]
+        out.append("| " + " | ".join([
+            label, str(d["requests"]), f"{d['ttft_mean_s']:.3f}", f"{d['ttft_p50_s']:.3f}",
+            f"{d['ttft_p99_s']:.2f}", f"{d['goodput_req_s']:.2f}", f"{d['slo_attainment'] * 100:.1f}",
+            f"{d['hit_ratio'] * 100:.1f}"]) + " |")
+    return "\n".join(out)
+
+
 def format_live_table(rows: dict[str, dict]) -> str:
     """The live run's table: a row per mode."""
     head = ["index", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "goodput req/s", "hit %", "pred. hit %",
@@ -162,16 +223,24 @@ def format_live_table(rows: dict[str, dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m loadtest.precise_bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=WORKLOADS, action="append", help="repeatable; default: both")
+    ap.add_argument("--workload", choices=WORKLOADS, action="append",
+                    help=f"repeatable; default: {' and '.join(DEFAULT_WORKLOADS)}")
     ap.add_argument("--mode", choices=list(MODES), action="append", help="repeatable; default: all three")
     ap.add_argument("--conversation-requests", type=int, default=2000, help="first N rows of the conversation trace")
     ap.add_argument("--time-scale", type=float, default=1.7, help="conversation trace inter-arrival multiplier")
-    ap.add_argument("--tenants", type=int, default=150)
+    ap.add_argument("--tenants", type=int, default=150, help="the gateway's shared-prefix tenants")
     ap.add_argument("--shared-requests", type=int, default=1500)
     ap.add_argument("--system-prompt-len", type=int, default=6144, help="tokens, a multiple of 512")
     ap.add_argument("--question-len", type=int, default=1200)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--rate", type=float, nargs="+", default=[9.0], help="shared-prefix arrivals, req/s (a sweep)")
+    ap.add_argument("--rate", type=float, nargs="+", default=[9.0],
+                    help="shared-prefix arrivals, req/s, direct clients' included (a sweep)")
+    ap.add_argument("--direct-share", type=float, default=0.25,
+                    help=f"{DIRECT_CLIENTS}: fraction of the requests sent by clients outside the gateway "
+                         "(default 0.25)")
+    ap.add_argument("--direct-tenants", type=int, default=50,
+                    help=f"{DIRECT_CLIENTS}: the direct clients' tenants, each pinned to one engine (default 50: "
+                         "at a 0.25 share, each sends as often as a gateway tenant)")
     ap.add_argument("--speculative-s", type=float, default=5.0, help="speculative bound of the 'precise' row")
     ap.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="comma-separated profile names")
     ap.add_argument("--tokenizer", default=str(TINY_TOKENIZER), help="tokenizer.json or model directory")
@@ -194,9 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark; returns ``{workload title: {"rows", "reference", "tokenize"}}``."""
-    workloads = args.workload or list(WORKLOADS)
+    workloads = args.workload or list(DEFAULT_WORKLOADS)
     modes = args.mode or list(MODES)
-    keys = [(w, r) for w in workloads for r in (args.rate if w == "shared_prefix" else [None])]
+    keys = [(w, r) for w in workloads for r in (args.rate if w in (SHARED_PREFIX, DIRECT_CLIENTS) else [None])]
     jobs = [(k, kind, args) for k in keys for kind in ("ceiling", "tokenize", *modes)]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = dict(((key, job[1]), s) for job, (key, s) in zip(jobs, pool.map(_job, jobs)))
@@ -207,6 +276,9 @@ def run(args: argparse.Namespace) -> dict:
                  if rate is None else
                  f"{w}, {args.tenants} tenants, {args.system_prompt_len}-token system prompts, {args.question_len}-"
                  f"token questions, {args.output_len} output tokens, {args.shared_requests} requests at {rate:g} req/s")
+        if w == DIRECT_CLIENTS:
+            title += (f", {args.direct_share:g} of them from {args.direct_tenants} direct tenants pinned to one "
+                      "engine each")
         out[title] = {"rows": {m: results[(key, m)] for m in modes}, "reference": results[(key, "ceiling")],
                       "tokenize": results[(key, "tokenize")]}
     return out
@@ -312,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.tpot_slo * 1000:.0f} ms; speculative_s {args.speculative_s:g}; tokenizer "
               f"{args.tokenizer} ({tok['tokens']:.0f} prompt tokens per request over HTTP, first 200)\n")
         print(format_table(block["rows"], block["reference"], tok))
+        if any("direct" in s for s in block["rows"].values()):
+            print("\nthe direct clients' requests (not through the gateway), under each of the gateway's indexes:\n")
+            print(format_direct_table(block["rows"]))
     print(f"\n(wall {time.monotonic() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
