@@ -113,6 +113,42 @@ def test_shared_prefix_trace_has_one_system_prompt_per_tenant():
         shared_prefix_trace(system_prompt_len=1000)
 
 
+def test_direct_clients_workload_pins_its_own_tenants_to_one_engine_each():
+    args = pb.build_parser().parse_args(["--tenants", "12", "--direct-tenants", "8", "--shared-requests", "400",
+                                         "--system-prompt-len", "1024", "--question-len", "600", "--seed", "4"])
+    fleet = rp.make_fleet()
+    reqs = pb.direct_clients_trace(args, 8.0, fleet)
+    direct = [r for r in reqs if r.direct_backend is not None]
+    gateway = [r for r in reqs if r.direct_backend is None]
+    assert (len(direct), len(gateway)) == (100, 300)
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    assert 399 / (reqs[-1].arrival_s - reqs[0].arrival_s) == pytest.approx(8.0, rel=0.15)
+    # the gateway's part is the shared-prefix workload at its share of the rate
+    assert gateway == shared_prefix_trace(12, 300, 1024, 600, 128, 6.0, 4)
+    tenants = {tuple(r.hash_ids[:2]): set() for r in direct}
+    for r in direct:
+        tenants[tuple(r.hash_ids[:2])].add(r.direct_backend)
+    assert len(tenants) == 8 and all(len(b) == 1 for b in tenants.values())
+    # spread evenly over the engines, regardless of their speed: 2 tenants each
+    assert sorted(b for engines in tenants.values() for b in engines) == sorted(2 * [m.name for m in fleet])
+    assert not {h for r in direct for h in r.hash_ids} & {h for r in gateway for h in r.hash_ids}
+    args.direct_share = 1.0
+    with pytest.raises(ValueError, match="direct_share 1 of 400 requests"):
+        pb.direct_clients_trace(args, 8.0, fleet)
+
+
+def test_the_benchmark_reports_the_gateways_and_the_direct_clients_requests_apart(tmp_path):
+    out = tmp_path / "rows.json"
+    assert pb.main(["--jobs", "1", "--workload", pb.DIRECT_CLIENTS, "--shared-requests", "80", "--tenants", "6",
+                    "--direct-tenants", "4", "--system-prompt-len", str(2 * TRACE_BLOCK_TOKENS),
+                    "--question-len", "300", "--rate", "4", "--tokenize-sample", "5", "--json", str(out)]) == 0
+    (block,) = json.loads(out.read_text()).values()
+    for label, s in block["rows"].items():
+        assert (s["requests"], s["direct"]["requests"]) == (60, 20), label
+        assert s["completed"] == 60 and s["direct"]["completed"] == 20
+        assert s["direct"]["hit_ratio"] > 0  # pinned tenants repeat their system prompt on their engine
+
+
 @pytest.mark.slow
 def test_the_benchmark_runs_a_tiny_slice_of_both_workloads_end_to_end(tmp_path):
     if not (TRACES_DIR / TRACES["mooncake_conversation"][0]).exists():
