@@ -22,11 +22,14 @@ many-tenant shared-prefix workload (:func:`loadtest.traces.shared_prefix_trace`)
 engines (:func:`direct_clients_trace`); every number but the direct clients' own table
 is of the gateway's requests. The reference rows are the trace's hit ratio through one
 LRU cache as large as the fleet's KV and through one infinite cache
-(:func:`loadtest.replay.ceiling_hit_ratio`).
+(:func:`loadtest.replay.ceiling_hit_ratio`); ``--mode oracle`` adds the row of
+``estimated_ttft`` told the engines' true cache contents (what a perfect index would
+give the policy).
 
     python -m loadtest.precise_bench --jobs 2                       # the README table
     python -m loadtest.precise_bench --workload shared_prefix --rate 6 9 12
-    python -m loadtest.precise_bench --workload shared_prefix_direct_clients --rate 6 9
+    python -m loadtest.precise_bench --workload shared_prefix_direct_clients --rate 6 9 \
+        --mode approximate --mode precise --mode "precise, no speculative" --mode oracle
     python -m loadtest.precise_bench --live        # the same three modes over HTTP + ZMQ, small
 """
 
@@ -41,8 +44,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from loadtest.replay import (APPROXIMATE, DEFAULT_FLEET, PRECISE, FleetMember, ceiling_hit_ratio, make_fleet,
-                             replay, summarize)
+from loadtest.replay import (APPROXIMATE, DEFAULT_FLEET, ORACLE, PRECISE, FleetMember, ceiling_hit_ratio,
+                             make_fleet, replay, summarize)
 from loadtest.traces import (TRACE_BLOCK_TOKENS, TraceRequest, block_words, load_trace, scale_time,
                              shared_prefix_trace, trace_prompt_text)
 
@@ -153,11 +156,14 @@ def _job(job: tuple) -> tuple[tuple, dict]:
         us, tokens = tokenize_us(name, reqs, args.system_prompt_len // TRACE_BLOCK_TOKENS, args.tokenizer,
                                  args.tokenize_sample or None)
         return key, {"tokenize_us": us, "tokens": tokens}
-    evidence, spec = MODES[kind]
     cpu: dict[str, float] = {}
     t0 = time.process_time()
-    recs = replay(reqs, "estimated_ttft", fleet, seed=args.seed, evidence=evidence,
-                  speculative_s=args.speculative_s if spec is None else spec, cpu=cpu)
+    if kind == ORACLE:
+        recs = replay(reqs, ORACLE, fleet, seed=args.seed, cpu=cpu)
+    else:
+        evidence, spec = MODES[kind]
+        recs = replay(reqs, "estimated_ttft", fleet, seed=args.seed, evidence=evidence,
+                      speculative_s=args.speculative_s if spec is None else spec, cpu=cpu)
     s = summarize(recs, args.ttft_slo, args.tpot_slo)
     gateway_requests = sum(1 for r in recs if not r.direct)
     s.update({k: v / gateway_requests * 1e6 for k, v in cpu.items()})
@@ -174,7 +180,7 @@ def format_table(rows: dict[str, dict], ref: dict, tok: dict) -> str:
             "gateway CPU us/req"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, s in rows.items():
-        tokenize = tok["tokenize_us"] if MODES[label][0] == PRECISE else 0.0
+        tokenize = tok["tokenize_us"] if MODES.get(label, (APPROXIMATE,))[0] == PRECISE else 0.0
         total = s["route_s"] + s["kv_events_s"] + tokenize
         out.append("| " + " | ".join([
             label, f"{s['ttft_mean_s']:.3f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.2f}",
@@ -225,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m loadtest.precise_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=WORKLOADS, action="append",
                     help=f"repeatable; default: {' and '.join(DEFAULT_WORKLOADS)}")
-    ap.add_argument("--mode", choices=list(MODES), action="append", help="repeatable; default: all three")
+    ap.add_argument("--mode", choices=[*MODES, ORACLE], action="append",
+                    help=f"repeatable; default: the three indexes; '{ORACLE}' (not with --live): estimated_ttft told "
+                         "the engines' true cache contents (loadtest.replay.OracleTTFT), what a perfect index "
+                         "would give this policy")
     ap.add_argument("--conversation-requests", type=int, default=2000, help="first N rows of the conversation trace")
     ap.add_argument("--time-scale", type=float, default=1.7, help="conversation trace inter-arrival multiplier")
     ap.add_argument("--tenants", type=int, default=150, help="the gateway's shared-prefix tenants")
@@ -368,7 +377,10 @@ def live(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.live and ORACLE in (args.mode or ()):
+        ap.error(f"--mode {ORACLE} exists in the offline replay only, not with --live")
     t0 = time.monotonic()
     if args.live:
         rows = live(args)

@@ -141,12 +141,18 @@ def test_the_benchmark_reports_the_gateways_and_the_direct_clients_requests_apar
     out = tmp_path / "rows.json"
     assert pb.main(["--jobs", "1", "--workload", pb.DIRECT_CLIENTS, "--shared-requests", "80", "--tenants", "6",
                     "--direct-tenants", "4", "--system-prompt-len", str(2 * TRACE_BLOCK_TOKENS),
-                    "--question-len", "300", "--rate", "4", "--tokenize-sample", "5", "--json", str(out)]) == 0
+                    "--question-len", "300", "--rate", "4", "--tokenize-sample", "5", "--mode", "approximate",
+                    "--mode", "precise", "--mode", rp.ORACLE, "--json", str(out)]) == 0
     (block,) = json.loads(out.read_text()).values()
+    assert list(block["rows"]) == ["approximate", "precise", rp.ORACLE]
     for label, s in block["rows"].items():
         assert (s["requests"], s["direct"]["requests"]) == (60, 20), label
         assert s["completed"] == 60 and s["direct"]["completed"] == 20
         assert s["direct"]["hit_ratio"] > 0  # pinned tenants repeat their system prompt on their engine
+    oracle = block["rows"][rp.ORACLE]
+    assert oracle["predicted_hit_ratio"] == pytest.approx(oracle["hit_ratio"], abs=0.01)
+    with pytest.raises(SystemExit):
+        pb.main(["--live", "--mode", rp.ORACLE])
 
 
 @pytest.mark.slow
