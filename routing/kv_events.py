@@ -29,6 +29,10 @@ hash function; both are kept as they come (they only name blocks).
 :func:`decode_batch` turns a payload into :class:`EventBatch`; an event it cannot
 read is counted in ``EventBatch.undecodable`` (with the first reason) and skipped,
 never raised; a payload that is not a batch at all raises :class:`KVEventDecodeError`.
+Decoding is msgspec's, into typed structs declared like vLLM's (msgspec checks every
+field's type in C; an engine emits one ``BlockRemoved`` per evicted block, so the
+per-event cost is what counts): the batch with its events left raw, then each event
+on its own, so that one bad event costs only itself.
 :class:`SequenceTracker` checks a publisher's sequence numbers (gaps, engine
 restarts, replay duplicates).
 """
@@ -36,14 +40,15 @@ restarts, replay duplicates).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-import msgpack
+import msgspec
 
 from routing.estimate import chain_seed, token_block_keys
 from routing.prefix_index import PrefixIndex
 
-_MAX_TOKEN_ID = 2**32
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+BlockHash = int | bytes
 
 
 class KVEventDecodeError(ValueError):
@@ -51,16 +56,22 @@ class KVEventDecodeError(ValueError):
     list of events)."""
 
 
-@dataclass(slots=True)
-class BlockStored:
+# The events are msgspec structs shaped like vLLM's own (map encoding: tagged by
+# ``"type"``, the class name), so that msgspec decodes and checks them in C: a field
+# of the wrong type, a missing field without a default or an unknown tag raises
+# msgspec.ValidationError (a ValueError) naming the field. gc=False: they hold no
+# reference cycles, so the collector need not track them.
+
+class BlockStored(msgspec.Struct, tag=True, gc=False):
     """Blocks the engine stored in its prefix cache: ``block_hashes`` (int or bytes,
     one per block), their chain parent (``None``: the first block of a prompt), the
-    ``token_ids`` of all the blocks (``len(block_hashes) * block_size`` of them)."""
+    ``token_ids`` of all the blocks (``len(block_hashes) * block_size`` of them, each
+    in ``[0, 2**32)``). Raises ``ValueError`` when the token count does not fit."""
 
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[TokenId]
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
@@ -69,28 +80,52 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
 
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.block_hashes) * self.block_size:
+            raise ValueError(f"{len(self.token_ids)} token_ids for {len(self.block_hashes)} blocks of "
+                             f"{self.block_size}")
 
-@dataclass(slots=True)
-class BlockRemoved:
+
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
     """Blocks the engine evicted from its prefix cache (on ``medium``)."""
 
-    block_hashes: list[int | bytes]
+    block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
     """The engine dropped its whole prefix cache (e.g. ``/reset_prefix_cache``)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 # field order of the array encoding (the msgspec struct's declaration order)
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                  "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-_REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}  # leading fields without a default
+_FIELDS = {"BlockStored": BlockStored.__struct_fields__, "BlockRemoved": BlockRemoved.__struct_fields__,
+           "AllBlocksCleared": ()}
+_MAP_EVENT = msgspec.msgpack.Decoder(KVEvent)
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct, kw_only=True, gc=False):
+    ts: float = 0.0
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
+_MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
+
+
+def _is_map(raw: bytes | msgspec.Raw) -> bool:
+    """Whether msgpack ``raw`` starts with a map (fixmap 0x80-0x8f, map 16, map 32)."""
+    b = memoryview(raw)[0] if len(raw) else 0
+    return 0x80 <= b <= 0x8F or b in (0xDE, 0xDF)
 
 
 @dataclass(slots=True)
@@ -106,115 +141,46 @@ class EventBatch:
     first_error: str = ""
 
 
-def _hash(v: Any) -> int | bytes:
-    if isinstance(v, bool) or not isinstance(v, (int, bytes)):
-        raise ValueError(f"a block hash must be an int or bytes, not {type(v).__name__}")
-    return v
-
-
-def _hashes(v: Any) -> list[int | bytes]:
-    if not isinstance(v, list):
-        raise ValueError("block_hashes must be a list")
-    return [_hash(h) for h in v]
-
-
-def _opt_int(name: str, v: Any) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name} must be an int or null")
-    return v
-
-
-def _opt_str(name: str, v: Any) -> str | None:
-    if v is None or isinstance(v, str):
-        return v
-    raise ValueError(f"{name} must be a string or null")
-
-
-def _stored(f: dict[str, Any]) -> BlockStored:
-    hashes = _hashes(f["block_hashes"])
-    parent = f.get("parent_block_hash")
-    if parent is not None:
-        parent = _hash(parent)
-    size = f["block_size"]
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError("block_size must be a positive int")
-    tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < _MAX_TOKEN_ID for t in tokens):
-        raise ValueError("token_ids must be a list of token ids in [0, 2**32)")
-    if len(tokens) != len(hashes) * size:
-        raise ValueError(f"{len(tokens)} token_ids for {len(hashes)} blocks of {size}")
-    extra = f.get("extra_keys")
-    if extra is not None and not isinstance(extra, list):
-        raise ValueError("extra_keys must be a list or null")
-    return BlockStored(hashes, parent, tokens, size, _opt_int("lora_id", f.get("lora_id")),
-                       _opt_str("medium", f.get("medium")), _opt_str("lora_name", f.get("lora_name")), extra,
-                       _opt_int("group_idx", f.get("group_idx")),
-                       _opt_str("kv_cache_spec_kind", f.get("kv_cache_spec_kind")),
-                       _opt_int("kv_cache_spec_sliding_window", f.get("kv_cache_spec_sliding_window")))
-
-
-def _removed(f: dict[str, Any]) -> BlockRemoved:
-    return BlockRemoved(_hashes(f["block_hashes"]), _opt_str("medium", f.get("medium")),
-                        _opt_int("group_idx", f.get("group_idx")))
-
-
-def decode_event(raw: Any) -> KVEvent:
-    """One event, from either encoding (a tagged array or a map with ``"type"``).
-    Raises ``ValueError`` (with the reason) for anything else: an unknown tag, a
-    missing field without a default, a field of the wrong type."""
-    if isinstance(raw, list):
-        if not raw or not isinstance(raw[0], str):
-            raise ValueError("an array event must start with its type tag")
-        tag, values = raw[0], raw[1:]
-        if tag not in _REQUIRED:
-            raise ValueError(f"unknown event type {tag!r}")
-        if len(values) < _REQUIRED[tag]:
-            raise ValueError(f"{tag} has {len(values)} fields, needs at least {_REQUIRED[tag]}")
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
-        fields = dict(zip(names, values))  # fields past the known ones (a newer engine's) are ignored
-    elif isinstance(raw, dict):
-        tag = raw.get("type")
-        if tag not in _REQUIRED:
-            raise ValueError(f"unknown event type {tag!r}")
-        fields = raw
-        missing = [n for n in (_STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS)[:_REQUIRED[tag]]
-                   if n not in raw]
-        if missing:
-            raise ValueError(f"{tag} lacks {', '.join(missing)}")
-    else:
-        raise ValueError(f"an event must be an array or a map, not {type(raw).__name__}")
-    if tag == "BlockStored":
-        return _stored(fields)
-    if tag == "BlockRemoved":
-        return _removed(fields)
-    return AllBlocksCleared()
+def decode_event(raw: bytes | msgspec.Raw) -> KVEvent:
+    """One msgpack-encoded event, from either encoding: a map with ``"type"`` (decoded
+    straight into the struct) or a tagged array ``["BlockStored", field, ...]`` in
+    the struct's field order, possibly cut short (trailing defaults omitted, or an
+    older engine's fewer fields); fields past the known ones (a newer engine's) are
+    ignored. Raises ``ValueError`` (with the reason) for anything else: an unknown tag,
+    a missing field without a default, a field of the wrong type."""
+    if _is_map(raw):
+        return _MAP_EVENT.decode(raw)
+    ev = msgspec.msgpack.decode(raw)
+    if not isinstance(ev, list):
+        raise ValueError(f"an event must be an array or a map, not {type(ev).__name__}")
+    if not ev or not isinstance(ev[0], str):
+        raise ValueError("an array event must start with its type tag")
+    names = _FIELDS.get(ev[0])
+    if names is None:
+        raise ValueError(f"unknown event type {ev[0]!r}")
+    fields = dict(zip(names, ev[1:]))
+    fields["type"] = ev[0]
+    # builtin_types: a str is no bytes hash (convert would read it as base64)
+    return msgspec.convert(fields, KVEvent, builtin_types=(bytes,))
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """Decode one message payload. Events that cannot be decoded are skipped and
-    counted (``undecodable``, ``first_error``). Raises :class:`KVEventDecodeError`
-    when the payload is not an ``EventBatch``."""
+    """Decode one message payload (an array ``[ts, events, rank]`` or a map with
+    ``events``). Events that cannot be decoded are skipped and counted
+    (``undecodable``, ``first_error``). Raises :class:`KVEventDecodeError` when the
+    payload is not an ``EventBatch``."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raw = (_MAP_BATCH if _is_map(payload) else _ARRAY_BATCH).decode(payload)
+    except msgspec.ValidationError as e:
+        raise KVEventDecodeError(f"not an EventBatch (an array [ts, events, rank] or a map with events): {e}") \
+            from None
+    except msgspec.DecodeError as e:
         raise KVEventDecodeError(f"not msgpack: {e}") from None
-    if isinstance(raw, list) and len(raw) >= 2:
-        ts, events = raw[0], raw[1]
-        rank = raw[2] if len(raw) > 2 else None
-    elif isinstance(raw, dict) and "events" in raw:
-        ts, events, rank = raw.get("ts", 0.0), raw["events"], raw.get("data_parallel_rank")
-    else:
-        raise KVEventDecodeError("not an EventBatch (an array [ts, events, rank] or a map with events)")
-    if not isinstance(events, list) or isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        raise KVEventDecodeError("an EventBatch needs a numeric ts and a list of events")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise KVEventDecodeError("data_parallel_rank must be an int or null")
-    batch = EventBatch(float(ts), [], rank)
-    for ev in events:
+    batch = EventBatch(raw.ts, [], raw.data_parallel_rank)
+    events = batch.events
+    for ev in raw.events:
         try:
-            batch.events.append(decode_event(ev))
+            events.append(decode_event(ev))
         except (ValueError, KeyError, TypeError) as e:
             batch.undecodable += 1
             if not batch.first_error:
