@@ -221,6 +221,16 @@ def token_only(stored: BlockStored, i: int) -> bool:
     return not rest
 
 
+def token_only_blocks(stored: BlockStored) -> int:
+    """How many leading blocks of ``stored`` are :func:`token_only` (the blocks the
+    gateway's token keys can name; the first that is not ends the run)."""
+    extra = stored.extra_keys
+    n = len(stored.block_hashes)
+    if not extra or extra.count(None) == len(extra):
+        return n  # no extra keys at all: every block is keyed by its tokens alone
+    return next((i for i in range(n) if not token_only(stored, i)), n)
+
+
 OK, GAP, RESTART, DUPLICATE = "ok", "gap", "restart", "duplicate"
 
 
@@ -320,8 +330,18 @@ def apply_batch(index: PrefixIndex, backend: str, rank: int, batch: EventBatch, 
         warn("decode", f"{batch.undecodable} undecodable KV event(s) from {backend}: {batch.first_error}")
     if e is None:
         return warnings
+    removed: list[int | bytes] = []  # a run of consecutive removals, applied in one call
     for ev in batch.events:
-        if isinstance(ev, BlockStored):
+        if type(ev) is BlockRemoved:
+            if ev.medium not in _GPU or (ev.group_idx or 0) not in (stats.groups or {0}):
+                stats.ignored += 1
+                continue
+            removed += ev.block_hashes
+            continue
+        if removed:
+            index.remove(backend, rank, removed)
+            removed = []
+        if type(ev) is BlockStored:
             if ev.medium not in _GPU or ev.kv_cache_spec_kind not in _FULL:
                 stats.ignored += 1
                 continue
@@ -344,20 +364,18 @@ def apply_batch(index: PrefixIndex, backend: str, rank: int, batch: EventBatch, 
                     stats.ignored += 1
                     continue
             n = len(ev.block_hashes)
-            usable = next((i for i in range(n) if not token_only(ev, i)), n)
+            usable = token_only_blocks(ev)
             if usable < n:
                 stats.ignored += 1
             if usable:
-                keys = token_block_keys(ev.token_ids[:usable * ev.block_size], ev.block_size, seed)
-                index.store(backend, rank, ev.block_hashes[:usable], keys)
+                tokens = ev.token_ids if usable == n else ev.token_ids[:usable * ev.block_size]
+                hashes = ev.block_hashes if usable == n else ev.block_hashes[:usable]
+                index.store(backend, rank, hashes, token_block_keys(tokens, ev.block_size, seed))
             e.live = True
-        elif isinstance(ev, BlockRemoved):
-            if ev.medium not in _GPU or (ev.group_idx or 0) not in (stats.groups or {0}):
-                stats.ignored += 1
-                continue
-            index.remove(backend, rank, ev.block_hashes)
         else:
             stats.clears += 1
             index.clear_precise(backend, rank)
             e.live = True
+    if removed:
+        index.remove(backend, rank, removed)
     return warnings

@@ -48,6 +48,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 _NEVER = float("-inf")
 PRECISE = math.inf  # a token entry's value: engine-confirmed (else: when its speculation decays, s)
@@ -386,10 +387,11 @@ class PrefixIndex:
         owners = self.token_owners
         n = 0
         for h, k in zip(engine_hashes, keys):
-            if h in emap:
-                if emap[h] == k:
+            old = emap.get(h)
+            if old is not None:
+                if old == k:
                     continue
-                self._release(backend, e, emap[h])
+                self._release(backend, e, (old,))
             emap[h] = k
             c = holders.get(k, 0)
             holders[k] = c + 1
@@ -407,13 +409,25 @@ class PrefixIndex:
             self.clear_precise(backend)
         return n
 
-    def _release(self, backend: str, e: _EngineBlocks, key: int) -> None:
-        c = e.holders.get(key, 0) - 1
-        if c > 0:
-            e.holders[key] = c
-            return
-        e.holders.pop(key, None)
-        self._drop_token(backend, key)
+    def _release(self, backend: str, e: _EngineBlocks, keys: Iterable[int]) -> list[int]:
+        """One engine block of each of ``keys`` (ranks' holds) is gone: a key no rank
+        holds any more leaves ``backend``'s precise entries. Returns those keys, in order."""
+        holders = e.holders
+        owners = self.token_owners
+        gone = []
+        for key in keys:
+            c = holders.get(key, 0) - 1
+            if c > 0:
+                holders[key] = c
+                continue
+            holders.pop(key, None)
+            gone.append(key)
+            o = owners.get(key)
+            if o is not None:
+                o.pop(backend, None)
+                if not o:
+                    del owners[key]
+        return gone
 
     def remove(self, backend: str, rank: int, engine_hashes: Iterable[int | bytes]) -> int:
         """The engine of ``backend`` (``rank``) evicted ``engine_hashes``. Returns how
@@ -424,20 +438,14 @@ class PrefixIndex:
         emap = e.engine_keys.get(rank)
         if not emap:
             return 0
-        n = 0
-        ghosts = self.token_ghosts
-        engines = self.engines
-        bound = min(sum(len(x.holders) for x in engines.values()) + 1, self.max_blocks)
         holders = e.holders
+        bound = min(sum(len(x.holders) for x in self.engines.values()) + 1, self.max_blocks)
         e.evictions.window = len(holders) + 1
-        for h in engine_hashes:
-            k = emap.pop(h, None)
-            if k is not None:
-                self._release(backend, e, k)
-                if k not in holders:
-                    self._ghost(ghosts, k, e.evictions, backend, bound)
-                n += 1
-        return n
+        keys = [k for k in map(emap.pop, engine_hashes, repeat(None)) if k is not None]
+        ghosts = self.token_ghosts
+        for k in self._release(backend, e, keys):  # the blocks it no longer holds, evicted
+            self._ghost(ghosts, k, e.evictions, backend, bound)
+        return len(keys)
 
     def key_of(self, backend: str, rank: int, engine_hash: int | bytes) -> int | None:
         """Our key of the block ``engine_hash`` of ``backend``'s ``rank``, if known."""
@@ -458,8 +466,7 @@ class PrefixIndex:
         for r in ranks:
             emap = e.engine_keys.pop(r, None)
             if emap:
-                for k in emap.values():
-                    self._release(backend, e, k)
+                self._release(backend, e, emap.values())
         return before - len(e.holders)
 
     def counts(self, backend: str) -> tuple[int, int]:
