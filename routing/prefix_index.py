@@ -45,10 +45,10 @@ events are live is measured from its engine's own ``BlockRemoved`` and ``BlockSt
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import repeat, takewhile
 
 _NEVER = float("-inf")
 PRECISE = math.inf  # a token entry's value: engine-confirmed (else: when its speculation decays, s)
@@ -91,10 +91,40 @@ class _EngineBlocks:
     block_size: int
     base_model: str  # the name a block without a LoRA adapter is keyed under
     live: bool = False  # events flow and the entries are trusted
-    speculative: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> decays at (s)
+    tokens: dict[int, float] = field(default_factory=dict)  # key -> PRECISE, or when its speculation decays (s)
+    speculative: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> decays at (s), in that order
     holders: dict[int, int] = field(default_factory=dict)  # precise key -> ranks holding it
     engine_keys: dict[int, dict[int | bytes, int]] = field(default_factory=dict)  # rank -> engine hash -> key
     evictions: _Evictions = field(default_factory=_Evictions)  # from BlockRemoved and BlockStored
+
+
+class TokenOwners(Mapping[int, dict[str, float]]):
+    """A read-only view of the token-exact entries by key: ``key -> {backend:
+    PRECISE or when its speculation decays (s)}`` over every backend with events
+    (the index keeps them per backend; this view gathers them per key on access)."""
+
+    def __init__(self, engines: dict[str, _EngineBlocks]) -> None:
+        self._engines = engines
+
+    def __getitem__(self, key: int) -> dict[str, float]:
+        held = {name: e.tokens[key] for name, e in self._engines.items() if key in e.tokens}
+        if not held:
+            raise KeyError(key)
+        return held
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in e.tokens for e in self._engines.values())
+
+    def __iter__(self) -> Iterator[int]:
+        seen: set[int] = set()
+        for e in self._engines.values():
+            for key in e.tokens:
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class PrefixIndex:
@@ -111,6 +141,10 @@ class PrefixIndex:
     - ``default_capacity_blocks``: per-backend bound until :meth:`set_capacity` says more.
     - ``speculative_s``: seconds a speculative entry waits for the engine's event
       (0: no speculative entries).
+
+    Token-exact entries are kept per backend (``key -> PRECISE or decay time``), so
+    that a lookup walks one dict per backend in C; :attr:`token_owners` shows them by
+    key (``key -> {backend: ...}``).
     """
 
     def __init__(self, *, ttl_s: float = 600.0, max_blocks: int = 2_000_000,
@@ -123,7 +157,7 @@ class PrefixIndex:
         self.owners: dict[int, dict[str, float]] = {}  # hash -> {backend: last use}
         self.size = 0
         self.engines: dict[str, _EngineBlocks] = {}  # backends with KV events
-        self.token_owners: dict[int, dict[str, float]] = {}  # key -> {backend: PRECISE or decay time}
+        self.token_owners = TokenOwners(self.engines)
         # evicted blocks, oldest first: hash (or token key) -> the backend that evicted it
         self.ghosts: OrderedDict[int, str] = OrderedDict()
         self.token_ghosts: OrderedDict[int, str] = OrderedDict()
@@ -323,13 +357,11 @@ class PrefixIndex:
         """``backend``'s KV-event state, or ``None`` when it publishes none."""
         return self.engines.get(backend)
 
-    def _drop_token(self, backend: str, key: int) -> None:
-        self._disown(self.token_owners, key, backend)
-
     def _forget_tokens(self, backend: str, e: _EngineBlocks) -> None:
         self.clear_precise(backend)
+        tokens = e.tokens
         for key in e.speculative:
-            self._drop_token(backend, key)
+            tokens.pop(key, None)
         e.speculative.clear()
 
     def record_speculative(self, backend: str, keys: tuple[int, ...], now: float) -> None:
@@ -340,34 +372,26 @@ class PrefixIndex:
         if e is None or not keys or self.speculative_s <= 0:
             return
         until = now + self.speculative_s
-        owners = self.token_owners
+        tokens = e.tokens
         spec = e.speculative
-        for k in keys:
-            o = owners.get(k)
-            if o is None:
-                owners[k] = {backend: until}
-            elif o.get(backend) != PRECISE:
-                o[backend] = until
-            else:
-                continue
-            if k in spec:
-                spec.move_to_end(k)
-            spec[k] = until
+        fresh = dict.fromkeys([k for k in keys if tokens.get(k) != PRECISE], until)
+        tokens.update(fresh)
+        deque(map(spec.pop, fresh, repeat(None)), maxlen=0)  # re-recorded keys move to the end, in order
+        spec.update(fresh)
         if len(spec) > self.max_blocks:
             self._decay(backend, e, math.inf, len(spec) - self.max_blocks)
 
     def _decay(self, backend: str, e: _EngineBlocks, now: float, most: int | None = None) -> int:
         spec = e.speculative
-        owners = self.token_owners
+        tokens = e.tokens
         n = 0
         while spec and (most is None or n < most):
             k, until = next(iter(spec.items()))
             if until > now and most is None:
                 break
             spec.popitem(last=False)
-            o = owners.get(k)
-            if o is not None and o.get(backend, PRECISE) != PRECISE:
-                self._drop_token(backend, k)
+            if tokens.get(k, PRECISE) != PRECISE:
+                del tokens[k]
             n += 1
         return n
 
@@ -384,7 +408,8 @@ class PrefixIndex:
             return 0
         emap = e.engine_keys.setdefault(rank, {})
         holders = e.holders
-        owners = self.token_owners
+        tokens = e.tokens
+        spec = e.speculative
         n = 0
         for h, k in zip(engine_hashes, keys):
             old = emap.get(h)
@@ -398,12 +423,8 @@ class PrefixIndex:
             if c == 0:
                 if self.token_ghosts:
                     self._refetched(self.token_ghosts, k, self.engines)
-                o = owners.get(k)
-                if o is None:
-                    owners[k] = {backend: PRECISE}
-                else:
-                    o[backend] = PRECISE
-                e.speculative.pop(k, None)
+                tokens[k] = PRECISE
+                spec.pop(k, None)
                 n += 1
         if len(holders) > self.max_blocks:
             self.clear_precise(backend)
@@ -413,7 +434,7 @@ class PrefixIndex:
         """One engine block of each of ``keys`` (ranks' holds) is gone: a key no rank
         holds any more leaves ``backend``'s precise entries. Returns those keys, in order."""
         holders = e.holders
-        owners = self.token_owners
+        tokens = e.tokens
         gone = []
         for key in keys:
             c = holders.get(key, 0) - 1
@@ -422,11 +443,7 @@ class PrefixIndex:
                 continue
             holders.pop(key, None)
             gone.append(key)
-            o = owners.get(key)
-            if o is not None:
-                o.pop(backend, None)
-                if not o:
-                    del owners[key]
+            tokens.pop(key, None)
         return gone
 
     def remove(self, backend: str, rank: int, engine_hashes: Iterable[int | bytes]) -> int:
@@ -481,33 +498,19 @@ class PrefixIndex:
         in), the number of leading blocks of ``keys`` it holds, precisely or
         speculatively; a backend holding none is absent. Speculative entries past their
         bound are dropped first (they are kept in expiry order: this costs what decays).
-        Cost: one set comparison per matched block, O(backends) where one drops out."""
+        Cost: per backend, one dict lookup per matched block (run in C)."""
         if not keys:
             return {}
+        result: dict[str, int] = {}
         for name in backends:
             e = self.engines.get(name)
-            if e is not None and e.speculative and next(iter(e.speculative.values())) <= now:
+            if e is None:
+                continue
+            if e.speculative and next(iter(e.speculative.values())) <= now:
                 self._decay(name, e, now)
-        owners = self.token_owners
-        first = owners.get(keys[0])
-        if not first:
-            return {}
-        alive = first.keys() & set(backends)
-        result: dict[str, int] = {}
-        i = 1
-        n = len(keys)
-        while alive and i < n:
-            o = owners.get(keys[i])
-            if o is None:
-                break
-            if not alive <= o.keys():
-                gone = alive - o.keys()
-                for b in gone:
-                    result[b] = i
-                alive -= gone
-            i += 1
-        for b in alive:
-            result[b] = i
+            tokens = e.tokens
+            if keys[0] in tokens:
+                result[name] = len(list(takewhile(tokens.__contains__, keys)))
         return result
 
     def all_precise(self, backend: str, keys: tuple[int, ...]) -> bool:
@@ -515,8 +518,7 @@ class PrefixIndex:
         e = self.engines.get(backend)
         if e is None:
             return False
-        holders = e.holders
-        return all(k in holders for k in keys)
+        return all(map(e.holders.__contains__, keys))
 
     # ---- turnover ----------------------------------------------------------------------------
 
