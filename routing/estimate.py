@@ -17,6 +17,7 @@ request field), so equal text for two models, or two tenants, never collides.
 from __future__ import annotations
 
 import functools
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -111,16 +112,24 @@ def token_block_keys(token_ids: Sequence[int], block_size: int, seed: int) -> tu
     reproduced: the ``token_ids`` of a vLLM ``BlockStored`` event and the gateway's own
     tokenization of a prompt give the same keys. Token ids must be in ``[0, 2**32)``.
     """
-    out = []
-    h = seed
-    ids = array("I", token_ids)
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        ids = token_ids
+    else:
+        ids = array("I")
+        ids.fromlist(token_ids if type(token_ids) is list else list(token_ids))
     if sys.byteorder != "little":
+        ids = array("I", ids)
         ids.byteswap()
-    raw = ids.tobytes()
     step = 4 * block_size
-    for start in range(0, len(raw) - step + 1, step):
-        h = xxhash.xxh3_64_intdigest(raw[start:start + step], seed=h)
-        out.append(h)
+    raw = ids.tobytes()
+    raw = raw[:len(raw) - len(raw) % step]  # full blocks only
+    out = []
+    append = out.append
+    h = seed
+    hash64 = xxhash.xxh3_64_intdigest
+    for (block,) in struct.iter_unpack(f"{step}s", raw):  # the blocks, cut in C
+        h = hash64(block, h)
+        append(h)
     return tuple(out)
 
 
