@@ -40,6 +40,14 @@ and model see it, so no BPE merge crosses such a point. Special tokens that abso
 whitespace before them (``lstrip``), match only as whole words (``single_word``), match
 on normalized text (``normalized``) or can overlap another added token are not cut
 points. Special tokens the post-processor adds (BOS...) go once around the whole prompt.
+
+A segment longer than :data:`CHUNK_CHARS` (one long message) is cut again about every
+:data:`CHUNK_CHARS` characters, counted from its start, where the tokenizer allows it
+(:meth:`ModelTokenizer.chunk_cut_pattern`: before a single space between two
+non-space characters, for byte-level BPE tokenizers whose pre-tokenizer never lets a
+token cross that point). A message that grows from one request to the next (an
+agent's transcript, a document being extended) then re-encodes only its last chunk
+and what was added; chunks are keyed by their text like segments.
 """
 
 from __future__ import annotations
@@ -73,6 +81,10 @@ MIN_SEGMENT_CHARS = 64
 """A cut point closer than this to the previous one is skipped: many tiny segments
 cost more in lookups than they save in encoding."""
 
+CHUNK_CHARS = 2048
+"""A segment longer than this is cut into chunks of about this many characters (see
+the module docstring), where the tokenizer allows it."""
+
 DEFAULT_CACHE_TOKENS = 1 << 21
 """Token ids the prefix cache of one model holds (4 bytes each)."""
 
@@ -85,6 +97,13 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "thinking": "thinking",
                "refusal": "refusal"}
 _BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request line, dropped by vLLM
+# Split regexes (Llama 3's, Qwen 2's) after which, with ByteLevel(use_regex=False), a
+# single space between two non-space characters always starts a new piece (see
+# ModelTokenizer.chunk_cut_pattern)
+_SEPARABLE_SPLITS = frozenset({
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+})
 # chat_template_kwargs may not replace what the renderer itself passes
 _RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "chat_template", "tokenize"})
 
@@ -299,6 +318,7 @@ class ModelTokenizer:
         sp = self._post_processor_specials(add_bos_token, add_eos_token)
         self.head, self.tail = sp.head, sp.tail
         self._cuts = self._cut_pattern()
+        self._chunk_cut = self.chunk_cut_pattern()
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -349,6 +369,58 @@ class ModelTokenizer:
         if not safe:
             return None
         return re.compile("|".join(re.escape(c) for c in sorted(safe, key=len, reverse=True)))
+
+    def chunk_cut_pattern(self) -> re.Pattern[str] | None:
+        """Where a long segment may be cut again without changing its ids, or ``None``.
+
+        Before a single space between two non-space characters, for a tokenizer with no
+        normalizer, a BPE model without dropout, no added token that contains
+        whitespace or strips it (``lstrip``/``rstrip``), and as pre-tokenizer GPT-2's
+        regex (``ByteLevel`` with ``use_regex``, no ``add_prefix_space``) or Llama 3's or
+        Qwen 2's ``Split`` regex followed by ``ByteLevel`` without its own. In each of
+        those regexes only a whitespace run takes a space other than as its first
+        character, so a piece ends before such a space (a non-space precedes it) and the
+        next piece starts at it whatever came before; BPE merges within pieces, so the
+        two sides encode as they do within the whole text. Python's ``\\S`` is narrower
+        than the tokenizer's (``str.isspace`` counts more characters as whitespace), so
+        it never allows a cut the tokenizer's regex would not."""
+        spec = json.loads(self.tokenizer.to_str())
+        model = spec.get("model") or {}
+        if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
+            return None
+        for a in spec.get("added_tokens") or ():
+            if a.get("lstrip") or a.get("rstrip") or any(ch.isspace() for ch in a.get("content", "")):
+                return None
+        pre = spec.get("pre_tokenizer") or {}
+
+        def byte_level(p: dict[str, Any], regex: bool) -> bool:
+            return p.get("type") == "ByteLevel" and not p.get("add_prefix_space") and p.get("use_regex", True) == regex
+
+        if byte_level(pre, True):
+            return _CHUNK_CUT
+        steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+        if steps and len(steps) == 2 and byte_level(steps[1], False):
+            split = steps[0]
+            if (split.get("type") == "Split" and split.get("behavior") == "Isolated" and not split.get("invert")
+                    and (split.get("pattern") or {}).get("Regex") in _SEPARABLE_SPLITS):
+                return _CHUNK_CUT
+        return None
+
+    def _chunk_ends(self, text: str, start: int, end: int) -> list[int]:
+        """Where the chunks of segment ``text[start:end]`` end: at the first cut point
+        :data:`CHUNK_CHARS` or more characters after the previous chunk's start, and at
+        ``end``."""
+        out = []
+        if self._chunk_cut is not None:
+            pos = start + CHUNK_CHARS
+            while pos < end:
+                m = self._chunk_cut.search(text, pos, end)
+                if m is None:
+                    break
+                out.append(m.start())
+                pos = m.start() + CHUNK_CHARS
+        out.append(end)
+        return out
 
     # ---- rendering --------------------------------------------------------------------
 
@@ -504,24 +576,28 @@ class ModelTokenizer:
                 continue
             if cut == start:
                 continue
-            seg = text[start:cut]
-            try:
-                key = xxhash.xxh3_128_digest(seg.encode("utf-8"))
-            except UnicodeEncodeError:
-                raise Unsupported("text with lone surrogates (not valid Unicode)") from None
-            ids = cache.get(key)
-            if ids is None:
-                parts.append(len(todo))
-                todo.append((key, seg))
-            else:
-                parts.append(ids)
-            start = cut
+            for end in self._chunk_ends(text, start, cut):
+                seg = text[start:end]
+                try:
+                    key = xxhash.xxh3_128_digest(seg.encode("utf-8"))
+                except UnicodeEncodeError:
+                    raise Unsupported("text with lone surrogates (not valid Unicode)") from None
+                ids = cache.get(key)
+                if ids is None:
+                    parts.append(len(todo))
+                    todo.append((key, seg))
+                else:
+                    parts.append(ids)
+                start = end
         return Tokenization(self, parts, todo, add_special_tokens, truncate)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """``text``'s ids in one encoding, no cache (the reference the cached path
         equals)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+_CHUNK_CUT = re.compile(r"(?<=\S) (?=\S)")
 
 
 def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer
 
 from loadtest.sim.server import render_chat as sim_render_chat
 from routing.core import BackendSpec, DecisionCore
-from routing.tokenize import (MIN_SEGMENT_CHARS, OFFLOAD_CHARS, ModelTokenizer, TokenizerError, Unsupported,
-                              load_tokenizer)
+from routing.tokenize import (_SEPARABLE_SPLITS, CHUNK_CHARS, MIN_SEGMENT_CHARS, OFFLOAD_CHARS, ModelTokenizer,
+                              TokenizerError, Unsupported, load_tokenizer)
 from tests.chat_cases import TINY, TOOLS_TEMPLATE
 
 TINY_JSON = json.loads((TINY / "tokenizer.json").read_text())
@@ -160,6 +160,81 @@ def test_a_special_token_that_eats_the_space_before_it_is_no_cut_point():
     assert tok.encode(text[:cut], False) + tok.encode(text[cut:], False) != tok.encode(text, False)
     assert "im_start" not in tok._cuts.pattern and "im_end" in tok._cuts.pattern
     assert list(tok.text_tokenization(text, False).token_ids()) == tok.encode(text, False)
+
+
+# ---- long segments are cut into chunks where the tokenizer allows it ---------------------
+
+def _split_byte_level(pattern: str) -> Tokenizer:
+    """A byte-level BPE trained here with Llama 3's or Qwen 2's pre-tokenizer: Split on
+    the regex, then ByteLevel without its own regex."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(7)
+    tok.train_from_iterator([random_text(rng) for _ in range(300)], trainers.BpeTrainer(
+        vocab_size=800, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+CHUNKED = [("tiny byte-level BPE", lambda: Tokenizer.from_str(json.dumps(TINY_JSON)))] + [
+    (f"Split regex {i}", lambda p=p: _split_byte_level(p)) for i, p in enumerate(sorted(_SEPARABLE_SPLITS))]
+
+
+@pytest.mark.parametrize("name,make", CHUNKED, ids=[n for n, _ in CHUNKED])
+def test_long_segments_cut_into_chunks_give_the_whole_encoding(name, make):
+    tok = ModelTokenizer(make(), None, {})
+    assert tok._chunk_cut is not None
+    rng = random.Random(11)
+    texts = [sep.join(random_text(rng) for _ in range(rng.randint(5, 40))) for sep in ("", " ") for _ in range(40)]
+    texts += [t[:len(t) * 3 // 4] for t in texts[::4]]  # prefixes of texts cut into chunks already
+    chunked = 0
+    for text in texts + texts:
+        tz = tok.text_tokenization(text, False)
+        chunked += len(tz._parts) > 1
+        assert list(tz.token_ids()) == tok.encode(text, False), repr(text)
+    assert chunked > len(texts) and tok.cache.hits > len(texts)
+
+
+@pytest.mark.parametrize("name,make", CHUNKED, ids=[n for n, _ in CHUNKED])
+def test_every_chunk_cut_point_splits_the_encoding_exactly(name, make):
+    tok = ModelTokenizer(make(), None, {})
+    rng = random.Random(13)
+    checked = 0
+    for _ in range(150):
+        text = rng.choice(("", " ")).join(random_text(rng) for _ in range(3))
+        whole = tok.encode(text, False)
+        cuts = [m.start() for m in tok._chunk_cut.finditer(text)]
+        for p in rng.sample(cuts, min(len(cuts), 25)):
+            assert tok.encode(text[:p], False) + tok.encode(text[p:], False) == whole, (text[:p], text[p:])
+            checked += 1
+    assert checked > 1000
+
+
+def test_a_growing_message_encodes_only_its_last_chunk_and_the_new_text():
+    tok = fresh()
+    rng = random.Random(12)
+    words = "".join(rng.choice([" hello", " world", " Zürich", " 123", " 世界", ",", ".\n", "  x"]) for _ in range(6000))
+    first = {"messages": [{"role": "user", "content": words[:20_000]}]}
+    tok.tokenization("chat", first).token_ids()
+    grown = {"messages": [{"role": "user", "content": words[:22_000]}]}
+    tz = tok.tokenization("chat", grown)
+    assert tz.uncached_chars < 2_000 + 2 * CHUNK_CHARS  # not the 22,000 characters of the whole message
+    assert list(tz.token_ids()) == tok.encode(tok.render_chat(grown), False)
+
+
+@pytest.mark.parametrize("family", ["metaspace-first", "metaspace-always", "unigram", "wordpiece"])
+def test_other_tokenizer_families_get_no_chunk_cuts(family):
+    assert ModelTokenizer(_family(family), None, {})._chunk_cut is None
+
+
+def test_an_added_token_that_strips_whitespace_turns_chunk_cuts_off():
+    spec = json.loads(json.dumps(TINY_JSON))
+    spec["added_tokens"][1]["rstrip"] = True
+    assert fresh(tokenizer_json=spec)._chunk_cut is None and fresh()._chunk_cut is not None
 
 
 # ---- special tokens: BOS from the post-processor, chat without it -------------------------
