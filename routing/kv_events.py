@@ -31,8 +31,9 @@ read is counted in ``EventBatch.undecodable`` (with the first reason) and skippe
 never raised; a payload that is not a batch at all raises :class:`KVEventDecodeError`.
 Decoding is msgspec's, into typed structs declared like vLLM's (msgspec checks every
 field's type in C; an engine emits one ``BlockRemoved`` per evicted block, so the
-per-event cost is what counts): the batch with its events left raw, then each event
-on its own, so that one bad event costs only itself.
+per-event cost is what counts): the whole batch in one call when every event is a
+valid map event (vLLM 0.32's shape), else the batch with its events left raw, then
+each event on its own, so that one bad event costs only itself.
 :class:`SequenceTracker` checks a publisher's sequence numbers (gaps, engine
 restarts, replay duplicates).
 """
@@ -40,7 +41,7 @@ restarts, replay duplicates).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 
@@ -106,20 +107,24 @@ _FIELDS = {"BlockStored": BlockStored.__struct_fields__, "BlockRemoved": BlockRe
 _MAP_EVENT = msgspec.msgpack.Decoder(KVEvent)
 
 
-class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+E = TypeVar("E")
+
+
+class _ArrayBatch(msgspec.Struct, Generic[E], array_like=True, gc=False):
     ts: float
-    events: list[msgspec.Raw]
+    events: list[E]
     data_parallel_rank: int | None = None
 
 
-class _MapBatch(msgspec.Struct, kw_only=True, gc=False):
+class _MapBatch(msgspec.Struct, Generic[E], kw_only=True, gc=False):
     ts: float = 0.0
-    events: list[msgspec.Raw]
+    events: list[E]
     data_parallel_rank: int | None = None
 
 
-_ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
-_MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
+# (whole batch, batch with its events left raw) for each encoding of the batch
+_ARRAY_BATCH = (msgspec.msgpack.Decoder(_ArrayBatch[KVEvent]), msgspec.msgpack.Decoder(_ArrayBatch[msgspec.Raw]))
+_MAP_BATCH = (msgspec.msgpack.Decoder(_MapBatch[KVEvent]), msgspec.msgpack.Decoder(_MapBatch[msgspec.Raw]))
 
 
 def _is_map(raw: bytes | msgspec.Raw) -> bool:
@@ -169,8 +174,14 @@ def decode_batch(payload: bytes) -> EventBatch:
     ``events``). Events that cannot be decoded are skipped and counted
     (``undecodable``, ``first_error``). Raises :class:`KVEventDecodeError` when the
     payload is not an ``EventBatch``."""
+    whole, by_event = _MAP_BATCH if _is_map(payload) else _ARRAY_BATCH
+    try:  # the whole batch at once, when every event is a valid map event
+        b = whole.decode(payload)
+        return EventBatch(b.ts, b.events, b.data_parallel_rank)
+    except msgspec.DecodeError:
+        pass  # an array event, a bad event or a bad payload: event by event, below
     try:
-        raw = (_MAP_BATCH if _is_map(payload) else _ARRAY_BATCH).decode(payload)
+        raw = by_event.decode(payload)
     except msgspec.ValidationError as e:
         raise KVEventDecodeError(f"not an EventBatch (an array [ts, events, rank] or a map with events): {e}") \
             from None
