@@ -802,8 +802,9 @@ class ModelSettings(_Strict):
         "needs `tokenizer`.")
     prefix_cache_tokens: int = Field(
         DEFAULT_TOKENIZER_CACHE_TOKENS, ge=0, description="Token ids of rendered prompt segments (cut at the "
-        "tokenizer's special tokens, such as each message's start) kept so that a conversation's next turn "
-        "tokenizes only its new text; 4 bytes each. 0: tokenize every prompt whole.")
+        "tokenizer's special tokens, such as each message's start, and long messages about every 2,048 characters "
+        "where the tokenizer allows it) kept so that a conversation's next turn, or a message that grew, tokenizes "
+        "only its new text; 4 bytes each. 0: tokenize every prompt whole.")
     lora: LoraAdapter | None = Field(
         None, description="This model is a LoRA adapter that the backends with `lora.dynamic: true` serving its "
         "base model may load on demand: routing counts them as able to serve it (with the load in the estimated "
