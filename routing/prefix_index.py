@@ -386,10 +386,11 @@ class PrefixIndex:
         tokens = e.tokens
         n = 0
         while spec and (most is None or n < most):
-            k, until = next(iter(spec.items()))
+            k, until = spec.popitem(last=False)  # the oldest (entries are kept in expiry order)
             if until > now and most is None:
+                spec[k] = until  # not due: back in front, where it was
+                spec.move_to_end(k, last=False)
                 break
-            spec.popitem(last=False)
             if tokens.get(k, PRECISE) != PRECISE:
                 del tokens[k]
             n += 1
