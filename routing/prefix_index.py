@@ -92,7 +92,10 @@ class _EngineBlocks:
     base_model: str  # the name a block without a LoRA adapter is keyed under
     live: bool = False  # events flow and the entries are trusted
     tokens: dict[int, float] = field(default_factory=dict)  # key -> PRECISE, or when its speculation decays (s)
-    speculative: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> decays at (s), in that order
+    # every speculative record, oldest first: (when it decays (s), the keys it recorded); a
+    # key decays with its latest record (its value in tokens), the earlier ones are stale
+    speculative: deque[tuple[float, tuple[int, ...]]] = field(default_factory=deque)
+    n_speculative: int = 0  # keys held speculatively
     holders: dict[int, int] = field(default_factory=dict)  # precise key -> ranks holding it
     engine_keys: dict[int, dict[int | bytes, int]] = field(default_factory=dict)  # rank -> engine hash -> key
     evictions: _Evictions = field(default_factory=_Evictions)  # from BlockRemoved and BlockStored
@@ -359,10 +362,9 @@ class PrefixIndex:
 
     def _forget_tokens(self, backend: str, e: _EngineBlocks) -> None:
         self.clear_precise(backend)
-        tokens = e.tokens
-        for key in e.speculative:
-            tokens.pop(key, None)
+        e.tokens.clear()  # only speculative entries were left
         e.speculative.clear()
+        e.n_speculative = 0
 
     def record_speculative(self, backend: str, keys: tuple[int, ...], now: float) -> None:
         """``backend`` was sent a prompt whose blocks are ``keys`` at ``now`` (s): each
@@ -373,27 +375,37 @@ class PrefixIndex:
             return
         until = now + self.speculative_s
         tokens = e.tokens
-        spec = e.speculative
-        fresh = dict.fromkeys([k for k in keys if tokens.get(k) != PRECISE], until)
-        tokens.update(fresh)
-        deque(map(spec.pop, fresh, repeat(None)), maxlen=0)  # re-recorded keys move to the end, in order
-        spec.update(fresh)
-        if len(spec) > self.max_blocks:
-            self._decay(backend, e, math.inf, len(spec) - self.max_blocks)
+        added = 0
+        for k in keys:
+            v = tokens.get(k)
+            if v is None:
+                added += 1
+            elif v == PRECISE:
+                continue
+            tokens[k] = until
+        e.n_speculative += added
+        e.speculative.append((until, keys))
+        if e.n_speculative > self.max_blocks:
+            self._decay(backend, e, math.inf, e.n_speculative - self.max_blocks)
 
     def _decay(self, backend: str, e: _EngineBlocks, now: float, most: int | None = None) -> int:
+        """Drop ``backend``'s speculative entries due at ``now`` (s), oldest first, or
+        (``most``) that many of the oldest; returns how many were dropped."""
         spec = e.speculative
         tokens = e.tokens
         n = 0
-        while spec and (most is None or n < most):
-            k, until = spec.popitem(last=False)  # the oldest (entries are kept in expiry order)
-            if until > now and most is None:
-                spec[k] = until  # not due: back in front, where it was
-                spec.move_to_end(k, last=False)
-                break
-            if tokens.get(k, PRECISE) != PRECISE:
-                del tokens[k]
-            n += 1
+        while spec and spec[0][0] <= now:
+            until, keys = spec.popleft()
+            for i, k in enumerate(keys):
+                if tokens.get(k) == until:  # else: recorded again since, confirmed, or gone
+                    del tokens[k]
+                    n += 1
+                    if most is not None and n >= most:
+                        if i + 1 < len(keys):
+                            spec.appendleft((until, keys[i + 1:]))
+                        e.n_speculative -= n
+                        return n
+        e.n_speculative -= n
         return n
 
     def expire_speculative(self, now: float) -> int:
@@ -410,7 +422,6 @@ class PrefixIndex:
         emap = e.engine_keys.setdefault(rank, {})
         holders = e.holders
         tokens = e.tokens
-        spec = e.speculative
         n = 0
         for h, k in zip(engine_hashes, keys):
             old = emap.get(h)
@@ -424,8 +435,9 @@ class PrefixIndex:
             if c == 0:
                 if self.token_ghosts:
                     self._refetched(self.token_ghosts, k, self.engines)
+                if tokens.get(k) is not None:
+                    e.n_speculative -= 1  # a speculative entry, confirmed
                 tokens[k] = PRECISE
-                spec.pop(k, None)
                 n += 1
         if len(holders) > self.max_blocks:
             self.clear_precise(backend)
@@ -492,7 +504,7 @@ class PrefixIndex:
         e = self.engines.get(backend)
         if e is None:
             return 0, 0
-        return len(e.holders), len(e.speculative)
+        return len(e.holders), e.n_speculative
 
     def match_tokens(self, keys: tuple[int, ...], backends: Iterable[str], now: float) -> dict[str, int]:
         """For each of ``backends`` (with events, whose block size ``keys`` were cut
@@ -507,7 +519,7 @@ class PrefixIndex:
             e = self.engines.get(name)
             if e is None:
                 continue
-            if e.speculative and next(iter(e.speculative.values())) <= now:
+            if e.speculative and e.speculative[0][0] <= now:
                 self._decay(name, e, now)
             tokens = e.tokens
             if keys[0] in tokens:
@@ -531,7 +543,7 @@ class PrefixIndex:
         or speculatively), else from its approximate entries. O(1)."""
         e = self.engines.get(backend) if self.engines else None
         if e is not None and e.live:
-            held = (len(e.holders) + len(e.speculative)) * e.block_size
+            held = (len(e.holders) + e.n_speculative) * e.block_size
             return max(capacity_tokens - held, 0.0), e.evictions.reuse()
         b = self.backends.get(backend)
         if b is None:

@@ -221,6 +221,21 @@ def test_speculative_entries_at_dispatch_are_confirmed_or_decay():
     assert c.index.counts("a") == (1, 0) and keys[1] not in c.index.token_owners
 
 
+def test_a_speculative_entry_decays_with_its_latest_dispatch():
+    from routing.prefix_index import PrefixIndex
+
+    idx = PrefixIndex(speculative_s=5.0)
+    idx.set_engine("a", BS, MODEL)
+    idx.record_speculative("a", (1, 2, 3), 0.0)
+    idx.record_speculative("a", (2, 3, 4), 3.0)  # 2 and 3 again: they now wait until 8 s
+    idx.store("a", 0, [70], [3])  # the engine confirms 3
+    assert idx.counts("a") == (1, 3) and idx.match_tokens((1, 2, 3, 4), ["a"], 4.0) == {"a": 4}
+    assert idx.expire_speculative(5.0) == 1 and idx.counts("a") == (1, 2)  # 1 only
+    assert idx.match_tokens((2, 3, 4), ["a"], 7.9) == {"a": 3}
+    assert idx.expire_speculative(8.0) == 2 and idx.counts("a") == (1, 0)
+    assert idx.match_tokens((3,), ["a"], 9.0) == {"a": 1} and 2 not in idx.token_owners
+
+
 def test_without_speculation_dispatch_records_no_token_entry():
     c = core(("a", BS), speculative_s=0)
     c.kv_event_batch("a", 0, batch([cleared()]))
