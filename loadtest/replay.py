@@ -274,7 +274,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
            block_tokens: int = 64, know_kv_capacity: bool = True, replicas: int = 1,
            shared: bool = True, staleness_s: float = 0.05, scenario: Scenario | None = None,
            watch: Watch | None = None, engine_metrics: bool = True, evidence: str = APPROXIMATE,
-           speculative_s: float = 5.0, cpu: dict[str, float] | None = None) -> list[Record]:
+           speculative_s: float = 5.0, cpu: dict[str, float] | None = None,
+           router_inputs: list[tuple] | None = None) -> list[Record]:
     """Run ``reqs`` through ``policy`` (a name of :data:`REPLAY_POLICIES`) on ``fleet``
     in virtual time; return one :class:`Record` per request. Speeds are not hinted: the
     router learns them. Policies that take an ``rng`` get one seeded from ``seed``.
@@ -306,6 +307,10 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     event (0: none recorded). ``cpu``, when given, gets the process CPU seconds the
     router spent: ``route_s`` (estimate, token keys, route, reservation updates) and
     ``kv_events_s`` (decoding and applying event batches), summed over replicas.
+    ``router_inputs``, when given, gets what the routers were handed, in order:
+    ``("kv", backend, payload)`` per event batch and ``("route", prompt_text,
+    token_ids, output_tokens, excluded backends, now)`` per routing decision (what
+    :mod:`loadtest.precise_cost` applies again to measure the router alone).
 
     A request with a ``direct_backend`` comes from a client outside the gateway: at its
     arrival that engine queues it (its prefill stores its blocks and evicts others; with
@@ -400,6 +405,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     def publish(name: str, eng: Engine, kv: list) -> None:
         """The engine's KV events of one step, as the gateway's subscriber hands them on."""
         payload = encode_batch(0.0, kv, block_size=eng.block_size)
+        if router_inputs is not None:
+            router_inputs.append(("kv", name, payload))
         c0 = clock()
         for core, _ in gateways:
             core.kv_event_batch(name, 0, payload)
@@ -519,6 +526,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                                token_ids=tokens if precise else None)
             if precise:
                 core.set_token_keys(req)
+            if router_inputs is not None:
+                router_inputs.append(("route", text, tokens, r.output_tokens, tuple(sorted(req.exclude)), t))
             decision, res = core.route(req, t)
         except NoBackendAvailable as e:
             spent["route_s"] += clock() - c0

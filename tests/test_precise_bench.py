@@ -177,3 +177,16 @@ def test_the_benchmark_runs_a_tiny_slice_of_both_workloads_end_to_end(tmp_path):
         assert rows["precise"]["predicted_hit_ratio"] == pytest.approx(rows["precise"]["hit_ratio"], abs=0.02)
     shared = next(b for t, b in blocks.items() if t.startswith("shared_prefix"))
     assert shared["rows"]["precise"]["hit_ratio"] > 0.3
+
+
+def test_precise_cost_applies_the_replays_router_inputs_again(tmp_path):
+    from loadtest.precise_cost import apply, capture
+
+    path = str(tmp_path / "inputs.pickle")
+    n = capture("shared_prefix", 6.0, path, requests=40)
+    first, again = apply(path, "all", 1), apply(path, "all", 1)
+    assert n == first["requests"] == 40
+    assert first["digest"] == again["digest"] and first["counts"] == again["counts"]  # the code alone decides
+    assert sum(p for p, _ in first["counts"].values()) > 0  # the engines' events were applied
+    kv_only = apply(path, "kv", 1)
+    assert kv_only["route_us"] == 0 and all(s == 0 for _, s in kv_only["counts"].values())  # nothing dispatched
