@@ -4,8 +4,9 @@ For every backend with ``kv_events`` in the config and every data-parallel rank 
 (rank ``r`` publishes on the endpoint's port + ``r``, as vLLM's
 ``ZmqEventPublisher.offset_endpoint_port`` places it), one task of the gateway's own
 event loop reads a pyzmq asyncio SUB socket: multipart messages ``[topic, seq
-(8-byte big-endian), payload]``. No thread of ours; libzmq's I/O thread queues what
-arrives while the loop is busy.
+(8-byte big-endian), payload]``, every message already queued at each wake-up (up to
+:data:`DRAIN_MAX`). No thread of ours; libzmq's I/O thread queues what arrives while
+the loop is busy.
 
 Sequence numbers are checked (:class:`routing.core.SequenceTracker`):
 
@@ -52,6 +53,7 @@ from routing.core import DUPLICATE, GAP, OK, RESTART, DecisionCore, SequenceTrac
 log = logging.getLogger("gateway.kv_events")
 
 END_SEQ = -1
+DRAIN_MAX = 256  # messages read per wake-up at most, so that other tasks get the loop
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -90,15 +92,22 @@ class RankSubscriber:
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        # what is already queued is read without the event loop (a non-blocking read
+        # each): one wake-up takes a burst of messages instead of one
+        sub_now = zmq.Socket.shadow(sub.underlying)
+        monitor_now = zmq.Socket.shadow(monitor.underlying)
         log.info("subscribed to the KV events of %s (rank %d) at %s", self.backend, self.rank, self.endpoint)
         try:
             while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
-                    parse_monitor_message(await monitor.recv_multipart())  # only EVENT_DISCONNECTED is asked for
-                    self.reconnected = True
-                if sub in ready:
-                    frames = await sub.recv_multipart()
+                await poller.poll()
+                for _ in range(DRAIN_MAX):
+                    if monitor_now.get(zmq.EVENTS) & zmq.POLLIN:
+                        parse_monitor_message(monitor_now.recv_multipart())  # only EVENT_DISCONNECTED is asked for
+                        self.reconnected = True
+                    try:
+                        frames = sub_now.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
                     if len(frames) == 3:
                         await self.on_live(frames[1], frames[2])
                     else:  # not [topic, seq, payload]: counted as undecodable
