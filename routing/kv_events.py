@@ -341,16 +341,16 @@ def apply_batch(index: PrefixIndex, backend: str, rank: int, batch: EventBatch, 
         warn("decode", f"{batch.undecodable} undecodable KV event(s) from {backend}: {batch.first_error}")
     if e is None:
         return warnings
-    removed: list[int | bytes] = []  # a run of consecutive removals, applied in one call
+    removed: list[list[int | bytes]] = []  # a run of consecutive removals, applied in one call
     for ev in batch.events:
         if type(ev) is BlockRemoved:
             if ev.medium not in _GPU or (ev.group_idx or 0) not in (stats.groups or {0}):
                 stats.ignored += 1
                 continue
-            removed += ev.block_hashes
+            removed.append(ev.block_hashes)
             continue
         if removed:
-            index.remove(backend, rank, removed)
+            index.remove_events(backend, rank, removed)
             removed = []
         if type(ev) is BlockStored:
             if ev.medium not in _GPU or ev.kv_cache_spec_kind not in _FULL:
@@ -388,5 +388,5 @@ def apply_batch(index: PrefixIndex, backend: str, rank: int, batch: EventBatch, 
             index.clear_precise(backend, rank)
             e.live = True
     if removed:
-        index.remove(backend, rank, removed)
+        index.remove_events(backend, rank, removed)
     return warnings

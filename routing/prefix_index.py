@@ -460,22 +460,34 @@ class PrefixIndex:
         return gone
 
     def remove(self, backend: str, rank: int, engine_hashes: Iterable[int | bytes]) -> int:
-        """The engine of ``backend`` (``rank``) evicted ``engine_hashes``. Returns how
-        many of them were known."""
+        """The engine of ``backend`` (``rank``) evicted ``engine_hashes`` (one
+        ``BlockRemoved``). Returns how many of them were known."""
+        return self.remove_events(backend, rank, (engine_hashes,))
+
+    def remove_events(self, backend: str, rank: int, events: Iterable[Iterable[int | bytes]]) -> int:
+        """:meth:`remove` for each of a run of ``BlockRemoved`` events (each one's block
+        hashes), in one call; the turnover's window and ghost bound are taken per event,
+        as :meth:`remove` takes them. Returns how many blocks were known."""
         e = self.engines.get(backend)
         if e is None:
             return 0
         emap = e.engine_keys.get(rank)
-        if not emap:
+        if emap is None:
             return 0
         holders = e.holders
-        bound = min(sum(len(x.holders) for x in self.engines.values()) + 1, self.max_blocks)
-        e.evictions.window = len(holders) + 1
-        keys = [k for k in map(emap.pop, engine_hashes, repeat(None)) if k is not None]
+        others = sum(len(x.holders) for x in self.engines.values()) - len(holders)
         ghosts = self.token_ghosts
-        for k in self._release(backend, e, keys):  # the blocks it no longer holds, evicted
-            self._ghost(ghosts, k, e.evictions, backend, bound)
-        return len(keys)
+        n = 0
+        for engine_hashes in events:
+            if not emap:
+                continue
+            bound = min(others + len(holders) + 1, self.max_blocks)
+            e.evictions.window = len(holders) + 1
+            keys = [k for k in map(emap.pop, engine_hashes, repeat(None)) if k is not None]
+            for k in self._release(backend, e, keys):  # the blocks it no longer holds, evicted
+                self._ghost(ghosts, k, e.evictions, backend, bound)
+            n += len(keys)
+        return n
 
     def key_of(self, backend: str, rank: int, engine_hash: int | bytes) -> int | None:
         """Our key of the block ``engine_hash`` of ``backend``'s ``rank``, if known."""

@@ -355,3 +355,25 @@ def test_a_prompt_of_whole_blocks_reuses_all_but_its_last():
     assert held(c, ids, question=False)[0] == {"a": 8}
     assert held(c, ids + [99], question=False)[0] == {"a": 12}
     assert held(c, ids[:4], question=False)[0] == {"a": 0}
+
+
+def test_a_run_of_removals_applies_as_its_events_one_by_one():
+    from routing.prefix_index import PrefixIndex
+
+    def index() -> PrefixIndex:
+        idx = PrefixIndex()
+        for name in ("a", "b"):
+            idx.set_engine(name, BS, MODEL)
+            idx.set_live(name, True)
+            idx.store(name, 0, list(range(100, 120)), list(range(1, 21)))
+        idx.store("a", 1, [7], [3])  # a second rank holds block 3 too
+        return idx
+
+    events = [[100], [101, 102, 999], [], [103, 102], [104]]
+    one_by_one, run = index(), index()
+    assert sum(one_by_one.remove("a", 0, hs) for hs in events) == run.remove_events("a", 0, events) == 5
+    for name in ("a", "b"):
+        assert one_by_one.counts(name) == run.counts(name)
+        assert one_by_one.turnover(name, BS, 1000.0) == run.turnover(name, BS, 1000.0)
+    assert list(one_by_one.token_ghosts.items()) == list(run.token_ghosts.items())
+    assert 3 not in run.token_ghosts and run.counts("a") == (16, 0)  # rank 1 still holds block 3
