@@ -269,18 +269,25 @@ def _estimates(core, model: str, prompt: str, now: float):
     return req, {b.name: estimate_ttft(b, req)[0] for b in core.fleet.backends.values()}
 
 
+def _one_at_a_time(core, adapter: str, n: int, start: float) -> list[str]:
+    """Route ``n`` requests for ``adapter``, one a second from ``start``, each ending
+    before the next comes; the backends that served them."""
+    served = []
+    for i in range(n):
+        now = start + i
+        _, req = core.request(adapter, "word " * 400, 16)
+        decision, res = core.route(req, now)
+        res.first_token(now + 0.05)
+        res.release(now + 0.5, 16)
+        served.append(decision.backend.name)
+    return served
+
+
 def test_a_lightly_loaded_adapter_stays_on_one_backend_and_the_same_one_everywhere():
     homes = set()
     for _ in range(2):  # two gateway replicas, sharing nothing
         core = _lora_core(4)
-        served = []
-        for i in range(40):  # one request at a time: it ends before the next one comes
-            now = 1.0 + i
-            _, req = core.request("x", "word " * 400, 16)
-            decision, res = core.route(req, now)
-            res.first_token(now + 0.05)
-            res.release(now + 0.5, 16)
-            served.append(decision.backend.name)
+        served = _one_at_a_time(core, "x", 40, 1.0)
         assert len(set(served)) == 1
         assert core.fleet.adapter_sets.members("x") == (served[0],)
         homes.add(served[0])
@@ -317,14 +324,7 @@ def test_an_adapter_set_grows_only_past_a_load_and_shrinks_when_load_falls():
     for res in held:  # the load falls: every request ends
         res.first_token(2.0)
         res.release(3.0, 16)
-    served = []
-    for i in range(len(grown) + 5):  # light load again: one request at a time
-        now = 4.0 + i
-        _, req = core.request("x", "word " * 400, 16)
-        decision, res = core.route(req, now)
-        res.first_token(now + 0.05)
-        res.release(now + 0.5, 16)
-        served.append(decision.backend.name)
+    served = _one_at_a_time(core, "x", len(grown) + 5, 4.0)  # light load again
     (kept,) = sets.members("x")  # one idle member left per request, down to one
     assert kept in grown and served[-5:] == [kept] * 5
 
