@@ -92,7 +92,10 @@ class HealthChecker:
             return
         self.discovery_ok[name] = True
         if self.core is not None and self.core.set_served_models(client.state, models):
-            log.info("backend %s now serves %s", name, ", ".join(sorted(client.state.models())) or "nothing")
+            st = client.state
+            loadable = {m for m in st.models() if st.needs_load(m)}
+            log.info("backend %s now serves %s%s", name, ", ".join(sorted(st.models() - loadable)) or "nothing",
+                     f" (and may load on demand: {', '.join(sorted(loadable))})" if loadable else "")
 
     async def discover_all(self) -> None:
         """Read the models of every backend configured with ``models: auto`` or

@@ -560,3 +560,18 @@ def test_adapter_config_is_checked():
     with pytest.raises(ConfigError, match="base model 'nope' of adapter 'sql'"):
         gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["base"], "lora": {"dynamic": True}}],
                        models={"sql": {"lora": {"base": "nope", "path": "/x"}}})
+
+
+async def test_the_discovery_log_tells_listed_models_from_adapters_it_may_load(caplog):
+    sims, urls = await start_backends([SimBackendConfig(name="b0", models=["base"], speed=20.0, lora={})])
+    try:
+        cfg = gateway_config([{"name": "b0", "url": urls["b0"], "models": "auto", "lora": {"dynamic": True}}],
+                             models={"sql": {"lora": {"base": "base", "path": "/adapters/sql"}}})
+        caplog.set_level("INFO", logger="gateway.health")
+        async with running_gateway(cfg) as gw:
+            await wait_until(lambda: "sql" in gw.state.fleet.backends["b0"].models())
+            said = [r.getMessage() for r in caplog.records if r.name == "gateway.health"]
+            assert "backend b0 now serves base (and may load on demand: sql)" in said
+    finally:
+        for b in sims:
+            await b.cleanup()
