@@ -61,6 +61,7 @@ class HealthChecker:
         self.on_recovered = on_recovered
         self.core = core
         self.discovery_ok: dict[str, bool] = {}
+        self.unservable: set[str] = set()  # on-demand adapters logged as served by no backend
         self.clients = list(clients)
         self.paths = paths
         self.failures: dict[str, int] = {}
@@ -101,6 +102,23 @@ class HealthChecker:
         """Read the models of every backend configured with ``models: auto`` or
         on-demand LoRA adapters."""
         await asyncio.gather(*(self.discover(c) for c in self.clients if c.state.spec.reads_models))
+        self.note_unservable_adapters()
+
+    def note_unservable_adapters(self) -> None:
+        """Log once each LoRA adapter that backends may load on demand but none can
+        serve: none of them lists its base model (a misspelt ``models.<a>.lora.base``
+        otherwise shows only as a 404 ``model_not_found``). Judged once every backend
+        that reads its models has been read."""
+        readers = [c for c in self.clients if c.state.spec.reads_models]
+        if self.core is None or not all(self.discovery_ok.get(c.state.name) for c in readers):
+            return
+        served = set(self.core.fleet.models())
+        for c in readers:
+            for adapter, base in c.state.spec.loadable:
+                if adapter not in served and adapter not in self.unservable:
+                    self.unservable.add(adapter)
+                    log.warning("LoRA adapter %s is served by no backend: no backend that may load it lists its "
+                                "base model %s (see models.%s.lora.base)", adapter, base, adapter)
 
     async def check_all(self) -> None:
         """One round over every backend, concurrently; then the models of those that
@@ -108,6 +126,7 @@ class HealthChecker:
         results = await asyncio.gather(*(self.probe(c) for c in self.clients))
         await asyncio.gather(*(self.discover(c) for c, ok in zip(self.clients, results)
                                if ok and c.state.spec.reads_models))
+        self.note_unservable_adapters()
         for c, ok in zip(self.clients, results):
             name = c.state.name
             self.checked.add(name)

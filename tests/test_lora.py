@@ -575,3 +575,19 @@ async def test_the_discovery_log_tells_listed_models_from_adapters_it_may_load(c
     finally:
         for b in sims:
             await b.cleanup()
+
+
+async def test_an_adapter_whose_base_no_backend_serves_is_logged(caplog):
+    sims, urls = await start_backends([SimBackendConfig(name="b0", models=["base"], speed=20.0, lora={})])
+    try:
+        cfg = gateway_config([{"name": "b0", "url": urls["b0"], "models": "auto", "lora": {"dynamic": True}}],
+                             models={"sql": {"lora": {"base": "bsae", "path": "/adapters/sql"}}})
+        caplog.set_level("WARNING", logger="gateway.health")
+        async with running_gateway(cfg) as gw:
+            await wait_until(lambda: "base" in gw.state.fleet.backends["b0"].models())
+            said = [r.getMessage() for r in caplog.records if r.name == "gateway.health"]
+            assert said == ["LoRA adapter sql is served by no backend: no backend that may load it lists its base "
+                            "model bsae (see models.sql.lora.base)"]
+    finally:
+        for b in sims:
+            await b.cleanup()
