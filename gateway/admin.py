@@ -149,11 +149,21 @@ async def _cancel_batch(request: web.Request) -> web.Response:
     return _json(admin_batch_object(f))
 
 
+def _usage_param(request: web.Request, name: str) -> str | None:
+    """Query parameter ``name`` of a usage request (``None``: absent or empty).
+    Raises :class:`ClientError` 400 when it is given more than once."""
+    values = request.query.getall(name, ())
+    if len(values) > 1:
+        raise ClientError(400, f"`{name}` is given {len(values)} times; give it once (one {name} per request).",
+                          param=name, code="invalid_value")
+    return values[0] if values and values[0] != "" else None
+
+
 def _usage_time(request: web.Request, name: str, default: float) -> float:
     """Query parameter ``name``: Unix seconds or an ISO 8601 time (UTC unless it says
     otherwise); ``default`` when absent. Raises :class:`ClientError` 400."""
-    raw = request.query.get(name)
-    if raw is None or raw == "":
+    raw = _usage_param(request, name)
+    if raw is None:
         return default
     try:
         value = float(raw)
@@ -186,7 +196,7 @@ async def usage_report(state, key: str | None, request: web.Request) -> dict:
     since_hour = int(max(since, oldest) // HOUR_S)
     # hours that start before ``until``; none is in the future
     until_hour = max(min(-(-int(until) // HOUR_S), int(now // HOUR_S) + 1), since_hour)
-    model = request.query.get("model") or None
+    model = _usage_param(request, "model")
     if state.usage_sync is not None:
         try:
             buckets = await state.usage_sync.read(key, model, since_hour, until_hour)
@@ -202,12 +212,12 @@ async def usage_report(state, key: str | None, request: web.Request) -> dict:
 async def _admin_usage(request: web.Request) -> web.Response:
     state = _state(request)
     check_admin(request, state.admin_digest)
-    return _json(await usage_report(state, request.query.get("key") or None, request))
+    return _json(await usage_report(state, _usage_param(request, "key"), request))
 
 
 async def _own_usage(request: web.Request) -> web.Response:
     caller = request[CALLER]
-    asked = request.query.get("key")
+    asked = _usage_param(request, "key")
     if asked and asked != caller.name:
         raise ClientError(403, "An API key sees only its own usage.", param="key", code="permission_denied")
     return _json(await usage_report(_state(request), caller.name, request))

@@ -252,6 +252,9 @@ async def test_admin_filters_and_a_key_sees_only_its_own_usage():
                             {"until": "-5"}, {"since": "nan"}):
                     status, body = await get(http, admin, ADMIN, **bad)
                     assert status == 400 and body["error"]["param"] in ("since", "until"), bad
+                async with http.get(admin + "?model=m&model=m2", headers=ADMIN) as r:  # one model per request
+                    body = orjson.loads(await r.read())
+                    assert r.status == 400 and body["error"]["param"] == "model"
                 assert (await get(http, admin))[0] == 401
                 assert (await get(http, admin, bearer(A)))[0] == 401  # a client key is not the admin key
                 # a key's own usage
