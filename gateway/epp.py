@@ -187,7 +187,7 @@ class EppStream:
         body = bytearray()
         self.body_read = True
         if not self.duplex:  # Envoy sends the buffered body once its headers are answered
-            await self.context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+            await self.context.write(_HEADERS_UNCHANGED)
         while True:
             msg = await self.read()
             if msg is None:
@@ -307,12 +307,18 @@ class EppStream:
             mutation = pb.HeaderMutation(set_headers=[_header(k, v) for k, v in response_headers.items()])
             await self.context.write(pb.ProcessingResponse(
                 response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))))
-        elif kind == "response_body":
-            await self.context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
-        elif kind == "response_trailers":
-            await self.context.write(pb.ProcessingResponse(response_trailers=pb.TrailersResponse()))
-        elif kind == "request_trailers":
-            await self.context.write(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        elif (ack := _UNCHANGED.get(kind)) is not None:
+            await self.context.write(ack)
+
+
+# The answers that let a message go on unchanged, built once: they never vary, and each
+# would otherwise be constructed per message (per response chunk with response bodies on).
+_UNCHANGED = {
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+}
+_HEADERS_UNCHANGED = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 
 
 class _Served:
