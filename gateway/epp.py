@@ -264,7 +264,8 @@ class EppStream:
         client = min(ready, key=lambda c: c.state.in_flight)
         await self.forward([client.endpoint], {REQUEST_ID_HEADER: rid}, body)
         while (msg := await self.read()) is not None:
-            await self.acknowledge(msg, {})
+            if await self.acknowledge(msg, {}):
+                break
 
     async def immediate(self, status: int, body: bytes, headers: dict[str, str], rid: str) -> None:
         """Answer the client from here (Envoy sends no request upstream)."""
@@ -299,16 +300,20 @@ class EppStream:
             await self.context.write(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
                                                            dynamic_metadata=md))
 
-    async def acknowledge(self, msg: Any, response_headers: dict[str, str]) -> None:
+    async def acknowledge(self, msg: Any, response_headers: dict[str, str]) -> bool:
         """Let a response-phase message go on unchanged (``response_headers`` added
-        to the response's headers)."""
+        to the response's headers). Returns whether it was Envoy's last message of the
+        exchange (the response body's end, or its trailers): Envoy then closes the
+        stream, and the picker ends its side without waiting for that close."""
         kind = msg.WhichOneof("request")
         if kind == "response_headers":
             mutation = pb.HeaderMutation(set_headers=[_header(k, v) for k, v in response_headers.items()])
             await self.context.write(pb.ProcessingResponse(
                 response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))))
-        elif (ack := _UNCHANGED.get(kind)) is not None:
+            return False
+        if (ack := _UNCHANGED.get(kind)) is not None:
             await self.context.write(ack)
+        return kind == "response_trailers" or (kind == "response_body" and msg.response_body.end_of_stream)
 
 
 # The answers that let a message go on unchanged, built once: they never vary, and each
@@ -368,7 +373,8 @@ async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendCl
                 extra = _on_response_headers(state, ex, served, msg)
             elif kind == "response_body" and not served.settled:
                 _on_response_body(state, ex, served, msg.response_body.body, msg.response_body.end_of_stream)
-            await stream.acknowledge(msg, extra)
+            if await stream.acknowledge(msg, extra):
+                break
         if not served.settled:  # Envoy closed its side before the body's end
             if served.status == 200 and not epp.response_body:
                 _settle_end(state, ex, served)  # without body processing, that is how a response ends
