@@ -9,7 +9,9 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
 - a listener whose HTTP filter chain is ``envoy.filters.http.ext_proc`` (the endpoint
   picker over gRPC: request headers, the request body ``FULL_DUPLEX_STREAMED``, the
   response headers, and the response body ``STREAMED`` when ``listen.epp.response_body``;
-  the ``upstream.address`` attribute with the response headers) then the router;
+  the ``upstream.address`` attribute with the response headers) then the router; on
+  paths other than the completions' the response phase is skipped (a per-route
+  processing mode: the picker follows only a completion's response);
 - the pool: one static cluster with every backend's ``ip:port``, chosen by the
   ``envoy.load_balancing_policies.override_host`` policy from the picker's dynamic
   metadata ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the chosen endpoint, then
@@ -28,13 +30,14 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from typing import Any
 
 import yaml
 
 from gateway.config import GatewayConfig, load_config
-from gateway.epp import DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE, UPSTREAM_ADDRESS
+from gateway.epp import COMPLETION_PATHS, DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE, UPSTREAM_ADDRESS
 from gateway.transport import endpoint_of
 
 _T = "type.googleapis.com/envoy.extensions"
@@ -101,11 +104,18 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
                          "num_retries": min(pe.fallback_endpoints, cfg.retries.max_attempts - 1)}}
     if t.idle_s is not None:
         route["idle_timeout"] = _seconds(t.idle_s)
+    # the picker follows the response only of a completion (its status, served endpoint,
+    # first token and usage settle it): any other request is picked in its request phase,
+    # so on other paths Envoy skips the response phase (no response messages, no answers)
+    others = {"envoy.filters.http.ext_proc": {
+        "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"processing_mode": {**mode, "response_header_mode": "SKIP", "response_body_mode": "NONE"}}}}
+    routes = [{"match": {"path": path}, "route": copy.deepcopy(route)} for path in COMPLETION_PATHS]
+    routes.append({"match": {"prefix": "/"}, "route": route, "typed_per_filter_config": others})
     hcm = {"@type": f"{_T}.filters.network.http_connection_manager.v3.HttpConnectionManager",
            "stat_prefix": "inference", "stream_idle_timeout": "0s",
            "preserve_external_request_id": True,  # the caller's x-request-id, as the gateway keeps it
-           "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"],
-                                               "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+           "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
            "http_filters": [ext_proc, router]}
     override_host = {"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",

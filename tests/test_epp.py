@@ -308,6 +308,26 @@ async def test_without_response_body_processing_the_reservation_lasts_the_stream
             assert stats.get("http.inference.ext_proc.streams_started") == 1
 
 
+async def test_only_completions_send_their_response_phase_to_the_picker():
+    a = ScriptedBackend()
+    async with a.running(), picker_stack(gateway_config([{"name": "a", "url": a.url, "models": ["m"]}])) as stack, \
+            aiohttp.ClientSession() as s:
+        async with s.get(stack.url + "/health") as r:  # not a completion: picked in its request phase
+            assert r.status == 200 and await r.text() == "ok"
+        stats = await stack.envoy.stats("http.inference.ext_proc")
+        assert stats["http.inference.ext_proc.stream_msgs_sent"] == 1  # its headers, and nothing of the response
+        assert stats["http.inference.ext_proc.stream_msgs_received"] == 1
+        async with s.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+            assert r.status == 200 and r.headers["x-turbo-backend"] == "a"
+            await r.read()
+        stats = await stack.envoy.stats("http.inference.ext_proc")
+        # the completion's headers and body, then its response's headers and body
+        assert stats["http.inference.ext_proc.stream_msgs_sent"] >= 1 + 4
+        assert stats["http.inference.ext_proc.stream_msgs_received"] == 1 + 4
+        await wait_until(lambda: stack.gateway.idle("a"))
+        assert stack.gateway.metric("turbo_gateway_ttft_seconds_count", model="m") == 1  # its body was seen
+
+
 async def test_the_health_service_reports_liveness_readiness_and_ext_proc():
     a = ScriptedBackend()
     async with a.running(), picker_stack(gateway_config([{"name": "a", "url": a.url, "models": ["m"]}])) as stack:
