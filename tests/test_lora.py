@@ -562,32 +562,28 @@ def test_adapter_config_is_checked():
                        models={"sql": {"lora": {"base": "nope", "path": "/x"}}})
 
 
-async def test_the_discovery_log_tells_listed_models_from_adapters_it_may_load(caplog):
+async def _discovery_log(caplog, base: str, level: str, served: str) -> list[str]:
+    """What the health checker logs at ``level`` once an auto backend serving ``base``
+    lists ``served``, with adapter ``sql`` (of base model ``base``) loadable on demand."""
     sims, urls = await start_backends([SimBackendConfig(name="b0", models=["base"], speed=20.0, lora={})])
     try:
         cfg = gateway_config([{"name": "b0", "url": urls["b0"], "models": "auto", "lora": {"dynamic": True}}],
-                             models={"sql": {"lora": {"base": "base", "path": "/adapters/sql"}}})
-        caplog.set_level("INFO", logger="gateway.health")
+                             models={"sql": {"lora": {"base": base, "path": "/adapters/sql"}}})
+        caplog.set_level(level, logger="gateway.health")
         async with running_gateway(cfg) as gw:
-            await wait_until(lambda: "sql" in gw.state.fleet.backends["b0"].models())
-            said = [r.getMessage() for r in caplog.records if r.name == "gateway.health"]
-            assert "backend b0 now serves base (and may load on demand: sql)" in said
+            await wait_until(lambda: served in gw.state.fleet.backends["b0"].models())
+            return [r.getMessage() for r in caplog.records if r.name == "gateway.health" and r.levelname == level]
     finally:
         for b in sims:
             await b.cleanup()
+
+
+async def test_the_discovery_log_tells_listed_models_from_adapters_it_may_load(caplog):
+    said = await _discovery_log(caplog, "base", "INFO", "sql")
+    assert "backend b0 now serves base (and may load on demand: sql)" in said
 
 
 async def test_an_adapter_whose_base_no_backend_serves_is_logged(caplog):
-    sims, urls = await start_backends([SimBackendConfig(name="b0", models=["base"], speed=20.0, lora={})])
-    try:
-        cfg = gateway_config([{"name": "b0", "url": urls["b0"], "models": "auto", "lora": {"dynamic": True}}],
-                             models={"sql": {"lora": {"base": "bsae", "path": "/adapters/sql"}}})
-        caplog.set_level("WARNING", logger="gateway.health")
-        async with running_gateway(cfg) as gw:
-            await wait_until(lambda: "base" in gw.state.fleet.backends["b0"].models())
-            said = [r.getMessage() for r in caplog.records if r.name == "gateway.health"]
-            assert said == ["LoRA adapter sql is served by no backend: no backend that may load it lists its base "
-                            "model bsae (see models.sql.lora.base)"]
-    finally:
-        for b in sims:
-            await b.cleanup()
+    said = await _discovery_log(caplog, "bsae", "WARNING", "base")
+    assert said == ["LoRA adapter sql is served by no backend: no backend that may load it lists its base "
+                    "model bsae (see models.sql.lora.base)"]
