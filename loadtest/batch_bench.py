@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -41,6 +40,7 @@ import orjson
 
 from loadtest.metrics import percentile
 from loadtest.procs import free_port, start_gateway, start_sim, stop
+from loadtest.report import emit_row, print_rows
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -197,7 +197,7 @@ async def _run(args) -> list[dict[str, Any]]:
             for i, (name, batch) in enumerate((("interactive alone", None), ("+ batch, priority", "priority"),
                                                ("+ batch, no priority", "no-priority"))):
                 row = await _phase(name, http, url, cfg_path, args, batch, seed=args.seed)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+                emit_row(row)
                 rows.append(row)
         return rows
     finally:
@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     rows = asyncio.run(_run(args))
-    print(_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print_rows(rows, _table(rows), args.json)
     return 0
 
 

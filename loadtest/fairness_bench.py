@@ -26,14 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -41,6 +38,7 @@ import orjson
 
 from loadtest.metrics import jain_index, percentile
 from loadtest.procs import start_gateway, start_sim, stop
+from loadtest.report import emit_row, print_rows
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -149,17 +147,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 async def _run(args) -> list[dict[str, Any]]:
-    workdir = tempfile.mkdtemp(prefix="fairness-bench-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="fairness-bench-", ignore_cleanup_errors=True) as workdir:
         rows = []
         for fairness in ("round_robin", "tokens"):
             phase = await _phase(fairness, args, workdir)
             for r in phase:
-                print(json.dumps(r), file=sys.stderr, flush=True)
+                emit_row(r)
             rows += phase
         return rows
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.streams <= args.backends * args.max_in_flight:
         ap.error("--streams must exceed --backends x --max-in-flight: each key keeps requests waiting")
     rows = asyncio.run(_run(args))
-    print(_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print_rows(rows, _table(rows), args.json)
     return 0
 
 

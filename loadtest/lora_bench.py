@@ -25,20 +25,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from loadtest.metrics import percentile
 from loadtest.procs import start_gateway, start_sim, stop
+from loadtest.report import emit_row, print_rows
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -155,16 +153,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 async def _run(args) -> list[dict[str, Any]]:
-    workdir = tempfile.mkdtemp(prefix="lora-bench-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="lora-bench-", ignore_cleanup_errors=True) as workdir:
         rows = []
         for label, policy, lora_load_s in PHASES:
             row = await _phase(label, policy, lora_load_s, args, workdir)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            emit_row(row)
             rows.append(row)
         return rows
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapters < 1 or args.backends < 1 or args.streams < 1:
         ap.error("--adapters, --backends and --streams must be >= 1")
     rows = asyncio.run(_run(args))
-    print(_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print_rows(rows, _table(rows), args.json)
     return 0
 
 

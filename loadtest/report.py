@@ -408,3 +408,16 @@ def write_outputs(doc: dict[str, Any], out_dir: str | Path, plots: bool = True) 
         if names:
             paths["report"].write_text(render_markdown(doc, names))
     return paths
+
+
+def emit_row(row: dict[str, Any]) -> None:
+    """One benchmark row as a JSON line on stderr, as soon as it is measured."""
+    print(json.dumps(row), file=sys.stderr, flush=True)
+
+
+def print_rows(rows: list[dict[str, Any]], table: str, json_path: str | None) -> None:
+    """A benchmark's end: its markdown ``table`` on stdout and, with ``json_path``, its
+    ``rows`` written there as JSON."""
+    print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2))
