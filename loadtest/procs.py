@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -223,17 +223,9 @@ def start_gateway(config: dict[str, Any] | str | Path, timeout_s: float = 30.0,
     is a path or a config mapping (written to a temporary YAML). Returns the process,
     its URL and the config path."""
     path = config_path(config, workdir, "loadtest-gw-")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", timeout_s, proc)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, url, path
+    return (*_serve_health(lambda port: [sys.executable, "-m", "gateway", "--config", str(path), "--host",
+                                         "127.0.0.1", "--port", str(port), "--log-level", "warning"], timeout_s),
+            path)
 
 
 def start_envoy_epp(config: dict[str, Any] | str | Path, timeout_s: float = 60.0,
@@ -244,17 +236,24 @@ def start_envoy_epp(config: dict[str, Any] | str | Path, timeout_s: float = 60.0
     Envoy (the picker lets it through to a backend). Raises RuntimeError when it does
     not come up within ``timeout_s``."""
     path = config_path(config, workdir, "loadtest-epp-")
+    return (*_serve_health(lambda port: [sys.executable, "-m", "loadtest.envoy_epp", "--config", str(path),
+                                         "--port", str(port), "--ready-timeout", str(timeout_s)], timeout_s),
+            path)
+
+
+def _serve_health(argv: Callable[[int], list[str]], timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """Start ``argv(port)`` on a free loopback port and wait for its ``/health``; the
+    process and its URL. Stops it and raises when it does not come up in ``timeout_s``."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest.envoy_epp", "--config", str(path), "--port", str(port),
-                             "--ready-timeout", str(timeout_s)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv(port), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", timeout_s, proc)
     except BaseException:
         stop(proc)
         raise
-    return proc, url, path
+    return proc, url
 
 
 NGINX_CONF = """worker_processes 1;
