@@ -78,6 +78,27 @@ def missing_model_deps() -> list[str]:
     return [m for m in ("numpy", "gguf", "tokenizers") if importlib.util.find_spec(m) is None]
 
 
+def require_model_deps(suite: str) -> None:
+    """Skip the calling test module (``suite``: its name in the message) when the model
+    generator's modules are missing."""
+    missing = missing_model_deps()
+    if missing:
+        import pytest
+        pytest.skip(f"the {suite} suite needs {', '.join(missing)} to generate its model: pip install -e '.[test]'",
+                    allow_module_level=True)
+
+
+def require_llama_server() -> Path:
+    """The llama-server executable and the model generator's modules, or skip the
+    calling test module with the hint that builds them."""
+    import pytest
+    path = llama_server_bin()
+    if path is None:
+        pytest.skip(ENABLE_HINT, allow_module_level=True)
+    require_model_deps("real-engine")
+    return path
+
+
 def tiny_model() -> Path:
     """``model.gguf`` of the tiny random-weight model, generated on first use into
     the cache (atomically: a half-written model is never picked up)."""

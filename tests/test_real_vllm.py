@@ -43,9 +43,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PY = engines.vllm_python()
 if PY is None:
     pytest.skip(engines.VLLM_ENABLE_HINT, allow_module_level=True)
-if engines.missing_model_deps():
-    pytest.skip(f"the real-vLLM suite needs {', '.join(engines.missing_model_deps())} to generate its model: "
-                "pip install -e '.[test]'", allow_module_level=True)
+engines.require_model_deps("real-vLLM")
 
 import aiohttp
 import msgpack

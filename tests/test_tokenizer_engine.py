@@ -25,12 +25,7 @@ from tests import engines
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-BIN = engines.llama_server_bin()
-if BIN is None:
-    pytest.skip(engines.ENABLE_HINT, allow_module_level=True)
-if engines.missing_model_deps():
-    pytest.skip(f"the real-engine suite needs {', '.join(engines.missing_model_deps())} to generate its model: "
-                "pip install -e '.[test]'", allow_module_level=True)
+BIN = engines.require_llama_server()
 
 from routing.tokenize import load_tokenizer  # noqa: E402
 from tests.chat_cases import (  # noqa: E402
