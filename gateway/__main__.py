@@ -1,7 +1,7 @@
 """``python -m gateway --config backends.yaml [--host H] [--port P] [--epp [--grpc-port G]] [--log-level L]``.
 
 ``--epp`` also serves the endpoint picker behind Envoy (gRPC ext_proc, see
-:mod:`gateway.epp`) on ``--grpc-port`` (``listen.epp`` in the config).
+:mod:`gateway.epp.picker`) on ``--grpc-port`` (``listen.epp`` in the config).
 
 Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM), 2 for a user error (bad
 config, address in use), 1 for anything unexpected.
@@ -9,7 +9,7 @@ config, address in use), 1 for anything unexpected.
 Signals: SIGTERM (or SIGINT) drains: the listening socket closes at once, in-flight
 requests and streams finish for up to ``lifecycle.drain_timeout_s`` (then they are
 cut), and the process exits 0; a second SIGTERM/SIGINT stops at once. SIGHUP reloads
-the config file (see :mod:`gateway.reload`).
+the config file (see :mod:`gateway.ops.config_reload`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import logging
 import sys
 import time
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import ConfigError, load_config
-from gateway.demo import DemoFleetError
-from gateway.run import serve, setup_logging
+from gateway.ops.demo_fleet import DemoFleetError
+from gateway.server.run import serve, setup_logging
 
 log = logging.getLogger("gateway")
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         run = asyncio.run
     started = time.monotonic()
     if args.workers > 1:
-        from gateway.workers import run_workers
+        from gateway.server.workers import run_workers
         try:
             return run_workers(cfg, args.config, host, port, args.workers, args.log_level)
         except OSError as e:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
             print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
             return 2
-        if e.errno is None:  # the endpoint picker's gRPC port (gateway.epp says which)
+        if e.errno is None:  # the endpoint picker's gRPC port (gateway.epp.picker says which)
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

@@ -346,7 +346,7 @@ class Pool(_Strict):
 class EndpointPicker(_Strict):
     """The gateway as the endpoint picker (EPP) of the Kubernetes Gateway API Inference
     Extension: Envoy's ``ext_proc`` filter asks it, over gRPC, which backend takes each
-    request (:mod:`gateway.epp`; protocol: ``docs/proposals/004-endpoint-picker-protocol``
+    request (:mod:`gateway.epp.picker`; protocol: ``docs/proposals/004-endpoint-picker-protocol``
     in kubernetes-sigs/gateway-api-inference-extension)."""
 
     enabled: bool = Field(False, description="Serve the ext_proc gRPC API; `--epp` sets it.")
@@ -565,7 +565,7 @@ class Price(_Strict):
 
 
 class Usage(_Strict):
-    """The usage ledger (:mod:`gateway.usage`): requests, tokens, errors and cost per
+    """The usage ledger (:mod:`gateway.tenancy.usage_ledger`): requests, tokens, errors and cost per
     client key and model, in hourly buckets. With ``state.url`` every replica adds its
     counts to the same Redis buckets (flushed in the background, never on the request
     path); without it they stay in this process."""
@@ -965,7 +965,7 @@ class GatewayConfig(_Strict):
     def with_kv_events(self, sources: dict[str, KVEvents]) -> "GatewayConfig":
         """This config with the ``kv_events`` of the simulated backends the gateway
         wires itself (:attr:`Backend.simulated_kv_events`) taken from ``sources`` (by
-        backend name; see :func:`gateway.demo.simulated_kv_sources`)."""
+        backend name; see :func:`gateway.ops.demo_fleet.simulated_kv_sources`)."""
         if not sources:
             return self
         backends = [b.model_copy(update={"kv_events": sources[b.name]})

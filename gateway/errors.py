@@ -172,7 +172,7 @@ class Disconnected(UpstreamError):
 
 
 class ProxyRetried(UpstreamError):
-    """Behind Envoy (:mod:`gateway.epp`): the request was served by another backend
+    """Behind Envoy (:mod:`gateway.epp.picker`): the request was served by another backend
     than the one picked, so the picked one failed before answering, for a reason only
     the proxy saw (refused, reset, a 5xx)."""
 
@@ -186,7 +186,7 @@ class BackendStatus(UpstreamError):
     the backend's).
 
     ``openai``: the engine's caller error in OpenAI's terms, ``(status, body, code)``
-    from :func:`gateway.engine_errors.classify`. The answer then carries that status
+    from :func:`gateway.pipeline.engine_errors.classify`. The answer then carries that status
     (400, or 404 for ``model_not_found``) and OpenAI error body, ``code`` is the OpenAI
     code (``context_length_exceeded``, ``invalid_value``,
     ``invalid_function_parameters``, ``model_not_found``; ``None`` when not

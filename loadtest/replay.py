@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from loadtest.sim.engine import Engine, prompt_block_hashes
-from loadtest.sim.kv_events import encode_batch
+from loadtest.sim.kv_event_publisher import encode_batch
 from loadtest.sim.profiles import PROFILES, Profile
 from loadtest.traces import (BYTES_PER_TOKEN, MAX_INPUT_TOKENS, TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, TraceRequest,  # noqa: F401
                              load_trace, request_tokens_and_text, scale_time)
@@ -84,7 +84,7 @@ FAILED_BACKEND_COOLDOWN_S = 1.0
 # hash_ids, so prefix sharing is kept) so that every prompt fits every backend's KV cache.
 MAX_MODEL_LEN = 131072
 # The gateway's default ``routing.scrape_interval_s``: every interval the replay reads each
-# live engine's prefill counters as the scraper reads them from /metrics (gateway/scraper.py).
+# live engine's prefill counters as the scraper reads them from /metrics (gateway/engine_signals/metrics_scraper.py).
 SCRAPE_INTERVAL_S = 2.0
 COLD_START_REQUESTS = 100  # the first requests of a run, where the router has learned little yet
 
@@ -299,7 +299,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     ``evidence``: ``approximate`` (the engines publish nothing: the prefix index has
     only what the router sent where) or ``precise`` (every engine publishes its KV
     events; each step's batch is encoded in vLLM's wire format by
-    :func:`loadtest.sim.kv_events.encode_batch` and handed to every replica's
+    :func:`loadtest.sim.kv_event_publisher.encode_batch` and handed to every replica's
     :meth:`routing.core.DecisionCore.kv_event_batch` when the step ends, as the
     gateway's subscriber does; the router gets each prompt's token ids, the ones the
     engine computes, so its token-exact keys are the engine's blocks).
@@ -447,7 +447,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                 eng = engines[name]
                 if b.load.observe_engine_prefill(t, eng.prefill_s_total,
                                                  eng.prompt_tokens_total - eng.prompt_tokens_cached_total):
-                    core.backend_restarted(b)  # its counters went back (gateway/scraper.py)
+                    core.backend_restarted(b)  # its counters went back (gateway/engine_signals/metrics_scraper.py)
 
     def forget_pending(i: int) -> None:
         entry = req_blocks.pop(i, None)
@@ -583,7 +583,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         pending_blocks[name].clear()
         busy[name] = False
         down.add(name)
-        for core, _ in gateways:  # the health checker marks it down (gateway/health.py)
+        for core, _ in gateways:  # the health checker marks it down (gateway/engine_signals/health_checks.py)
             core.fleet.backends[name].healthy = False
         if watch:
             watch("restart_down", t, engines)

@@ -23,7 +23,7 @@ both go through :meth:`DecisionCore.apply`, so a fleet is built one way.
 Backends that publish KV-cache events (``BackendSpec.kv_block_size``) feed the prefix
 index's token-exact entries through :meth:`DecisionCore.kv_event_batch`,
 :meth:`DecisionCore.kv_event_gap` and :meth:`DecisionCore.kv_event_restart`; the
-subscriber that reads their sockets (``gateway/kv_events.py``) checks sequence numbers
+subscriber that reads their sockets (``gateway/engine_signals/kv_event_subscriber.py``) checks sequence numbers
 with :class:`SequenceTracker`. A request whose token ids are known gets its
 ``token_keys`` for those backends' block sizes, computed once in :meth:`request`; a
 model without such backends costs nothing more.
@@ -51,7 +51,7 @@ from routing.fleet import (
     ServedModel,
     UnknownModel,
 )
-from routing.kv_events import (
+from routing.kv_event_decoding import (
     DUPLICATE,
     GAP,
     OK,
@@ -89,7 +89,7 @@ __all__ = [
     "sync_forever",
 ]
 
-log = logging.getLogger("routing.kv_events")
+log = logging.getLogger("routing.kv_event_decoding")
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ class BackendSpec:
     normalise load; ``pool`` names the pool the backend belongs to. A backend that
     publishes KV-cache events has ``kv_block_size`` (its engine's block size in tokens)
     and ``kv_base_model`` (the model name its blocks without a LoRA adapter are keyed
-    under, see :mod:`routing.kv_events`).
+    under, see :mod:`routing.kv_event_decoding`).
     """
 
     name: str

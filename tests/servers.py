@@ -13,9 +13,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from gateway.app import STATE, create_app
+from gateway.server.app import STATE, create_app
 from gateway.config import parse_config
-from gateway.server import listen
+from gateway.server.listener import listen
 
 
 def free_port() -> int:

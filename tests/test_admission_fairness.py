@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.admission import AdmissionControl, Charge, TokenCounters
+from gateway.tenancy.admission import AdmissionControl, Charge, TokenCounters
 from gateway.config import Admission
 from routing import BackendSpec, Fleet
 from tests.redis_server import redis_url

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.limits import Limiter
+from gateway.tenancy.limits import Limiter
 from gateway.config import ClientKey
 from gateway.errors import ClientError
 from tests.redis_server import ValkeyProcess, frozen_redis

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.batch.api import BATCH
 from gateway.config import ConfigError, parse_config
 from loadtest.sim.server import SimBackendConfig, start_backends
@@ -869,8 +869,8 @@ async def test_shutdown_with_a_cancelling_batch_and_no_consumers_does_not_hang(r
     (``tick_s`` 0) so that the cancel lands mid-command often; several rounds make a
     return of the bug all but certain to show. Each shutdown is bounded: a hang fails
     the test (after stopping the stray loop so the suite can go on)."""
-    from gateway.batch.store import BatchStore
-    from gateway.server import listen
+    from gateway.batch.job_store import BatchStore
+    from gateway.server.listener import listen
 
     backends, urls = await sim_fleet(1)
     cfg = admin_batch_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()], redis,

@@ -163,7 +163,7 @@ def test_invalid_kv_events_config_is_a_clear_error(data, fragment):
 
 
 def test_kv_events_config_defaults_and_base_model():
-    from gateway.state import backend_specs
+    from gateway.runtime import backend_specs
 
     cfg = parse_config({"backends": [
         {"name": "a", "url": "http://x", "models": ["llama", "alias"], "kv_events": {"endpoint": "tcp://h:5557"}},

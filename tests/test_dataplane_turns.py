@@ -2,7 +2,7 @@
 
 - a stream whose status, headers and first event arrive in one read is answered from
   inside that read (``UpstreamPool.request(on_ready=...)``, ``Proxy._open_stream``);
-- relayed reads wait for their turn (``gateway.exchange.RelayTurns``) and still reach
+- relayed reads wait for their turn (``gateway.upstream.connection.RelayTurns``) and still reach
   the client byte-exact and in order, also when the backend closes right after;
 - the listening socket accepts every queued connection, not one per loop turn.
 
@@ -19,9 +19,9 @@ import orjson
 import pytest
 import uvloop
 
-from gateway.app import STATE, create_app
-from gateway.server import listen
-from gateway.transport import UpstreamPool
+from gateway.server.app import STATE, create_app
+from gateway.server.listener import listen
+from gateway.upstream.client import UpstreamPool
 from tests.servers import gateway_config, raw_backend, running_gateway, sse_chunk, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -303,9 +303,9 @@ async def test_taking_the_last_idle_connection_makes_a_spare() -> None:
 
 
 async def test_batched_sends_keep_order_and_close_after_their_bytes() -> None:
-    """gateway/sends.py: what one loop turn queues goes out in order, a queued close
+    """gateway/eventloop/batched_writes.py: what one loop turn queues goes out in order, a queued close
     after the bytes queued before it, and nothing is written to a closed transport."""
-    from gateway.sends import Sends
+    from gateway.eventloop.batched_writes import Sends
 
     got: dict[int, bytes] = {}
     done = asyncio.Event()

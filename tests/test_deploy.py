@@ -7,7 +7,7 @@
   validate as above, its Gateway API and Inference Extension objects (Gateway,
   HTTPRoute, InferencePool) against the CRDs' schemas vendored in
   ``deploy/k8s/schemas``, strictly (unknown fields are errors). The standalone Envoy
-  bootstrap ``deploy/envoy/envoy.yaml`` is what ``gateway.envoy_config`` renders today
+  bootstrap ``deploy/envoy/envoy.yaml`` is what ``gateway.epp.envoy_config`` renders today
   and passes ``envoy --mode validate``.
 - ``deploy/compose.yaml`` validates against the compose-spec schema (the copy vendored
   by ``check-jsonschema``), and its services, mounts, gateway config, simulated fleet and
@@ -950,6 +950,6 @@ def test_project_installs_non_editable_with_what_the_images_run(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (whl,) = tmp_path.glob("turbo_gateway-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
-    for mod in ("gateway/__main__.py", "gateway/app.py", "routing/router.py", "loadtest/sim/__main__.py",
+    for mod in ("gateway/__main__.py", "gateway/server/app.py", "routing/router.py", "loadtest/sim/__main__.py",
                 "loadtest/sim/fleet.py"):
         assert mod in names, f"{mod} is not in the wheel the image installs"

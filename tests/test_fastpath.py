@@ -1,4 +1,4 @@
-"""The data-plane protocol (gateway/server.py): what it serves itself, what it hands
+"""The data-plane protocol (gateway/server/listener.py): what it serves itself, what it hands
 to aiohttp, and that a connection moving from one to the other loses nothing.
 
 Raw sockets on 127.0.0.1, so that pipelining, half-sent requests and header shapes

@@ -1,5 +1,5 @@
 """Adversarial probes of the data plane: the listening socket's lean HTTP/1.1 protocol
-(gateway/server.py), the keep-alive upstream client (gateway/transport.py) and the
+(gateway/server/listener.py), the keep-alive upstream client (gateway/upstream/client.py) and the
 SSE relay (gateway/pipeline/relay.py), as a hostile client, a strict HTTP client and a
 misbehaving backend would see them.
 
@@ -29,8 +29,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.app import STATE, create_app
-from gateway.server import listen
+from gateway.server.app import STATE, create_app
+from gateway.server.listener import listen
 from tests.servers import (
     AIOHTTP_MARK,
     RunningGateway,
@@ -652,7 +652,7 @@ async def test_a_client_that_stops_reading_then_leaves_stops_the_backend(fast):
 
 
 # ======================================================================================
-# 4. Backends that frame their answers oddly, fail, or never answer (gateway/transport.py)
+# 4. Backends that frame their answers oddly, fail, or never answer (gateway/upstream/client.py)
 # ======================================================================================
 
 
@@ -846,7 +846,7 @@ async def test_an_event_stream_labelled_in_another_case_is_still_streamed(fast):
 
 
 @pytest.mark.fixed_bug(reason=(
-    "trailer fields are merged into the response headers (gateway/exchange.py Connection.on_header writes into the dict that "
+    "trailer fields are merged into the response headers (gateway/upstream/connection.py Connection.on_header writes into the dict that "
     "is Exchange.headers), so a trailer overrides the header section: a chunked JSON answer with a "
     "'Content-Type: text/html' trailer reaches the client as text/html; RFC 9110 6.5.1 forbids the merge, "
     "aiohttp.ClientSession ignores trailers"))

@@ -7,8 +7,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.config import HealthChecks, Timeouts
-from gateway.health import HealthChecker
-from gateway.transport import BackendClient
+from gateway.engine_signals.health_checks import HealthChecker
+from gateway.upstream.client import BackendClient
 from routing import BackendSpec, Fleet
 
 

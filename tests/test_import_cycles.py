@@ -8,7 +8,7 @@ Every ``.py`` file of ``gateway``, ``routing`` and ``loadtest`` is parsed with :
 * ``import a.b`` is an edge to ``a.b`` (the parent package ``a`` that Python also runs
   first is not added: every submodule would otherwise "import" its own package);
 * ``from a import b`` is an edge to the submodule ``a.b`` when that is a module, to ``a``
-  otherwise (``from gateway.app import STATE`` is an edge to ``gateway.app``);
+  otherwise (``from gateway.server.app import STATE`` is an edge to ``gateway.server.app``);
 * relative imports are resolved against the importing module's package;
 * a package's ``__init__`` importing its own submodules is an edge like any other;
 * imports of modules outside the project, ``from __future__`` and a module importing
@@ -20,7 +20,7 @@ module, found with Tarjan's algorithm (R. E. Tarjan, "Depth-first search and lin
 graph algorithms", SIAM Journal on Computing 1(2):146-160, 1972). A component is printed
 as cycles: for every import edge ``u -> v`` inside it, the shortest way from ``v`` back to
 ``u`` closes one, so that every edge taking part in a cycle is shown at least once (e.g.
-``gateway.app -> gateway.admin -> gateway.app``).
+``gateway.server.app -> gateway.ops.admin -> gateway.server.app``).
 
 One case per package (the graph restricted to that package's modules) and one for the
 whole project (which also catches a cycle that crosses packages).

@@ -1,4 +1,4 @@
-"""routing/kv_events.py and the prefix index's token-exact entries, without sockets:
+"""routing/kv_event_decoding.py and the prefix index's token-exact entries, without sockets:
 every encoding shape of vLLM's KV events, omitted defaults, bytes hashes, undecodable
 events, sequence tracking, and precise / speculative / approximate evidence."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from routing.core import BackendSpec, DecisionCore
 from routing.estimate import chain_seed, token_block_keys
-from routing.kv_events import (
+from routing.kv_event_decoding import (
     DUPLICATE,
     GAP,
     OK,

@@ -22,11 +22,11 @@ import pytest
 import yaml
 
 from gateway.config import load_config
-from gateway.reload import apply_config
+from gateway.ops.config_reload import apply_config
 from loadtest.sim.server import SimBackend, start_backends
 from loadtest.sim.spec import SimBackendConfig
 from routing.estimate import chain_seed, token_block_keys
-from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from routing.kv_event_decoding import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from routing.prefix_index import PRECISE
 from tests.servers import gateway_config, running_gateway, wait_until
 

@@ -14,8 +14,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.reload import apply_config
-from gateway.state import backend_specs
+from gateway.ops.config_reload import apply_config
+from gateway.runtime import backend_specs
 from routing.core import DecisionCore
 from routing.estimate import chain_seed, token_block_keys
 from tests.kv_payloads import batch, cleared, removed, stored
@@ -307,7 +307,7 @@ async def test_a_subscription_that_fails_starts_again():
     here past them) fails the subscription: it is logged, counted as a gap replay could
     not fill, and started again, never left dead."""
     from gateway.config import KVEvents
-    from gateway.kv_events import KVEventSubscribers
+    from gateway.engine_signals.kv_event_subscriber import KVEventSubscribers
 
     cfg = config({"a": ("http://127.0.0.1:9", None)})
     bad = KVEvents.model_construct(endpoint="tcp://bad host:5557", replay_endpoint=None, topic="", block_size=BS,

@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 
 from gateway.config import ConfigError
-from gateway.health import parse_models_list
+from gateway.engine_signals.health_checks import parse_models_list
 from loadtest.sim.engine import Engine
 from loadtest.sim.profiles import get_profile
 from loadtest.sim.server import SimBackendConfig, start_backends
@@ -411,7 +411,7 @@ async def test_an_adapter_gathers_spreads_and_gathers_again_on_simulated_engines
 
 
 def test_scraper_reads_the_latest_lora_requests_info_series():
-    from gateway.scraper import parse_engine_metrics
+    from gateway.engine_signals.metrics_scraper import parse_engine_metrics
     text = """# TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters=""} 1.7e9
 vllm:lora_requests_info{max_lora="4",running_lora_adapters="c",waiting_lora_adapters="d,e"} 1.8e9
@@ -569,10 +569,10 @@ async def _discovery_log(caplog, base: str, level: str, served: str) -> list[str
     try:
         cfg = gateway_config([{"name": "b0", "url": urls["b0"], "models": "auto", "lora": {"dynamic": True}}],
                              models={"sql": {"lora": {"base": base, "path": "/adapters/sql"}}})
-        caplog.set_level(level, logger="gateway.health")
+        caplog.set_level(level, logger="gateway.engine_signals.health_checks")
         async with running_gateway(cfg) as gw:
             await wait_until(lambda: served in gw.state.fleet.backends["b0"].models())
-            return [r.getMessage() for r in caplog.records if r.name == "gateway.health" and r.levelname == level]
+            return [r.getMessage() for r in caplog.records if r.name == "gateway.engine_signals.health_checks" and r.levelname == level]
     finally:
         for b in sims:
             await b.cleanup()

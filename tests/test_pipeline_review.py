@@ -15,8 +15,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.app import create_app
-from gateway.server import listen
+from gateway.server.app import create_app
+from gateway.server.listener import listen
 from routing.core import BackendSpec, DecisionCore
 from tests.redis_server import redis_url
 from tests.servers import ScriptedBackend, gateway_config, running_gateway

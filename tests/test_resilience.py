@@ -18,7 +18,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gateway.app import STATE, create_app
+from gateway.server.app import STATE, create_app
 from gateway.config import load_config
 from tests.servers import ScriptedBackend, free_port, gateway_config, running_gateway, sse_chunk, wait_until
 
@@ -351,7 +351,7 @@ async def test_admission_queues_when_saturated_then_503_with_retry_after():
 
 
 async def test_admission_is_fair_across_keys():
-    from gateway.admission import AdmissionControl
+    from gateway.tenancy.admission import AdmissionControl
     from gateway.config import Admission
     from routing import BackendSpec, Fleet
 

@@ -17,8 +17,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.lean import _head
-from gateway.reload import apply_config
+from gateway.server.fast_path import _head
+from gateway.ops.config_reload import apply_config
 from routing import BackendSpec, Fleet
 from routing.estimate import TokenEstimator, _chain_seed_cached
 from routing.prefix_index import PrefixIndex

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.scraper import parse_engine_metrics
+from gateway.engine_signals.metrics_scraper import parse_engine_metrics
 from loadtest.sim.server import SimBackendConfig, start_backends
 from routing.load import BackendLoad, EngineSample
 from tests.servers import gateway_config, running_gateway, wait_until

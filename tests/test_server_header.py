@@ -1,5 +1,5 @@
 """One ``Server`` header for every answer: the completions the data plane serves itself
-(gateway/lean.py) and everything aiohttp serves (other routes, handed-over connections,
+(gateway/server/fast_path.py) and everything aiohttp serves (other routes, handed-over connections,
 ``listen.fast_path: false``) alike."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.state import model_tokenizers
+from gateway.runtime import model_tokenizers
 from loadtest.sim.server import SimBackendConfig, start_backends
 from routing.tokenize import OFFLOAD_CHARS, load_tokenizer
 from tests.chat_cases import TINY
@@ -68,8 +68,8 @@ async def test_the_gateway_counts_each_requests_exact_tokens(gateway):
 def test_a_tokenizer_without_a_chat_template_is_named_at_start(caplog):
     cfg = gateway_config([{"name": "s1", "url": "http://127.0.0.1:1", "models": ["tiny", "bare"]}],
                          models={"tiny": {"tokenizer": str(TINY)}, "bare": {"tokenizer": str(TINY / "tokenizer.json")}})
-    with caplog.at_level("WARNING", logger="gateway.state"):
+    with caplog.at_level("WARNING", logger="gateway.runtime"):
         toks = model_tokenizers(cfg)
     assert set(toks) == {"tiny", "bare"}
-    warned = [r.getMessage() for r in caplog.records if r.name == "gateway.state"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "gateway.runtime"]
     assert len(warned) == 1 and warned[0].startswith("model bare: its tokenizer") and "no chat template" in warned[0]

@@ -1,4 +1,4 @@
-"""The usage ledger (gateway/usage.py): two replicas sharing a real valkey-server add
+"""The usage ledger (gateway/tenancy/usage_ledger.py): two replicas sharing a real valkey-server add
 up exactly, a Redis outage (the server stopped and started again on its port) loses no
 count, a flush whose reply was lost applies once, the buffer's bound, the admin
 endpoint's filters, a key's own usage, cost from prices, batch lines and batch
@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from gateway.config import Price
-from gateway.usage import HOUR_S, cost_nanos
+from gateway.tenancy.usage_ledger import HOUR_S, cost_nanos
 from tests.redis_server import ValkeyProcess, frozen_redis, redis_url
 from tests.servers import ScriptedBackend, gateway_config, running_gateway, sse_chunk, wait_until
 

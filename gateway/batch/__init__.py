@@ -3,10 +3,10 @@ that drain it through the gateway's routing at a lower priority.
 
 | module | holds |
 |---|---|
-| :mod:`~gateway.batch.store` | Redis keys and scripts (why Streams, how exactly-once output), files on disk |
+| :mod:`~gateway.batch.job_store` | Redis keys and scripts (why Streams, how exactly-once output), files on disk |
 | :mod:`~gateway.batch.api` | ``/v1/files`` and ``/v1/batches`` handlers |
 | :mod:`~gateway.batch.manager` | the life cycle: validate + enqueue, finalize, expire, cancel |
-| :mod:`~gateway.batch.admission` | the batch priority class (interactive TTFT SLO, maximum share) |
+| :mod:`~gateway.batch.batch_gate` | the batch priority class (interactive TTFT SLO, maximum share) |
 | :mod:`~gateway.batch.worker` | consumers (``XREADGROUP``/``XAUTOCLAIM``), retries, senders |
 | :mod:`~gateway.batch.cli` | ``python -m gateway.batch`` (consumers) and ``... run`` (local mode) |
 
@@ -21,7 +21,7 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from gateway.state import STATE
+from gateway.runtime import STATE
 
 log = logging.getLogger("gateway.batch")
 
@@ -46,10 +46,10 @@ def setup_batch(app: web.Application, cfg) -> None:
     b = cfg.batch
     if not b.enabled:
         return
-    from gateway.batch.admission import BatchGate, GateCollector
+    from gateway.batch.batch_gate import BatchGate, GateCollector
     from gateway.batch.api import BATCH, add_routes
     from gateway.batch.manager import BatchManager
-    from gateway.batch.store import BatchStore
+    from gateway.batch.job_store import BatchStore
 
     state = app[STATE]
     store = BatchStore.from_url(b.redis_url or cfg.state.url, cfg.state.namespace, b.files_dir)

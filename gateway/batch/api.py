@@ -30,9 +30,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.auth import CALLER
-from gateway.state import STATE
-from gateway.batch.store import (ENDPOINTS, FINAL, RUNNING, BatchStore, batch_object, file_object, new_id,
+from gateway.tenancy.keys import CALLER
+from gateway.runtime import STATE
+from gateway.batch.job_store import (ENDPOINTS, FINAL, RUNNING, BatchStore, batch_object, file_object, new_id,
                                  parse_window)
 from gateway.errors import ClientError
 
@@ -275,7 +275,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     return _json(batch_object(await cancel(request.app[BATCH], f["id"])))
 
 
-# ---- the admin view (every caller's batches; gateway/admin.py serves it) -----------
+# ---- the admin view (every caller's batches; gateway/ops/admin.py serves it) -----------
 
 ADMIN_LIST_MAX = 1000
 

@@ -40,7 +40,7 @@ log = logging.getLogger("gateway.batch")
 
 
 def _consumer_main(argv: list[str]) -> int:
-    from gateway.batch.store import BatchStore
+    from gateway.batch.job_store import BatchStore
     from gateway.batch.worker import Consumer, HttpSender
     from gateway.config import ConfigError, load_config
 

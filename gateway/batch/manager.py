@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from gateway.batch.store import ENDPOINTS, FINAL, BatchStore
+from gateway.batch.job_store import ENDPOINTS, FINAL, BatchStore
 from gateway.batch.worker import output_line
 
 log = logging.getLogger("gateway.batch")

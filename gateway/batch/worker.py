@@ -7,13 +7,13 @@ with ``XREADGROUP``, takes over entries a dead consumer left pending longer than
 live consumer. A consumer told to stop takes no new line, gives the lines in flight
 ``drain_timeout_s`` to finish, then cancels the rest and hands their entries back, so that
 another consumer takes them at once rather than after the visibility timeout. Why
-streams, and how exactly-once output follows: :mod:`gateway.batch.store`.
+streams, and how exactly-once output follows: :mod:`gateway.batch.job_store`.
 
 Each line is sent by a *sender*: :class:`HttpSender` posts it to a gateway with
 ``x-turbo-priority: batch`` (``python -m gateway.batch`` on any machine);
 :class:`LocalSender` hands it to this gateway's own proxy (in-process workers). Both
-pass the same admission gate (:mod:`gateway.batch.admission`). The usage ledger
-(:mod:`gateway.usage`) counts a line sent by :class:`LocalSender` under its batch's
+pass the same admission gate (:mod:`gateway.batch.batch_gate`). The usage ledger
+(:mod:`gateway.tenancy.usage_ledger`) counts a line sent by :class:`LocalSender` under its batch's
 owner, and one posted by :class:`HttpSender` under the key the consumer authenticates
 with (the gateway knows no other caller).
 
@@ -43,9 +43,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.auth import ANONYMOUS
-from gateway.batch.admission import DEFERRED_CODE, PRIORITY_HEADER
-from gateway.batch.store import GROUP, BatchStore
+from gateway.tenancy.keys import ANONYMOUS
+from gateway.batch.batch_gate import DEFERRED_CODE, PRIORITY_HEADER
+from gateway.batch.job_store import GROUP, BatchStore
 from gateway.config import Batch
 from gateway.pipeline import director
 from gateway.pipeline.retry import RetryPolicy

@@ -11,12 +11,12 @@ and back. Read :mod:`~gateway.pipeline.director` first; it calls the others in o
 | :mod:`~gateway.pipeline.prefill` | the prefill leg of a disaggregated request |
 | :mod:`~gateway.pipeline.downstream` | where answers go: one interface, three kinds |
 
-Around it: :mod:`gateway.server` (the listening socket) with :mod:`gateway.lean` (the
-lean HTTP/1.1 protocol) and :mod:`gateway.app` (aiohttp, for everything else), which
-both call :func:`~gateway.pipeline.director.handle`; :mod:`gateway.transport` and
-:mod:`gateway.exchange` (the one upstream HTTP client); :mod:`gateway.errors` (the
-error body and the one upstream exception hierarchy); :mod:`gateway.state` (what a
+Around it: :mod:`gateway.server.listener` (the listening socket) with :mod:`gateway.server.fast_path` (the
+lean HTTP/1.1 protocol) and :mod:`gateway.server.app` (aiohttp, for everything else), which
+both call :func:`~gateway.pipeline.director.handle`; :mod:`gateway.upstream.client` and
+:mod:`gateway.upstream.connection` (the one upstream HTTP client); :mod:`gateway.errors` (the
+error body and the one upstream exception hierarchy); :mod:`gateway.runtime` (what a
 running gateway holds) and the decision core, :mod:`routing.core`, the only door into
-``routing/``. No module here imports ``gateway.app``, ``gateway.server`` or
-``gateway.lean``.
+``routing/``. No module here imports ``gateway.server.app``, ``gateway.server.listener`` or
+``gateway.server.fast_path``.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gateway import engine_errors
+from gateway.pipeline import engine_errors
 from gateway.config import Timeouts
 from gateway.errors import (
     REQUEST_ID_HEADER,
@@ -28,13 +28,13 @@ from gateway.errors import (
 from gateway.pipeline import relay, settle
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.retry import parse_retry_after
-from gateway.transport import BackendClient, header_value
-from gateway.exchange import Exchange as Upstream
+from gateway.upstream.client import BackendClient, header_value
+from gateway.upstream.connection import Exchange as Upstream
 from routing.core import Reservation
 
 if TYPE_CHECKING:
     from gateway.pipeline.director import Exchange
-    from gateway.state import GatewayState
+    from gateway.runtime import GatewayState
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}  # endpoint -> backend path
 _MAX_ERROR_BODY_BYTES = 64 * 1024
@@ -80,7 +80,7 @@ class Deadlines:
 async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:
     """Raise the answer ``up`` (status other than 200) to a request for ``path`` as
     :class:`BackendStatus`, with the start of its body; an engine's caller error is
-    classified in OpenAI's terms (:func:`gateway.engine_errors.classify`)."""
+    classified in OpenAI's terms (:func:`gateway.pipeline.engine_errors.classify`)."""
     try:
         body = await up.read(_MAX_ERROR_BODY_BYTES)
     except Disconnected:

@@ -1,7 +1,7 @@
 """A completion request's life, in the order it happens.
 
 :func:`handle` is the front door that both server stacks (the lean protocol of
-:mod:`gateway.server` and the aiohttp routes of :mod:`gateway.app`) call: authenticate,
+:mod:`gateway.server.listener` and the aiohttp routes of :mod:`gateway.server.app`) call: authenticate,
 read and parse the body, admit the request (the batch gate, the caller's limits, the
 admission queue) and hand it to :func:`forward`; every :class:`ClientError` becomes an
 OpenAI error answer here and nowhere else. :func:`forward` carries it:
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.auth import ANONYMOUS
+from gateway.tenancy.keys import ANONYMOUS
 from gateway.errors import (
     BackendStatus,
     ClientError,
@@ -38,8 +38,8 @@ from gateway.errors import (
     UpstreamError,
     error_body,
 )
-from gateway.engine_errors import context_length_exceeded
-from gateway.openai_api import (ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object,
+from gateway.pipeline.engine_errors import context_length_exceeded
+from gateway.pipeline.openai_request import (ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object,
                                 prompt_token_ids)
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
@@ -48,7 +48,7 @@ from gateway.pipeline.settle import ServedMetrics
 from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, RouteRequest, UnknownModel
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from gateway.runtime import GatewayState
 
 log = logging.getLogger("gateway.pipeline")
 
@@ -80,10 +80,10 @@ class Exchange:
     attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
     tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
     usage: tuple[int, int, int] | None = None  # (prompt, cached prompt, completion) tokens of a completed response
-    key_name: str = ANONYMOUS  # the caller's key name, whose usage ledger counts it (gateway.usage)
+    key_name: str = ANONYMOUS  # the caller's key name, whose usage ledger counts it (gateway.tenancy.usage_ledger)
     served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
     subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
-    send: Send = attempt.run  # the attempt step: the gateway's own, or the endpoint picker's (gateway.epp)
+    send: Send = attempt.run  # the attempt step: the gateway's own, or the endpoint picker's (gateway.epp.picker)
 
 
 async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes | Callable[[], Awaitable[bytes]],

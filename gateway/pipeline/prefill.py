@@ -22,7 +22,7 @@ from routing.core import PREFILL, NoBackendAvailable, RouteRequest
 
 if TYPE_CHECKING:
     from gateway.pipeline.director import Exchange
-    from gateway.state import GatewayState
+    from gateway.runtime import GatewayState
 
 log = logging.getLogger("gateway.pipeline")
 

@@ -1,7 +1,7 @@
 """Relaying an answer to the client: whole responses, and streams chunk by chunk.
 
 A stream is relayed byte for byte from inside the backend connection's read callback
-(:meth:`gateway.exchange.Exchange.relay`): each read is scanned (:class:`StreamScan`:
+(:meth:`gateway.upstream.connection.Exchange.relay`): each read is scanned (:class:`StreamScan`:
 events, the final ``usage``, ``data: [DONE]``), its gap since the last one observed as
 ITL, and written with HTTP/1.1 chunk framing straight to the client's transport. The
 stream's last bytes go out together with the end of the chunked response. When the
@@ -20,14 +20,14 @@ import orjson
 from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, Disconnected
 from gateway.pipeline import settle
 from gateway.pipeline.downstream import ClientGone, Downstream
-from gateway.exchange import Exchange as Upstream
+from gateway.upstream.connection import Exchange as Upstream
 from routing.core import Decision, Reservation
 
 if TYPE_CHECKING:
     from gateway.pipeline.attempt import Deadlines
     from gateway.pipeline.director import Exchange
-    from gateway.state import GatewayState
-    from gateway.transport import BackendClient
+    from gateway.runtime import GatewayState
+    from gateway.upstream.client import BackendClient
 
 ROUTE_HEADER = "x-turbo-route"
 _MAX_SCAN_TAIL_BYTES = 1024 * 1024
@@ -345,7 +345,7 @@ def open_now(state: GatewayState, ex: Exchange, up: Upstream, chunk: bytes, rese
 
 
 class EarlyAnswer:
-    """``on_ready`` of a streamed attempt (:meth:`gateway.transport.UpstreamPool.request`):
+    """``on_ready`` of a streamed attempt (:meth:`gateway.upstream.client.UpstreamPool.request`):
     when the head and first bytes of a stream arrive in one read, the client is answered
     inside that read's callback (:func:`open_now`), not a loop turn later. ``opened``
     receives the running relay and its future, or the exception met, which the attempt

@@ -23,14 +23,14 @@ from gateway.errors import (
     failure_answer,
     sse_error_event,
 )
-from gateway.metrics import GatewayMetrics
+from gateway.ops.metrics import GatewayMetrics
 from gateway.pipeline.downstream import ClientGone
-from gateway.usage import cost_nanos
+from gateway.tenancy.usage_ledger import cost_nanos
 from routing.core import NoBackendAvailable, Reservation
 
 if TYPE_CHECKING:
     from gateway.pipeline.director import Exchange
-    from gateway.state import GatewayState
+    from gateway.runtime import GatewayState
 
 log = logging.getLogger("gateway.pipeline")
 
@@ -143,7 +143,7 @@ def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: 
 
 def finish(state: GatewayState, ex: Exchange, status: int) -> None:
     """Count the request's final ``status`` (and its end-to-end time when 200), and its
-    usage in the ledger (:mod:`gateway.usage`) under its caller's key name."""
+    usage in the ledger (:mod:`gateway.tenancy.usage_ledger`) under its caller's key name."""
     account(state, ex, status)
     if status == 200:
         s = ex.served or served(state, ex)

@@ -34,7 +34,7 @@ Endpoints (shapes follow vLLM's OpenAI server)
   ``waiting_lora_adapters``: comma-separated names; ``max_lora``; value: the time).
 * KV-cache events (``kv_events`` in the spec): the engine's stores, evictions and
   prefix-cache resets go out on a ZMQ PUB socket in vLLM's wire format, with a
-  replay socket (:mod:`loadtest.sim.kv_events`); ``GET /kv_event_sources`` and
+  replay socket (:mod:`loadtest.sim.kv_event_publisher`); ``GET /kv_event_sources`` and
   ``/admin/stats`` give the bound addresses. A crash restarts the publisher with
   sequence 0 and an empty cache, as an engine restart does.
 * ``tokenizer`` in the spec: prompts are tokenized with that ``tokenizer.json``
@@ -458,7 +458,7 @@ class SimBackend:
             return
         import zmq
 
-        from loadtest.sim.kv_events import KVEventPublisher
+        from loadtest.sim.kv_event_publisher import KVEventPublisher
         pub = KVEventPublisher(self.kv_events, block_size=self.profile.block_size, seed=self.faults.seed,
                                addresses=self._kv_addresses)
         try:

@@ -107,7 +107,7 @@ BLOCK_HASH_FORMATS = ("int", "bytes")
 @dataclass(slots=True)
 class KVEventsConfig:
     """The backend's KV-cache event publisher (vLLM's ``--kv-events-config``; wire
-    format in :mod:`loadtest.sim.kv_events`).
+    format in :mod:`loadtest.sim.kv_event_publisher`).
 
     - ``endpoint``: ZMQ address the PUB socket binds, ``tcp://host:port``; port ``*``
       (the default) picks a free one. vLLM's default is ``tcp://*:5557``.

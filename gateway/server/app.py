@@ -1,7 +1,7 @@
 """The aiohttp application: routes, middleware and lifecycle.
 
 :func:`create_app` builds the app from a :class:`~gateway.config.GatewayConfig` and its
-state (:func:`gateway.state.build_state`); handlers are thin. Completion requests go
+state (:func:`gateway.runtime.build_state`); handlers are thin. Completion requests go
 to the front door both server stacks share, :func:`gateway.pipeline.director.handle`;
 the middleware gives every other route its request id and OpenAI error answers.
 """
@@ -16,16 +16,16 @@ from collections.abc import AsyncIterator, Awaitable
 import orjson
 from aiohttp import web
 
-from gateway.admin import auth_middleware, setup_admin
+from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
-from gateway.demo import DemoFleet, DemoFleetError, simulated_kv_sources
+from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
 from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id
-from gateway.openai_api import model_card, models_list, read_body
+from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
-from gateway.reload import watch_config
-from gateway.state import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
+from gateway.ops.config_reload import watch_config
+from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
 
 log = logging.getLogger("gateway")
 
@@ -69,7 +69,7 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    # the name the lean protocol's responses carry (gateway/lean.py), not aiohttp's
+    # the name the lean protocol's responses carry (gateway/server/fast_path.py), not aiohttp's
     response.headers["Server"] = "turbo-gateway"
 
 

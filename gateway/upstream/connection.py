@@ -1,6 +1,6 @@
 """One request and its response on one pooled keep-alive connection to a backend: the
 HTTP/1.1 client protocol (responses parsed by llhttp through ``httptools``) and the
-turns in which relayed streams' reads are handled. :mod:`gateway.transport` owns the
+turns in which relayed streams' reads are handled. :mod:`gateway.upstream.client` owns the
 connections; callers see an :class:`Exchange`.
 """
 
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import httptools
 
 from gateway.errors import Disconnected, UpstreamError
-from gateway.sends import PerLoop
+from gateway.eventloop.batched_writes import PerLoop
 
 if TYPE_CHECKING:
-    from gateway.transport import UpstreamPool
+    from gateway.upstream.client import UpstreamPool
 
 TURN_S = 0.001  # longest run of relayed reads between two polls of the loop (see RelayTurns)
 INLINE_PER_MS = 2  # relayed reads handled in their own callback per millisecond of loop time, before turns

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from gateway.errors import ConnectFailed, ConnectTimeout, Disconnected, UpstreamError
-from gateway.exchange import Connection, Exchange
-from gateway.sends import Sends
+from gateway.upstream.connection import Connection, Exchange
+from gateway.eventloop.batched_writes import Sends
 
 __all__ = ["BackendClient", "Exchange", "UpstreamPool", "header_value"]
 
@@ -142,7 +142,7 @@ class UpstreamPool:
         the caller can answer its client there, a loop turn earlier (it must not
         raise and must not block). It is never called once this method returned.
         ``batched``: the request is sent with this loop turn's other non-urgent sends
-        (:mod:`gateway.sends`), not at once; for requests whose latency is not a TTFT.
+        (:mod:`gateway.eventloop.batched_writes`), not at once; for requests whose latency is not a TTFT.
         Raises :class:`~gateway.errors.ConnectFailed`, :class:`~gateway.errors.ConnectTimeout`,
         :class:`~gateway.errors.Disconnected` and ``deadline_error()``.
         """
@@ -221,7 +221,7 @@ class UpstreamPool:
 
 def endpoint_of(base_url: str) -> str:
     """The ``ip:port`` (``[ip6]:port``) of a backend's base URL, as a proxy in front
-    names its destination (:mod:`gateway.epp`); a host name is resolved once, since
+    names its destination (:mod:`gateway.epp.picker`); a host name is resolved once, since
     Envoy's override-host policy takes addresses."""
     u = urlsplit(base_url)
     host = u.hostname or ""

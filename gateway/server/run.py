@@ -3,7 +3,7 @@
 Signals: SIGTERM (or SIGINT) drains: the listening socket closes at once, in-flight
 requests and streams finish for up to ``lifecycle.drain_timeout_s`` (then they are
 cut); a second SIGTERM/SIGINT stops at once. SIGHUP reloads the config file (see
-:mod:`gateway.reload`).
+:mod:`gateway.ops.config_reload`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 
 from aiohttp import web
 
-from gateway.reload import reload_from_file
-from gateway.server import listen
-from gateway.state import STATE
+from gateway.ops.config_reload import reload_from_file
+from gateway.server.listener import listen
+from gateway.runtime import STATE
 
 log = logging.getLogger("gateway")
 
@@ -45,14 +45,14 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
     module doc); SIGHUP reloads the config file. Raises ``OSError`` when the address
     cannot be bound."""
     server = await listen(app, host, port, reuse_port=reuse_port)
-    picker = None  # gateway.epp.EndpointPicker, with listen.epp
+    picker = None  # gateway.epp.picker.EndpointPicker, with listen.epp
     try:
         addr = server.addresses[0]
         log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
         print(f"turbo-gateway listening on http://{addr[0]}:{addr[1]}", file=sys.stderr, flush=True)
         epp = app[STATE].cfg.listen.epp
         if epp.enabled:
-            from gateway.epp import EndpointPicker  # grpc and Envoy's protos load only when used
+            from gateway.epp.picker import EndpointPicker  # grpc and Envoy's protos load only when used
             picker = EndpointPicker(app[STATE])
             epp_host = epp.host or host
             epp_port = await picker.start(epp_host, epp.port)

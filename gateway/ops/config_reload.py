@@ -5,7 +5,7 @@ The new file is loaded and validated first; any error (YAML, a field, a change t
 needs a restart) is logged as one line and the running config stays. A valid config
 is applied **in place**, in one synchronous step (no request can see half of it):
 
-- it goes through :func:`gateway.state.configure`, the code that built the running
+- it goes through :func:`gateway.runtime.configure`, the code that built the running
   state at startup: a backend kept by name keeps its live state (in-flight count,
   learned speeds, health, breaker, draining), new ones start fresh, removed ones leave
   routing and the prefix index at once and finish what they carry;
@@ -33,11 +33,11 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.state import STATE, GatewayState, configure, model_tokenizers
-from gateway.transport import BackendClient
+from gateway.runtime import STATE, GatewayState, configure, model_tokenizers
+from gateway.upstream.client import BackendClient
 from routing.core import TokenizerError
 
-log = logging.getLogger("gateway.reload")
+log = logging.getLogger("gateway.ops.config_reload")
 
 
 class ReloadRejected(Exception):
@@ -62,7 +62,7 @@ def _restart_only(old: GatewayConfig, new: GatewayConfig, urls: dict[str, str]) 
 
 
 def apply_config(app: web.Application, new: GatewayConfig) -> list[BackendClient]:
-    """Swap ``new`` in (synchronously, through :func:`gateway.state.configure`, as at
+    """Swap ``new`` in (synchronously, through :func:`gateway.runtime.configure`, as at
     startup). Returns the retired clients, whose sessions close once their requests
     are done. Raises :class:`ReloadRejected`."""
     state = app[STATE]

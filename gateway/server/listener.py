@@ -28,12 +28,12 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import eager
-from gateway.lean import DataPlaneProtocol
-from gateway.sends import Sends
-from gateway.state import OWN_MIDDLEWARES, STATE, GatewayState
+from gateway.eventloop import eager_tasks
+from gateway.server.fast_path import DataPlaneProtocol
+from gateway.eventloop.batched_writes import Sends
+from gateway.runtime import OWN_MIDDLEWARES, STATE, GatewayState
 
-log = logging.getLogger("gateway.server")
+log = logging.getLogger("gateway.server.listener")
 
 _ACCEPT_BATCH = 512  # connections accepted per readiness of a listening socket
 _ACCEPT_RETRY_S = 0.5  # after accept() failed for want of file descriptors or memory
@@ -105,7 +105,7 @@ class DataPlaneServer:
             if self.closing:
                 conn.close()
                 continue
-            task, run_first_step = eager.create(loop, loop.connect_accepted_socket(lambda: DataPlaneProtocol(self),
+            task, run_first_step = eager_tasks.create(loop, loop.connect_accepted_socket(lambda: DataPlaneProtocol(self),
                                                                                     conn))
             self._accepting.add(task)
             task.add_done_callback(self._accepted)

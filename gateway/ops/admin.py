@@ -18,7 +18,7 @@ Admin endpoints answer 404 (like an unknown route) unless ``admin.key_sha256`` o
 - ``POST /admin/batches/{id}/cancel``: cancel any caller's batch, as
   ``POST /v1/batches/{id}/cancel`` does (404 unknown, 409 finalizing or finished);
 - ``GET /admin/usage?key=&model=&since=&until=``: the usage ledger's hourly buckets
-  and totals (:mod:`gateway.usage`), every key's or one key's.
+  and totals (:mod:`gateway.tenancy.usage_ledger`), every key's or one key's.
 
 ``GET /v1/usage?model=&since=&until=`` answers the same for the caller's own key only
 (its client key authenticates it; ``key`` naming another key is 403).
@@ -37,10 +37,10 @@ from datetime import datetime, timezone
 import orjson
 from aiohttp import web
 
-from gateway.auth import CALLER, check_admin
+from gateway.tenancy.keys import CALLER, check_admin
 from gateway.errors import ClientError, retry_later_headers
-from gateway.openai_api import UNREADABLE_BODY, unreadable_body
-from gateway.state import STATE
+from gateway.pipeline.openai_request import UNREADABLE_BODY, unreadable_body
+from gateway.runtime import STATE
 
 _COMPLETIONS = frozenset({"/v1/chat/completions", "/v1/completions"})  # the pipeline authenticates these
 
@@ -89,7 +89,7 @@ async def _set_draining(request: web.Request, draining: bool) -> web.Response:
     if b is None:
         raise ClientError(404, f"No backend named `{name}`.", code="backend_not_found")
     b.draining = draining
-    logging.getLogger("gateway.admin").warning("backend %s %s by the admin API", name,
+    logging.getLogger("gateway.ops.admin").warning("backend %s %s by the admin API", name,
                                                "drained" if draining else "undrained")
     return _json({"name": name, "draining": draining, "in_flight": b.in_flight})
 
@@ -103,7 +103,7 @@ async def _undrain(request: web.Request) -> web.Response:
 
 
 async def _reload(request: web.Request) -> web.Response:
-    from gateway.reload import reload_from_file
+    from gateway.ops.config_reload import reload_from_file
 
     state = _state(request)
     check_admin(request, state.admin_digest)
@@ -144,7 +144,7 @@ async def _cancel_batch(request: web.Request) -> web.Response:
 
     rt = _batch_runtime(request)
     f = await cancel(rt, request.match_info["batch_id"])
-    logging.getLogger("gateway.admin").warning("batch %s (owner %s) cancelled by the admin API: %s", f["id"],
+    logging.getLogger("gateway.ops.admin").warning("batch %s (owner %s) cancelled by the admin API: %s", f["id"],
                                                f.get("owner"), f["status"])
     return _json(admin_batch_object(f))
 
@@ -183,9 +183,9 @@ async def usage_report(state, key: str | None, request: web.Request) -> dict:
     """The usage ledger's answer for ``key`` (``None``: every key) and the request's
     ``model``, ``since`` (default: 24 hours ago) and ``until`` (default: now) query
     parameters: the hourly buckets that start in ``[since rounded down to its hour,
-    until)``, at most ``usage.retention_days`` back (:func:`gateway.usage.summarize`).
+    until)``, at most ``usage.retention_days`` back (:func:`gateway.tenancy.usage_ledger.summarize`).
     Raises :class:`ClientError` 400 on a bad parameter, 503 when Redis is unreachable."""
-    from gateway.usage import HOUR_S, summarize
+    from gateway.tenancy.usage_ledger import HOUR_S, summarize
 
     now = time.time()
     until = _usage_time(request, "until", now)

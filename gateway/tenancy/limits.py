@@ -41,9 +41,9 @@ from gateway.config import ClientKey
 from gateway.errors import ClientError, retry_later_headers
 
 if TYPE_CHECKING:
-    from gateway.admission import TokenCounters
+    from gateway.tenancy.admission import TokenCounters
 
-log = logging.getLogger("gateway.limits")
+log = logging.getLogger("gateway.tenancy.limits")
 
 WINDOW_S = 60.0
 SERVICE_TTL_S = 3600  # the shared service counters expire when no replica synced them for an hour
@@ -200,7 +200,7 @@ class Limiter:
 class LimiterSync:
     """Shares a :class:`Limiter`'s counters through Redis in the background (see the
     module docstring), and the admission queue's per-key service ``counters``
-    (:class:`gateway.admission.TokenCounters`, weighted tokens: each replica adds its
+    (:class:`gateway.tenancy.admission.TokenCounters`, weighted tokens: each replica adds its
     charges to one hash, ``HINCRBYFLOAT``, and reads back the totals). Never raises
     into the request path."""
 

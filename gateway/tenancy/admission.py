@@ -29,7 +29,7 @@ Which key goes next within a priority (``admission.fairness``):
 * ``round_robin``: one request per key in turn, whatever its size.
 
 **Many replicas** (``state.url`` set): a key's counter is the service charged by every
-replica, summed through Redis by :class:`gateway.limits.LimiterSync` in its background
+replica, summed through Redis by :class:`gateway.tenancy.limits.LimiterSync` in its background
 round trip (so within ``state.staleness_s``), plus this replica's own lift (a key starts
 waiting in this replica's queue), kept as a local offset.
 """

@@ -20,7 +20,7 @@ import aiohttp
 from gateway.errors import AdapterLoadFailed
 from routing.core import DecisionCore
 
-log = logging.getLogger("gateway.lora")
+log = logging.getLogger("gateway.upstream.lora_loader")
 
 
 class AdapterLoader:

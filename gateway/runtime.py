@@ -20,22 +20,22 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.admission import AdmissionControl
-from gateway.auth import KeyRing
+from gateway.tenancy.admission import AdmissionControl
+from gateway.tenancy.keys import KeyRing
 from gateway.config import Backend, GatewayConfig, KVEvents
-from gateway.health import HealthChecker
-from gateway.kv_events import KVEventSubscribers
-from gateway.limits import Limiter, LimiterSync
-from gateway.lora import AdapterLoader
-from gateway.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
+from gateway.engine_signals.health_checks import HealthChecker
+from gateway.engine_signals.kv_event_subscriber import KVEventSubscribers
+from gateway.tenancy.limits import Limiter, LimiterSync
+from gateway.upstream.lora_loader import AdapterLoader
+from gateway.ops.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
 from gateway.pipeline.relay import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
-from gateway.scraper import MetricsScraper
-from gateway.transport import BackendClient
-from gateway.usage import UsageLedger, UsageSync
+from gateway.engine_signals.metrics_scraper import MetricsScraper
+from gateway.upstream.client import BackendClient
+from gateway.tenancy.usage_ledger import UsageLedger, UsageSync
 from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, StoreSettings, load_tokenizer
 
-log = logging.getLogger("gateway.state")
+log = logging.getLogger("gateway.runtime")
 
 STATE = web.AppKey("state", "GatewayState")
 # the app's own middleware: the lean protocol does for completions what they do
@@ -59,11 +59,11 @@ class GatewayState:
     health: HealthChecker | None = None
     scraper: MetricsScraper | None = None
     limiter_sync: LimiterSync | None = None
-    usage: UsageLedger = field(default_factory=UsageLedger)  # the usage ledger's counts (gateway.usage)
+    usage: UsageLedger = field(default_factory=UsageLedger)  # the usage ledger's counts (gateway.tenancy.usage_ledger)
     usage_sync: UsageSync | None = None  # flushes them to Redis when state.url is set
     kv_events: KVEventSubscribers | None = None  # the engines' KV-event subscribers, made by connect()
     adapters: AdapterLoader = field(default_factory=AdapterLoader)  # LoRA adapters loaded on demand
-    batch_gate: Any = None  # gateway.batch.admission.BatchGate when batch is enabled
+    batch_gate: Any = None  # gateway.batch.batch_gate.BatchGate when batch is enabled
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read
     reloads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})

@@ -34,7 +34,7 @@ Sequence numbers are checked (:class:`routing.core.SequenceTracker`):
 Payloads go to the decision core (:meth:`routing.core.DecisionCore.kv_event_batch`),
 which decodes them and updates the prefix index; a bad payload is counted there,
 never raised here. :class:`KVEventSubscribers` follows the config: started by
-:func:`gateway.state.connect`, changed by every reload, stopped at shutdown.
+:func:`gateway.runtime.connect`, changed by every reload, stopped at shutdown.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from zmq.utils.monitor import parse_monitor_message
 from gateway.config import GatewayConfig, KVEvents
 from routing.core import DUPLICATE, GAP, OK, RESTART, DecisionCore, SequenceTracker
 
-log = logging.getLogger("gateway.kv_events")
+log = logging.getLogger("gateway.engine_signals.kv_event_subscriber")
 
 END_SEQ = -1
 DRAIN_MAX = 256  # messages read per wake-up at most, so that other tasks get the loop

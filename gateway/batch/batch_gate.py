@@ -33,7 +33,7 @@ from typing import AsyncIterator
 
 from gateway.config import Batch
 from gateway.errors import ClientError, retry_later_headers
-from gateway.openai_api import ParsedRequest
+from gateway.pipeline.openai_request import ParsedRequest
 from gateway.pipeline.director import PRIORITY_HEADER
 from routing.core import RouteRequest, estimate_ttft
 

@@ -55,10 +55,10 @@ from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole
 from routing.core import BackendState, Reservation
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
-    from gateway.transport import BackendClient
+    from gateway.runtime import GatewayState
+    from gateway.upstream.client import BackendClient
 
-log = logging.getLogger("gateway.epp")
+log = logging.getLogger("gateway.epp.picker")
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 DESTINATION = "x-gateway-destination-endpoint"

@@ -21,7 +21,7 @@ import aiohttp
 from gateway.config import HealthChecks
 from routing.core import DecisionCore, ServedModel
 
-log = logging.getLogger("gateway.health")
+log = logging.getLogger("gateway.engine_signals.health_checks")
 
 
 def parse_models_list(body: object) -> list[ServedModel]:

@@ -48,7 +48,7 @@ from typing import Any
 
 from gateway.config import Price
 
-log = logging.getLogger("gateway.usage")
+log = logging.getLogger("gateway.tenancy.usage_ledger")
 
 HOUR_S = 3600
 # the counters of one bucket, in this order in every list below

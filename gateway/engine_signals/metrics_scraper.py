@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from routing.core import DecisionCore, EngineSample, LoraActivity
 
-log = logging.getLogger("gateway.scraper")
+log = logging.getLogger("gateway.engine_signals.metrics_scraper")
 
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing")

@@ -22,13 +22,13 @@ import socket
 import sys
 from typing import Any
 
-log = logging.getLogger("gateway.workers")
+log = logging.getLogger("gateway.server.workers")
 
 
 def _worker(config_path: str, host: str, port: int, log_level: str, urls: dict[str, str], index: int) -> None:
-    from gateway.app import create_app
+    from gateway.server.app import create_app
     from gateway.config import load_config
-    from gateway.run import serve, setup_logging
+    from gateway.server.run import serve, setup_logging
 
     setup_logging(log_level)
     cfg = load_config(config_path)
@@ -57,7 +57,7 @@ def run_workers(cfg, config_path: str, host: str, port: int, n: int, log_level: 
     demo = None
     urls: dict[str, str] = {}
     if any(b.simulate for b in cfg.backends):
-        from gateway.demo import start_demo_fleet_sync
+        from gateway.ops.demo_fleet import start_demo_fleet_sync
         demo, urls = start_demo_fleet_sync([b for b in cfg.backends if b.simulate])
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(config_path, host, port, log_level, urls, i), name=f"worker-{i}")

@@ -1,5 +1,5 @@
 """The lean HTTP/1.1 protocol of the listening socket: completion requests served
-without aiohttp's server (see :mod:`gateway.server` for what it serves and what it
+without aiohttp's server (see :mod:`gateway.server.listener` for what it serves and what it
 hands over), and :class:`LeanDownstream`, where their answers go. A request it serves
 goes to :func:`gateway.pipeline.director.handle`, the front door the aiohttp routes use
 too.
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
-from gateway import eager
+from gateway.eventloop import eager_tasks
 from gateway.errors import REQUEST_ID_HEADER, ClientError, request_id
 from gateway.pipeline import director
 from gateway.pipeline.downstream import ClientGone
-from gateway.sends import Sends
+from gateway.eventloop.batched_writes import Sends
 
 if TYPE_CHECKING:
-    from gateway.server import DataPlaneServer
+    from gateway.server.listener import DataPlaneServer
 
 _HOT = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
@@ -109,7 +109,7 @@ class LeanDownstream:
             tail += b"Connection: close\r\n"
         self.started = self.finished = True
         t = self.proto.transport
-        if t is not None and not t.is_closing():  # a whole response: sent with this turn's others (gateway/sends.py)
+        if t is not None and not t.is_closing():  # a whole response: sent with this turn's others (gateway/eventloop/batched_writes.py)
             Sends.of(self.proto.loop).send(t, _head(status, headers, tail) + body)
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
@@ -285,12 +285,12 @@ class DataPlaneProtocol(asyncio.Protocol):
         serve = self._serve(_HOT[path], CIMultiDict(pairs), body, coding)
         if _STREAM_TRUE.search(body) is not None:
             # a stream's first step (parse, route, send upstream) runs now, in this read's
-            # callback, not after every other callback of this loop turn (gateway/eager.py):
+            # callback, not after every other callback of this loop turn (gateway/eventloop/eager_tasks.py):
             # its TTFT is what the client waits on. An eager start costs one task step
             # more, so a whole response starts as a plain task. The test is on the raw
             # bytes, before parsing (a compressed body is never eager); a false match
             # costs only the eager start it did not need.
-            self.task, run_first_step = eager.create(loop, serve)
+            self.task, run_first_step = eager_tasks.create(loop, serve)
             run_first_step()
         else:
             self.task = loop.create_task(serve)

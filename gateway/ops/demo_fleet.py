@@ -27,7 +27,7 @@ from gateway.config import Backend, KVEvents
 
 START_TIMEOUT_S = 30.0
 
-log = logging.getLogger("gateway.demo")
+log = logging.getLogger("gateway.ops.demo_fleet")
 
 
 class DemoFleetError(Exception):

@@ -1,0 +1,163 @@
+"""An Envoy bootstrap that puts the gateway's endpoint picker in front of a fleet.
+
+``python -m gateway.envoy_config --config backends.yaml [--listen 0.0.0.0:10000]
+[--epp 127.0.0.1:9002] [--admin 127.0.0.1:9901] [--fail-open]`` prints the YAML;
+:func:`render` returns it as a dict (the tests start a real Envoy from it).
+
+What it sets up, as the Gateway API Inference Extension documents for Envoy:
+
+- a listener whose HTTP filter chain is ``envoy.filters.http.ext_proc`` (the endpoint
+  picker over gRPC: request headers, the request body ``FULL_DUPLEX_STREAMED``, the
+  response headers, and the response body ``STREAMED`` when ``listen.epp.response_body``;
+  the ``upstream.address`` attribute with the response headers) then the router; on
+  paths other than the completions' the response phase is skipped (a per-route
+  processing mode: the picker follows only a completion's response);
+- the pool: one static cluster with every backend's ``ip:port``, chosen by the
+  ``envoy.load_balancing_policies.override_host`` policy from the picker's dynamic
+  metadata ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the chosen endpoint, then
+  the fallbacks; a retry takes the next one), round robin when the picker gave none
+  (only when failing open);
+- the gateway's retry and timeout semantics where Envoy has them: retries on connect
+  failures, resets before the response, 429, 502, 503 and 504, at most as many as the
+  picker lists fallbacks (and ``retries.max_attempts - 1``); ``timeouts.connect_s``,
+  ``timeouts.total_s`` (the route timeout) and ``timeouts.idle_s`` (the stream's idle
+  timeout), global values only (Envoy has no first-byte timeout: ``ttft_s`` does not
+  apply);
+- the picker's message timeout covers the admission queue's wait
+  (``admission.queue_timeout_s``): a request may wait there before it is handed off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from typing import Any
+
+import yaml
+
+from gateway.config import GatewayConfig, load_config
+from gateway.epp.picker import COMPLETION_PATHS, DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE, UPSTREAM_ADDRESS
+from gateway.upstream.client import endpoint_of
+
+_T = "type.googleapis.com/envoy.extensions"
+
+
+def _address(hostport: str) -> dict[str, Any]:
+    host, _, port = hostport.rpartition(":")
+    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def _seconds(s: float | None) -> str:
+    return "0s" if s is None else f"{s:.3f}s"  # Envoy's 0s: no limit
+
+
+def _cluster(name: str, endpoints: list[str], connect_s: float | None = 1.0, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "type": "STATIC", "connect_timeout": _seconds(connect_s or 3600.0),
+            "load_assignment": {"cluster_name": name, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _address(e)}} for e in endpoints]}]}, **extra}
+
+
+def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None = None, admin: str | None = None,
+           fail_open: bool = False, backend_urls: dict[str, str] | None = None) -> dict[str, Any]:
+    """The Envoy bootstrap (a dict, YAML-ready) for ``cfg``'s backends behind the
+    picker at ``epp`` (``host:port``; default ``listen.epp``). ``listen``: Envoy's
+    ``host:port``; ``admin``: its admin interface, if any; ``fail_open``: when the
+    picker is unreachable Envoy routes round robin instead of answering 500;
+    ``backend_urls`` overrides backends' URLs by name. Raises ``ValueError`` for a
+    backend without a URL (a simulated one)."""
+    pe = cfg.listen.epp
+    epp = epp or f"{pe.host or cfg.listen.host}:{pe.port}"
+    urls = backend_urls or {}
+    endpoints = []
+    for b in cfg.backends:
+        url = urls.get(b.name) or b.url
+        if not url:
+            raise ValueError(f"backend {b.name!r} has no url (a simulated backend cannot sit behind Envoy)")
+        endpoints.append(endpoint_of(url))
+    wait_s = cfg.admission.queue_timeout_s if cfg.admission.max_in_flight_per_backend is not None else 0.0
+    # Envoy cannot fail open in FULL_DUPLEX_STREAMED mode (the protocol's): failing open
+    # buffers the request body instead, up to the listener's buffer limit
+    mode = {"request_header_mode": "SEND", "request_body_mode": "BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SKIP" if fail_open else "SEND", "response_header_mode": "SEND",
+            "response_body_mode": "STREAMED" if pe.response_body else "NONE", "response_trailer_mode": "SKIP"}
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": f"{_T}.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}, "timeout": "30s"},
+            "failure_mode_allow": fail_open,
+            "message_timeout": f"{max(wait_s + 5.0, 5.0):.3f}s",
+            "processing_mode": mode,
+            "response_attributes": [UPSTREAM_ADDRESS],
+            "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]},
+                                 "receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
+        },
+    }
+    router = {"name": "envoy.filters.http.router",
+              "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"}}
+    t = cfg.timeouts
+    route: dict[str, Any] = {
+        "cluster": "pool", "timeout": _seconds(t.total_s),
+        "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+                         "retriable_status_codes": [429, 502, 503, 504],
+                         "num_retries": min(pe.fallback_endpoints, cfg.retries.max_attempts - 1)}}
+    if t.idle_s is not None:
+        route["idle_timeout"] = _seconds(t.idle_s)
+    # the picker follows the response only of a completion (its status, served endpoint,
+    # first token and usage settle it): any other request is picked in its request phase,
+    # so on other paths Envoy skips the response phase (no response messages, no answers)
+    others = {"envoy.filters.http.ext_proc": {
+        "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"processing_mode": {**mode, "response_header_mode": "SKIP", "response_body_mode": "NONE"}}}}
+    routes = [{"match": {"path": path}, "route": copy.deepcopy(route)} for path in COMPLETION_PATHS]
+    routes.append({"match": {"prefix": "/"}, "route": route, "typed_per_filter_config": others})
+    hcm = {"@type": f"{_T}.filters.network.http_connection_manager.v3.HttpConnectionManager",
+           "stat_prefix": "inference", "stream_idle_timeout": "0s",
+           "preserve_external_request_id": True,  # the caller's x-request-id, as the gateway keeps it
+           "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
+           "http_filters": [ext_proc, router]}
+    override_host = {"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": f"{_T}.load_balancing_policies.override_host.v3.OverrideHost",
+            # the metadata only: the header names the first endpoint again, and the
+            # policy tries every source's endpoints in turn
+            "override_host_sources": [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION}]}}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": f"{_T}.load_balancing_policies.round_robin.v3.RoundRobin"}}}]},
+        }}}
+    h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": f"{_T}.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}}}}
+    out: dict[str, Any] = {"static_resources": {
+        "listeners": [{"name": "inference", "address": _address(listen),
+                       **({"per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes} if fail_open else {}),
+                       "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                       "typed_config": hcm}]}]}],
+        "clusters": [_cluster("endpoint_picker", [epp], typed_extension_protocol_options=h2),
+                     _cluster("pool", endpoints, t.connect_s, load_balancing_policy={"policies": [override_host]})],
+    }}
+    if admin:
+        out["admin"] = {"address": _address(admin)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gateway.envoy_config", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="path to backends.yaml")
+    ap.add_argument("--listen", default="127.0.0.1:10000", help="Envoy's listener, host:port")
+    ap.add_argument("--epp", help="the endpoint picker's gRPC host:port (default: listen.epp)")
+    ap.add_argument("--admin", help="Envoy's admin interface, host:port (default: none)")
+    ap.add_argument("--fail-open", action="store_true", help="route round robin when the picker is unreachable")
+    args = ap.parse_args(argv)
+    try:
+        doc = render(load_config(args.config), args.listen, args.epp, args.admin, args.fail_open)
+    except Exception as e:  # a config error or a backend Envoy cannot reach
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    yaml.safe_dump(doc, sys.stdout, sort_keys=False)
+    return 0
+
+
