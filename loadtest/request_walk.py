@@ -33,7 +33,7 @@ three times adds 2 entries to router.py and 3 to director.py. Then the sequence 
 entries, in order. The counts of the files that relay the stream vary from run to run:
 they follow how the backend's events happen to be grouped into reads (whether the whole
 stream came in the read that brought its head, or went through the relay loop).
-Measured walks: loadtest/README.md.
+Measured walks: docs/results/cpu_profile.md.
 
 It relies only on ``python -m gateway --config X --port P`` and the OpenAI HTTP API, so
 it runs on any version of the code (run it from a checkout: the gateway is imported from

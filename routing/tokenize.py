@@ -30,9 +30,9 @@ approximate estimate): images, audio and other non-text parts (the engine expand
 into placeholder tokens), a per-request ``chat_template``, several prompts in one
 completions request, a template that raises.
 
-**Prefix cache.** Rendering a template costs little; encoding costs in proportion to
-the prompt's tokens (``loadtest/README.md`` has the numbers). The rendered text is cut
-into segments just before the tokenizer's special tokens (``<|im_start|>``...), and
+**Prefix cache.** Rendering a template costs little; encoding costs in proportion to the
+prompt's tokens (``docs/results/routing_cost.md`` has the numbers). The rendered text is
+cut into segments just before the tokenizer's special tokens (``<|im_start|>``...), and
 each segment's ids are kept in an LRU keyed by the segment's 128-bit hash, so a
 conversation's next turn encodes only its new text. Cutting there is exact:
 ``tokenizers`` splits its input at added tokens before the normalizer, pre-tokenizer

@@ -4,7 +4,8 @@ Why: a ``send`` on loopback that wakes a receiver asleep in ``epoll_wait`` costs
 sender several times what one that finds it awake does. A gateway answering whole
 responses one task step at a time spaces its sends far enough apart for a fast
 client or backend to fall asleep between two; sent back to back at the end of the
-turn, the receiver wakes once for several (the measurements: loadtest/README.md).
+turn, the receiver wakes once for several (the measurements: docs/results/cpu_profile.md,
+"Fourth pass").
 
 What goes through here: whole responses (``LeanDownstream.respond``), the close that
 may follow them, and the request of a non-streamed completion to its backend. What

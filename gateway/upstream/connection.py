@@ -371,7 +371,8 @@ class RelayTurns(PerLoop):
     callbacks; and the queued reads are relayed in FIFO turns. (A preemptive router
     gets the same effect from its threads.) Under that rate, with few streams, reads
     are relayed in their callbacks: a turn costs one more loop iteration per read.
-    The measurements behind both numbers are in loadtest/README.md.
+    The measurements behind both numbers are in docs/results/cpu_profile.md
+    ("Fourth pass").
 
     Per connection the order of bytes is kept (a connection's reads are relayed in
     one turn, before any later read of it, and before its close is handled). The

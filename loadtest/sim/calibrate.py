@@ -1,4 +1,4 @@
-"""Emulator side of the calibration table (loadtest/README.md), in virtual time.
+"""Emulator side of the calibration table (docs/results/calibration.md), in virtual time.
 
     python -m loadtest.sim.calibrate                  # all Llama-3-8B profiles, C = 1, 8, 64
     python -m loadtest.sim.calibrate --profile a100-llama3-8b --concurrency 1 2 4 8 16 32 64

@@ -290,8 +290,8 @@ A10G_LLAMA3_8B = _register(
 
 # A100-40GB + Llama-3.1-8B: the configuration of the published sweep MEM_EFFICIENCY
 # comes from (johnmusgrave.com, vLLM 0.23, 1024 in / 128 out, --ignore-eos), kept as a
-# calibration reference (loadtest/README.md). vLLM defaults for < 70 GiB (2048 / 256).
-# step_overhead 13.4 ms (~75 tok/s single stream), prefill 103 us/token.
+# calibration reference (docs/results/calibration.md). vLLM defaults for < 70 GiB
+# (2048 / 256). step_overhead 13.4 ms (~75 tok/s single stream), prefill 103 us/token.
 A100_LLAMA3_8B = _register(
     derive_profile(
         "a100-llama3-8b",
