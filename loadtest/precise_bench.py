@@ -49,7 +49,7 @@ from loadtest.replay import (APPROXIMATE, DEFAULT_FLEET, ORACLE, PRECISE, FleetM
 from loadtest.traces import (TRACE_BLOCK_TOKENS, TraceRequest, block_words, load_trace, scale_time,
                              shared_prefix_trace, trace_prompt_text)
 
-TINY_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny-tokenizer"
+TINY_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "support" / "data" / "tiny-tokenizer"
 MODES = {  # row label: (evidence, speculative_s or None for --speculative-s)
     "approximate": (APPROXIMATE, None),
     "precise": (PRECISE, None),

@@ -115,7 +115,7 @@ async def _paced_routing(router: Router, seconds: float, max_requests: int) -> t
 
 async def _store_part(seconds: float = 5.0, max_requests: int = 20_000) -> None:
     from routing.state import RedisStore
-    from tests.redis_server import ValkeyProcess  # the same valkey-server the tests use
+    from tests.support.redis_server import ValkeyProcess  # the same valkey-server the tests use
 
     import redis.asyncio as aioredis
 
@@ -227,7 +227,7 @@ def part_tokenize(path: str | None = None) -> None:
 
     from routing.tokenize import load_tokenizer
 
-    path = path or str(Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny-tokenizer")
+    path = path or str(Path(__file__).resolve().parent.parent / "tests" / "support" / "data" / "tiny-tokenizer")
     rng = random.Random(5)
     system = {"role": "system", "content": _words(rng, 1400)}
     short = [("chat", {"messages": [{"role": "system", "content": "You are a helpful assistant."},

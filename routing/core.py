@@ -29,7 +29,7 @@ with :class:`SequenceTracker`. A request whose token ids are known gets its
 model without such backends costs nothing more.
 
 The names the data plane needs from ``routing/`` are re-exported here; ``gateway/``
-imports nothing else of this package (``tests/test_import_cycles.py`` checks it).
+imports nothing else of this package (``tests/unit/test_import_cycles.py`` checks it).
 """
 
 from __future__ import annotations

