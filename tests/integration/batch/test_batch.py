@@ -915,3 +915,31 @@ async def test_shutdown_with_a_cancelling_batch_and_no_consumers_does_not_hang(r
         await check.close()
         for be in backends:
             await be.cleanup()
+
+
+@pytest.mark.fixed_bug(reason="found by the review of the pipeline split")
+async def test_a_batch_lines_ttft_does_not_count_its_wait_at_the_gate(redis, tmp_path):
+    async with ScriptedBackend().running() as be:
+        cfg = batch_config([{"name": "b", "url": be.url, "models": ["demo-model"]}], redis, tmp_path, workers=0)
+        async with running_gateway(cfg) as gw:
+            gate = gw.state.batch_gate
+            gate.in_flight += 1  # a line in flight elsewhere, holding a share the next line does not fit in
+            gate.kv_in_flight = 1e12
+            body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with aiohttp.ClientSession() as s:
+                pending = asyncio.ensure_future(s.post(gw.url + "/v1/chat/completions", json=body,
+                                                       headers={"x-turbo-priority": "batch"}))
+                await asyncio.sleep(0.5)  # the line waits at the gate at least this long
+                assert not be.bodies
+                loop = asyncio.get_running_loop()
+                released_at = loop.time()
+                gate.in_flight -= 1
+                gate.kv_in_flight = 0.0
+                gate._changed.set()
+                r = await asyncio.wait_for(pending, 10)
+                assert r.status == 200
+                await r.read()
+                answered_at = loop.time()
+            ttft = gw.state.metrics.child(gw.state.metrics.ttft, "demo-model")
+            # the TTFT counts from the gate's release (the loop's clock, ms resolution), not from arrival
+            assert sum(ttft.counts) == 1 and ttft.sum <= answered_at - released_at + 0.002

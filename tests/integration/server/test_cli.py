@@ -1,5 +1,6 @@
 """The two commands of README.md, end to end: `python -m gateway --config backends.yaml`
-starts the demo fleet and the openai SDK streams through it."""
+starts the demo fleet and the openai SDK streams through it; a bad config or a port in
+use exits 2 with a message, not a traceback."""
 
 from __future__ import annotations
 
@@ -98,3 +99,32 @@ def test_a_demo_fleet_that_cannot_start_shows_the_simulators_own_message(tmp_pat
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert "python -m loadtest.sim: cannot listen: " in r.stderr
         assert "failed to start (its message is above)" in r.stderr
+
+
+def _run_gateway(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_cli_bad_config_exits_2_without_traceback(tmp_path):
+    bad = tmp_path / "backends.yaml"
+    bad.write_text("backends:\n  - name: a\n    url: http://127.0.0.1:1\n    models: [m]\n    weight: -3\n")
+    r = _run_gateway("--config", str(bad))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert f"{bad}: invalid config at `backends.0.weight`" in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_port_in_use_says_so(tmp_path):
+    conf = tmp_path / "backends.yaml"
+    conf.write_text("backends:\n  - name: a\n    url: http://127.0.0.1:1\n    models: [m]\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _run_gateway("--config", str(conf), "--port", str(port))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in r.stderr

@@ -15,7 +15,11 @@ import zlib
 import aiohttp
 import httptools
 import orjson
+import pytest
 from aiohttp import web
+
+from gateway.server.app import create_app
+from gateway.server.listener import listen
 
 from tests.support.servers import AIOHTTP_MARK, ScriptedBackend, gateway_config, running_gateway, wait_until
 
@@ -230,3 +234,27 @@ async def test_a_backends_informational_response_is_skipped():
             done, _ = await call
             assert done[0][0] == 200 and orjson.loads(done[0][2])["choices"][0]["message"]["content"] == "ok"
             assert gw.idle("b")
+
+
+@pytest.mark.fixed_bug(reason="found by the review of the pipeline split")
+async def test_a_middleware_the_lean_protocol_would_bypass_is_refused_loudly():
+    @web.middleware
+    async def deny(request, handler):
+        return web.json_response({"error": {"message": "denied"}}, status=403)
+
+    async with ScriptedBackend().running() as be:
+        app = create_app(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}]))
+        app.middlewares.append(deny)
+        with pytest.raises(ValueError, match="fast_path: false"):
+            await listen(app, "127.0.0.1", 0)
+        app = create_app(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}],
+                                         listen={"fast_path": False}))
+        app.middlewares.append(deny)
+        server = await listen(app, "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{server.addresses[0][1]}/v1/chat/completions",
+                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    assert r.status == 403  # every request through aiohttp, the middleware included
+        finally:
+            await server.shutdown(1.0)

@@ -243,3 +243,16 @@ async def test_limits_keep_working_with_a_frozen_redis():
                 await wait_until(lambda: gw.metric("turbo_gateway_limits_store_up") == 0)
                 assert gw.state.limiter.usage["alpha"].concurrent == 0
                 assert held  # it did connect to the frozen server
+
+
+@pytest.mark.fixed_bug(reason="found by the review of the pipeline split")
+@pytest.mark.parametrize("method", ["GET", "PUT"])
+async def test_a_non_post_completion_request_without_the_key_is_a_401(method):
+    key = "sk-review-0123456789"
+    keys = {"keys": [{"name": "k", "key_sha256": hashlib.sha256(key.encode()).hexdigest()}]}
+    async with ScriptedBackend().running() as be:
+        async with running_gateway(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], auth=keys)) as gw:
+            async with aiohttp.ClientSession() as s:
+                async with s.request(method, gw.url + "/v1/chat/completions") as r:
+                    assert r.status == 401
+                    assert orjson.loads(await r.read())["error"]["code"] == "missing_api_key"

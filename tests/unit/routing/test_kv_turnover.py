@@ -179,3 +179,15 @@ def test_a_tenant_stays_with_its_partial_prefix_when_moving_would_evict():
     assert d.backend is a and d.detail["matched_tokens"] == held
     res.release(6.0)
     queued.finish(6.0)
+
+
+@pytest.mark.fixed_bug(reason="found by the review of the pipeline split")
+def test_a_recovered_backend_keeps_its_kv_capacity_in_the_prefix_index():
+    core = DecisionCore([BackendSpec("b", frozenset({"m"}), kv_capacity_tokens=6400)], "round_robin",
+                        block_tokens=64)
+    b = core.fleet.backends["b"]
+    assert core.index.backends["b"].capacity_blocks == 100
+    core.index.record("b", tuple(range(50)), 0.0)
+    core.backend_restarted(b)
+    assert core.index.match(tuple(range(50)), 0.0).get("b", 0) == 0  # its entries are gone
+    assert core.index.backends["b"].capacity_blocks == 100  # its capacity is not

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+import gc
+import tracemalloc
 from collections import Counter
 
 import pytest
 
 from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
 from routing.estimate import TokenEstimator, block_hashes, canonical_prompt, chain_seed
+from routing.estimate import _chain_seed_cached
 from routing.load import BackendLoad, DecayedLinearFit
 from routing.policies.estimated_ttft import EstimatedTTFT
 from routing.prefix_index import PrefixIndex
@@ -235,3 +238,25 @@ def test_decision_explains_itself():
     assert d.reason == "prefix_hit" and d.backend.name == vf.assigned[0]
     assert d.detail["matched_tokens"] > 0 and d.detail["ttft_est_s"] > 0
     res.release(10.0)
+
+
+@pytest.mark.fixed_bug(reason="chain_seed's lru_cache kept every client-sent cache_salt alive")
+def test_chain_seed_cache_does_not_pin_client_supplied_salts():
+    """``cache_salt`` is a client's request field of any length (bodies up to 32 MiB):
+    lru_cache(4096) keeps each distinct salt alive, so 4096 requests with a 1 MiB salt
+    pin 4 GiB. 16 requests with a 1 MiB salt must not retain 16 MiB."""
+    est = TokenEstimator()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(16):
+            salt = f"{i}-" + "s" * (1 << 20)
+            est.estimate("m", "hello", 4, salt)
+            del salt
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+        _chain_seed_cached.cache_clear()
+    assert retained < 4 << 20, f"{retained / 2**20:.1f} MiB of salts retained by chain_seed's cache"

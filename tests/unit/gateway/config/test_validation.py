@@ -1,10 +1,8 @@
-"""backends.yaml validation and the command line's handling of user errors."""
+"""backends.yaml validation, without sockets (the command line's handling of user errors:
+``tests/integration/server/test_cli.py``)."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,35 +62,6 @@ def test_yaml_syntax_error_and_missing_file(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match=r"missing.yaml: cannot read config file"):
         load_config(tmp_path / "missing.yaml")
-
-
-def _run_gateway(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-
-
-@pytest.mark.slow
-def test_cli_bad_config_exits_2_without_traceback(tmp_path):
-    bad = tmp_path / "backends.yaml"
-    bad.write_text("backends:\n  - name: a\n    url: http://127.0.0.1:1\n    models: [m]\n    weight: -3\n")
-    r = _run_gateway("--config", str(bad))
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    assert f"{bad}: invalid config at `backends.0.weight`" in r.stderr
-
-
-@pytest.mark.slow
-def test_cli_port_in_use_says_so(tmp_path):
-    conf = tmp_path / "backends.yaml"
-    conf.write_text("backends:\n  - name: a\n    url: http://127.0.0.1:1\n    models: [m]\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        r = _run_gateway("--config", str(conf), "--port", str(port))
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in r.stderr
 
 
 # ---- models: the models' own tokenizers ------------------------------------------------

@@ -1,14 +1,13 @@
-"""Engine-metrics scraping: parsing the engines' names, and the gateway learning a
-simulated vLLM backend's KV capacity and load from its real /metrics endpoint."""
+"""Engine-metrics scraping: parsing the engines' names and what a backend's load takes
+from them, without sockets (the gateway scraping a real /metrics endpoint:
+``tests/integration/engine_signals/test_metrics_scraper.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.engine_signals.metrics_scraper import parse_engine_metrics
-from loadtest.sim.server import SimBackendConfig, start_backends
 from routing.load import BackendLoad, EngineSample
-from tests.support.servers import gateway_config, running_gateway, wait_until
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -63,23 +62,6 @@ def test_external_load_counts_only_fresh_samples():
     # stale: ignored
     assert load.external_queued_tokens(now=7.0) == 0
     assert load.kv_used_tokens(now=7.0) == pytest.approx(1000)
-
-
-async def test_gateway_learns_kv_capacity_from_vllm_metrics():
-    backends, urls = await start_backends([SimBackendConfig(name="v", models=["m"], profile="demo", speed=20.0)])
-    try:
-        cfg = gateway_config([{"name": "v", "url": urls["v"], "models": ["m"]}],
-                             routing={"policy": "estimated_ttft", "scrape_interval_s": 0.05})
-        async with running_gateway(cfg) as gw:
-            state = gw.state.fleet.backends["v"]
-            await wait_until(lambda: state.load.kv_capacity_known and state.load.engine is not None)
-            # the demo profile: 512 blocks of 16 tokens
-            assert state.load.kv_capacity_tokens == 512 * 16
-            assert gw.state.router.index.backends["v"].capacity_blocks == 512 * 16 // 64
-            assert gw.state.scraper.ok["v"] is True
-    finally:
-        for b in backends:
-            await b.cleanup()
 
 
 def test_parse_engine_prefill_counters():
