@@ -460,7 +460,7 @@ class Routing(_Strict):
 
 class StateStore(_Strict):
     """Where the routing state lives: in this process (default) or shared by every
-    replica through Redis (see :mod:`routing.state`). Changing it needs a restart."""
+    replica through Redis (see :mod:`gateway.store.routing_state`). Changing it needs a restart."""
 
     url: str | None = Field(
         None, description="`redis://[:password@]host:port/db`, `rediss://` (TLS), `unix://` or "
@@ -487,7 +487,7 @@ class StateStore(_Strict):
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
             raise ValueError("must be a redis://, rediss://, unix:// or redis+sentinel:// URL")
         if v is not None and v.startswith("redis+sentinel://"):
-            from routing.core import parse_sentinel_url
+            from gateway.store.redis_client import parse_sentinel_url
             parse_sentinel_url(v)
         return v
 

@@ -32,8 +32,9 @@ from gateway.pipeline.relay import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
 from gateway.engine_signals.metrics_scraper import MetricsScraper
 from gateway.upstream.client import BackendClient
+from gateway.store.routing_state import InProcessStore, RedisStore
 from gateway.tenancy.usage_ledger import UsageLedger, UsageSync
-from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, StoreSettings, load_tokenizer
+from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, load_tokenizer
 
 log = logging.getLogger("gateway.runtime")
 
@@ -48,6 +49,7 @@ class GatewayState:
 
     cfg: GatewayConfig
     core: DecisionCore
+    store: InProcessStore | RedisStore  # where the routing state lives (gateway.store.routing_state)
     metrics: GatewayMetrics
     limiter: Limiter
     admission: AdmissionControl
@@ -83,10 +85,6 @@ class GatewayState:
     @property
     def router(self):
         return self.core.router
-
-    @property
-    def store(self):
-        return self.core.store
 
 
 def backend_specs(cfg: GatewayConfig) -> list[BackendSpec]:
@@ -127,19 +125,32 @@ def model_tokenizers(cfg: GatewayConfig) -> dict[str, ModelTokenizer]:
 def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str = "unknown") -> GatewayState:
     """A new gateway's state for ``cfg`` (no client yet: :func:`connect` makes them
     inside the running loop). Raises ``ValueError`` on duplicate backend names."""
-    r, st = cfg.routing, cfg.state
-    store = StoreSettings(st.url, st.namespace, st.staleness_s, st.lease_s, st.timeout_s, st.prefix_stream_maxlen,
-                          st.cluster) if st.url else None
+    r = cfg.routing
     core = DecisionCore([], r.policy, block_tokens=r.block_tokens, prefix_ttl_s=r.prefix_ttl_s,
-                        prefix_index_max_blocks=r.prefix_index_max_blocks, store=store, speculative_s=r.speculative_s)
-    metrics = GatewayMetrics(core.fleet, core.store, core.index, core.kv_stats)
+                        prefix_index_max_blocks=r.prefix_index_max_blocks, speculative_s=r.speculative_s)
+    store = state_store(cfg, core)
+    metrics = GatewayMetrics(core.fleet, store, core.index, core.kv_stats)
     metrics.build_info.labels(version, r.policy).set(1)
-    state = GatewayState(cfg, core, metrics, Limiter(), AdmissionControl(cfg.admission, core.fleet),
+    state = GatewayState(cfg, core, store, metrics, Limiter(), AdmissionControl(cfg.admission, core.fleet),
                          config_path=config_path)
     configure(state, cfg)
     metrics.registry.register(HardeningCollector(state))
     metrics.registry.register(TokenizerCollector(core))
     return state
+
+
+def state_store(cfg: GatewayConfig, core: DecisionCore) -> InProcessStore | RedisStore:
+    """Where ``core``'s view lives (``state``): shared through Redis when ``state.url``
+    is set (the store is attached to the core, not started), else this process alone
+    (the core then gets no store and its request path makes no call for it)."""
+    st = cfg.state
+    if not st.url:
+        return InProcessStore()
+    store = RedisStore(core.fleet, core.index, st.url, namespace=st.namespace, staleness_s=st.staleness_s,
+                       lease_s=st.lease_s, timeout_s=st.timeout_s, prefix_stream_maxlen=st.prefix_stream_maxlen,
+                       cluster=st.cluster)
+    core.attach_store(store)
+    return store
 
 
 def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:

@@ -283,8 +283,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     With ``replicas`` > 1, request ``i`` goes to gateway replica ``i % replicas`` (an
     L4 balancer's round robin), each with its own router; with ``shared`` every
     replica sees the others' load and dispatched prefix blocks ``staleness_s`` late
-    (what :class:`routing.state.RedisStore` gives at its default bound), otherwise
-    never.
+    (what :class:`gateway.store.routing_state.RedisStore` gives at its default bound),
+    otherwise never.
 
     With ``engine_metrics``, every :data:`SCRAPE_INTERVAL_S` the routers read the
     engines' prefill counters (a restarting engine's cannot be read), as the gateway's

@@ -8,7 +8,7 @@
    10^6 blocks already in the prefix index (8 KB prompts, half of them sharing a 4 KB
    prefix with an earlier one).
 2. **store**: the same per-request cost with the in-process store and with a
-   :class:`~routing.state.RedisStore` attached to a live valkey-server (the request
+   :class:`~gateway.store.routing_state.RedisStore` attached to a live valkey-server (the request
    path only appends to the outbox: Redis stays off it), the sync loop's CPU, and the
    Redis commands per request counted by the server itself (``INFO commandstats``)
    while a load of requests runs.
@@ -114,7 +114,7 @@ async def _paced_routing(router: Router, seconds: float, max_requests: int) -> t
 
 
 async def _store_part(seconds: float = 5.0, max_requests: int = 20_000) -> None:
-    from routing.state import RedisStore
+    from gateway.store.routing_state import RedisStore  # the gateway's store is what this part measures
     from tests.support.redis_server import ValkeyProcess  # the same valkey-server the tests use
 
     import redis.asyncio as aioredis
@@ -135,7 +135,7 @@ async def _store_part(seconds: float = 5.0, max_requests: int = 20_000) -> None:
 
         shared = router()
         store = RedisStore(shared.fleet, shared.index, server.url, namespace="bench")
-        shared.store = store
+        shared.store = store  # what DecisionCore.attach_store does
         await store.start()
         await admin.config_resetstat()
         cpu0 = time.process_time()

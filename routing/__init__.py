@@ -1,9 +1,10 @@
 """Routing: fleet view, load accounting, prefix index, policies and the decision core.
 
-Nothing here imports aiohttp or ``gateway``, and nothing on a request's path does I/O:
-every decision is testable without a socket (docs/architecture.md). The one exception
-is :mod:`routing.state`, whose background sync shares the fleet view with other
-replicas through Redis. The data planes enter through :mod:`routing.core`.
+Nothing here imports aiohttp, a Redis client, a socket or ``gateway``, starts a
+background task, or does I/O: every decision is testable without a socket
+(docs/architecture.md; ``tests/unit/routing/test_layers.py`` checks it). Sharing the
+fleet view with other replicas is the gateway's (:mod:`gateway.store`), through the
+interface in :mod:`routing.store`. The data planes enter through :mod:`routing.core`.
 """
 
 from routing.fleet import (

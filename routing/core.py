@@ -69,41 +69,18 @@ from routing.prefix_index import PrefixIndex
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
 from routing.tokenize import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
 from routing.tokenize import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
-from routing.state import (
-    InProcessStore,
-    RedisStore,
-    parse_sentinel_url,
-    raise_if_cancel_swallowed,
-    redis_client,
-    stop_sync,
-    sync_forever,
-)
+from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
     "BackendSpec", "BackendState", "Decision", "DecisionCore", "EngineSample", "Fleet", "KVEventStats", "LoraActivity",
     "ModelTokenizer",
-    "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "SequenceTracker",
-    "ServedModel", "StoreSettings", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel", "canonical_prompt",
-    "estimate_ttft", "load_tokenizer", "parse_sentinel_url", "raise_if_cancel_swallowed", "redis_client", "stop_sync",
-    "sync_forever",
+    "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "RoutingStore",
+    "SequenceTracker", "ServedModel", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel",
+    "canonical_prompt", "clear_remote_loads", "estimate_ttft", "fold_remote_loads", "load_snapshot", "load_tokenizer",
 ]
 
 log = logging.getLogger("routing.kv_event_decoding")
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    """Where the fleet view is shared with other replicas (see :mod:`routing.state`):
-    a Redis URL, its key namespace, and the sync's bounds in seconds."""
-
-    url: str
-    namespace: str = "turbo-gateway"
-    staleness_s: float = 0.05
-    lease_s: float = 2.0
-    timeout_s: float = 0.25
-    prefix_stream_maxlen: int = 20000
-    cluster: bool = False
 
 
 @dataclass(slots=True)
@@ -123,32 +100,30 @@ class DecisionCore:
     ``block_tokens``, ``prefix_ttl_s`` and ``prefix_index_max_blocks`` shape the prefix
     index (fixed for the core's life); ``speculative_s``: how long a token-exact entry
     recorded at dispatch waits for the engine's event (0: none recorded; changeable
-    through ``core.index.speculative_s``); ``store``: share the view through Redis, or
-    ``None`` for this process alone. Raises ``ValueError`` on duplicate backend names
-    and ``KeyError`` on an unknown policy.
+    through ``core.index.speculative_s``). The view is this process's alone until a
+    store that shares it is attached (:meth:`attach_store`). Raises ``ValueError`` on
+    duplicate backend names and ``KeyError`` on an unknown policy.
     """
 
     def __init__(self, specs: list[BackendSpec], policy: str, *, block_tokens: int = 64,
                  prefix_ttl_s: float = 600.0, prefix_index_max_blocks: int = 2_000_000,
                  canaries: dict[str, tuple[str, str, float]] | None = None,
-                 store: StoreSettings | None = None, speculative_s: float = 5.0) -> None:
+                 speculative_s: float = 5.0) -> None:
         self.fleet = Fleet([])
         self.estimator = TokenEstimator(block_tokens=block_tokens)
         self.index = PrefixIndex(ttl_s=prefix_ttl_s, max_blocks=prefix_index_max_blocks, speculative_s=speculative_s)
         self.kv_stats: dict[str, KVEventStats] = {}  # per backend publishing KV events
-        if store is not None:
-            self.store: InProcessStore | RedisStore = RedisStore(
-                self.fleet, self.index, store.url, namespace=store.namespace, staleness_s=store.staleness_s,
-                lease_s=store.lease_s, timeout_s=store.timeout_s, prefix_stream_maxlen=store.prefix_stream_maxlen,
-                cluster=store.cluster)
-        else:
-            self.store = InProcessStore()
         self.policy_name = policy
         self.tokenizers: dict[str, ModelTokenizer] = {}
         self.tokenize_stats: dict[str, TokenizeStats] = {}
-        self.router = Router(self.fleet, make_policy(policy), self.index, block_tokens=block_tokens,
-                             store=self.store if store is not None else None)
+        self.router = Router(self.fleet, make_policy(policy), self.index, block_tokens=block_tokens)
         self.apply(specs, policy, canaries or {})
+
+    def attach_store(self, store: RoutingStore) -> None:
+        """Share this core's view with other replicas through ``store`` (built by the
+        data plane on ``core.fleet`` and ``core.index``, see :mod:`routing.store`):
+        every dispatch from now on is reported to it, without I/O."""
+        self.router.store = store
 
     def apply(self, specs: list[BackendSpec], policy: str, canaries: dict[str, tuple[str, str, float]],
               tokenizers: dict[str, ModelTokenizer] | None = None) -> None:

@@ -9,6 +9,7 @@ from routing.fleet import BackendState, Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Policy, RouteRequest
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
+from routing.store import RoutingStore
 
 EXPIRE_EVERY_S = 1.0  # the prefix index's expiry and the speeds' ageing, at most this often
 PRIOR_MIN_SAMPLES = 5  # a backend's own samples before its speed counts toward its pool's prior
@@ -42,12 +43,12 @@ class Router:
     """
 
     def __init__(self, fleet: Fleet, policy: Policy, index: PrefixIndex | None = None,
-                 block_tokens: int = 64, store=None) -> None:
+                 block_tokens: int = 64, store: RoutingStore | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.index = index or PrefixIndex()
         self.block_tokens = block_tokens
-        self.store = store  # publishes dispatched prefix blocks to other replicas (routing.state)
+        self.store = store  # learns the dispatched prefix blocks, for other replicas (routing.store)
         self._next_expire = 0.0
         # model -> {engine block size: backends publishing KV events in it}, set by the core
         self.event_backends: dict[str, dict[int, list[str]]] = {}

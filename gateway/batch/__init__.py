@@ -84,8 +84,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         # Stop flags first: the consumer then drains on its own (its lines in flight get
         # batch.drain_timeout_s, the rest is handed back to other consumers). Then cancel,
         # after a bound that covers the drain and the hand-back: a cancel alone can be
-        # swallowed by a Redis call (routing.state.raise_if_cancel_swallowed), and a loop
-        # that missed it would keep this gather, and so the gateway's shutdown, waiting forever.
+        # swallowed by a Redis call (gateway.store.background_sync.raise_if_cancel_swallowed),
+        # and a loop that missed it would keep this gather, and so the gateway's shutdown,
+        # waiting forever.
         stop.set()
         rt.manager.stop()
         try:

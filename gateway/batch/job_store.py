@@ -193,7 +193,7 @@ class BatchStore:
 
     @classmethod
     def from_url(cls, url: str, namespace: str, files_dir: str | os.PathLike[str]) -> "BatchStore":
-        from routing.core import redis_client  # redis://, rediss://, unix:// and redis+sentinel://
+        from gateway.store.redis_client import redis_client  # redis://, rediss://, unix:// and redis+sentinel://
 
         return cls(redis_client(url, timeout_s=10.0), namespace, files_dir)
 

@@ -126,7 +126,7 @@ class BatchManager:
     def stop(self) -> None:
         """Make :meth:`run` return at its next step. The owner also cancels the task;
         this flag is what stops it when a Redis call swallowed that cancel (see
-        :func:`routing.state.raise_if_cancel_swallowed`)."""
+        :func:`gateway.store.background_sync.raise_if_cancel_swallowed`)."""
         self._stopping = True
         self._wake.set()
 
@@ -135,7 +135,7 @@ class BatchManager:
         batch), else every ``tick_s`` (backing off while Redis fails)."""
         import redis.exceptions
 
-        from routing.core import raise_if_cancel_swallowed
+        from gateway.store.background_sync import raise_if_cancel_swallowed
 
         errors = 0
         while not self._stopping:
@@ -164,7 +164,7 @@ class BatchManager:
                 pass
 
     async def tick(self) -> None:
-        from routing.core import raise_if_cancel_swallowed
+        from gateway.store.background_sync import raise_if_cancel_swallowed
 
         for bid in await self.store.active_ids():
             if self._stopping:

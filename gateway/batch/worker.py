@@ -49,7 +49,7 @@ from gateway.batch.job_store import GROUP, BatchStore
 from gateway.config import Batch
 from gateway.pipeline import director
 from gateway.pipeline.retry import RetryPolicy
-from routing.core import raise_if_cancel_swallowed
+from gateway.store.background_sync import raise_if_cancel_swallowed
 
 log = logging.getLogger("gateway.batch")
 

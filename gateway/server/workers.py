@@ -3,7 +3,7 @@
 Each worker is a full gateway process (its own event loop, upstream connection
 pools and routing state) bound to the same address with ``SO_REUSEPORT``, so the
 kernel spreads incoming connections across them. Workers share the routing view
-through the configured shared store (``state.url``, see :mod:`routing.state`),
+through the configured shared store (``state.url``, see :mod:`gateway.store.routing_state`),
 exactly as replicas on different machines do; without one, each worker routes on its
 private view and a warning says so. A demo fleet (``simulate:`` backends) is started
 once, by the parent, and shared by every worker.

@@ -225,7 +225,7 @@ class LimiterSync:
         self._logged_down = False
 
     async def start(self) -> None:
-        from routing.core import redis_client
+        from gateway.store.redis_client import redis_client
 
         self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
         self.limiter.shared = True
@@ -234,7 +234,7 @@ class LimiterSync:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        from routing.core import stop_sync
+        from gateway.store.background_sync import stop_sync
 
         await stop_sync(self._task, self.client, self.prefix + "conc:" + self.replica, self.timeout_s)
         self.limiter.shared = False
@@ -342,7 +342,7 @@ class LimiterSync:
         self.last_ok = asyncio.get_running_loop().time()
 
     async def _run(self) -> None:
-        from routing.core import sync_forever
+        from gateway.store.background_sync import sync_forever
 
         await sync_forever(self.sync_once, interval_s=self.interval_s, timeout_s=self.timeout_s * 4,
                            on_error=self._on_sync_error, on_ok=self._on_sync_ok)

@@ -202,7 +202,7 @@ class UsageSync:
         return f"{self.prefix}h:{hour}"
 
     async def start(self) -> None:
-        from routing.core import redis_client
+        from gateway.store.redis_client import redis_client
 
         self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
         self._script = self.client.register_script(_FLUSH)
@@ -212,7 +212,7 @@ class UsageSync:
     async def stop(self) -> None:
         """Stop the loop, flush once more (bounded by ``timeout_s``; what fails stays
         unflushed and is lost with the process), close the client."""
-        from routing.core import stop_sync
+        from gateway.store.background_sync import stop_sync
 
         task, self._task = self._task, None
         if task is not None:
@@ -299,7 +299,7 @@ class UsageSync:
         self.up = True
 
     async def _run(self) -> None:
-        from routing.core import sync_forever
+        from gateway.store.background_sync import sync_forever
 
         await sync_forever(self.flush_once, interval_s=self.interval_s, timeout_s=self.timeout_s * 4,
                            on_error=self._on_error, on_ok=self._on_ok)

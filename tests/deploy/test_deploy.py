@@ -68,7 +68,7 @@ CRD_SCHEMAS = {
 ENVOY = DEPLOY / "envoy"
 # how deploy/envoy/envoy.yaml is generated (its header says so too)
 ENVOY_RENDER = ["-m", "gateway.envoy_config", "--config", "deploy/envoy/backends.yaml", "--admin", "127.0.0.1:9901"]
-# Exported by the shared-state store (routing/state.py, built in parallel): the dashboard's
+# Exported by the shared-state store (gateway/store/routing_state.py): the dashboard's
 # store panels read them; the check reports them as pending until /metrics has them.
 PENDING_METRICS = {"turbo_gateway_state_store_up", "turbo_gateway_state_sync_lag_seconds",
                    "turbo_gateway_state_replicas", "turbo_gateway_state_redis_errors_total"}

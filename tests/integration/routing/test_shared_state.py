@@ -19,7 +19,8 @@ import yaml
 from loadtest.sim.server import SimBackendConfig, start_backends
 from routing import BackendSpec, Fleet
 from routing.prefix_index import PrefixIndex
-from routing.state import RedisStore, redis_client
+from gateway.store.redis_client import redis_client
+from gateway.store.routing_state import RedisStore
 from tests.support.redis_server import ValkeyProcess, frozen_redis, redis_url
 from tests.support.servers import free_port, gateway_config, running_gateway, wait_until
 
@@ -274,14 +275,14 @@ async def test_store_finds_the_master_through_sentinel(fleet, tmp_path):
 async def test_store_stop_ends_the_sync_loop_even_when_a_redis_call_swallows_the_cancel():
     """redis-py sends every command through ``asyncio.wait_for``; on Python 3.11 a cancel
     that lands just as a send completes is swallowed (the task stays "cancelling" and
-    runs on). The sync loop must end anyway (routing.state.raise_if_cancel_swallowed)
+    runs on). The sync loop must end anyway (gateway.store.background_sync.raise_if_cancel_swallowed)
     rather than outlive ``stop()`` (which waits for it only a bounded time). The loop
     syncs back to back here, so the cancel often lands mid-command."""
     import uuid
 
     from routing import BackendSpec, Fleet
     from routing.prefix_index import PrefixIndex
-    from routing.state import RedisStore
+    from gateway.store.routing_state import RedisStore
 
     fleet = Fleet([BackendSpec("a", frozenset({"m"}), "mixed", 1.0, "mixed")])
     leaked: list[asyncio.Task] = []
@@ -317,7 +318,7 @@ async def test_late_replica_learns_only_blocks_the_index_would_keep():
 
     from routing import BackendSpec, Fleet
     from routing.prefix_index import PrefixIndex
-    from routing.state import RedisStore, _pack_hashes
+    from gateway.store.routing_state import RedisStore, _pack_hashes
 
     ns = uuid.uuid4().hex
     with redis_url() as url:

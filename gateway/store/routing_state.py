@@ -18,8 +18,8 @@ its local view; a background task of the :class:`RedisStore`, every ``sync_inter
    pipeline, and a second ``MGET`` follows only when a replica came or went) and the
    stream entries it has not seen (``XRANGE`` from its cursor),
    and folds them into the local view: other replicas' load becomes
-   :class:`~routing.load.RemoteLoad` and ``BackendState.remote_in_flight``, their
-   blocks enter the local :class:`~routing.prefix_index.PrefixIndex`.
+   ``load.remote`` and ``remote_in_flight`` of each backend (:func:`routing.store.fold_remote_loads`),
+   their blocks enter the local :class:`~routing.prefix_index.PrefixIndex`.
 
 A replica that starts late reads the capped stream back to the prefix index's TTL (older
 blocks would be dropped on arrival) and the live snapshots before it reports ready. Every key lives under ``{namespace}`` in braces, a Redis Cluster hash
@@ -53,15 +53,21 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import orjson
 
-from routing.fleet import Fleet
-from routing.load import RemoteLoad
-from routing.prefix_index import PrefixIndex
+from gateway.store.background_sync import stop_sync, sync_forever
+from gateway.store.redis_client import redis_client
+from routing.core import (
+    Fleet,
+    PrefixIndex,
+    clear_remote_loads,
+    fold_remote_loads,
+    load_snapshot,
+)
 
-log = logging.getLogger("routing.state")
+log = logging.getLogger("gateway.store.routing_state")
 
 
 @dataclass(slots=True)
@@ -77,118 +83,9 @@ class StoreStats:
     published_dispatches: int = 0
 
 
-def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
-    """``redis+sentinel://[:password@]host:port[,host:port...]/service[/db]`` to
-    (sentinel addresses, master service name, db, password). Raises ``ValueError``."""
-    from urllib.parse import unquote
-
-    rest = url.removeprefix("redis+sentinel://")
-    password = None
-    if "@" in rest:
-        cred, rest = rest.rsplit("@", 1)
-        password = unquote(cred.split(":", 1)[1] if ":" in cred else cred) or None
-    hostpart, _, path = rest.partition("/")
-    parts = [p for p in path.split("/") if p]
-    if not hostpart or not parts:
-        raise ValueError("expected redis+sentinel://host:port[,host:port...]/service[/db]")
-    hosts = []
-    for h in hostpart.split(","):
-        host, _, port = h.rpartition(":")
-        hosts.append((host or h, int(port) if host else 26379))
-    return hosts, parts[0], int(parts[1]) if len(parts) > 1 else 0, password
-
-
-def redis_client(url: str, *, timeout_s: float, cluster: bool = False) -> Any:
-    """A redis-py asyncio client for a ``state.url``: standalone (``redis://``,
-    ``rediss://``, ``unix://``), Cluster (``cluster=True``) or Sentinel
-    (``redis+sentinel://``). Every call gets ``timeout_s`` to connect and to answer,
-    and no automatic retry, so a frozen server costs one timeout, never a hang."""
-    import redis.asyncio as aioredis
-
-    kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
-                              health_check_interval=0)
-    if url.startswith("redis+sentinel://"):
-        from redis.asyncio.sentinel import Sentinel
-
-        hosts, service, db, password = parse_sentinel_url(url)
-        sentinel = Sentinel(hosts, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        return sentinel.master_for(service, db=db, password=password, **kw)
-    if cluster:
-        from redis.asyncio.cluster import RedisCluster
-
-        return RedisCluster.from_url(url, **kw)
-    return aioredis.from_url(url, **kw)
-
-
-async def stop_sync(task: asyncio.Task | None, client: Any, key: str, timeout_s: float) -> None:
-    """Stop a background sync loop (:func:`sync_forever`) and its Redis client: cancel
-    ``task``, delete this replica's ``key`` (best effort), close ``client``. Each step
-    waits at most ``max(timeout_s, 1)`` seconds, so a shutdown never hangs on Redis or
-    on a task that missed its cancel; never raises but ``CancelledError`` (of the caller)."""
-    bound = max(timeout_s, 1.0)
-    if task is not None:
-        task.cancel()
-        await asyncio.wait({task}, timeout=bound)
-        if not task.done():
-            log.warning("a Redis sync loop did not stop within %.1f s of its cancel; leaving it", bound)
-    if client is None:
-        return
-    for step in (lambda: client.delete(key), client.aclose):
-        try:
-            async with asyncio.timeout(bound):
-                await step()
-        except Exception:  # noqa: BLE001 - best effort on shutdown
-            pass
-
-
-def raise_if_cancel_swallowed() -> None:
-    """Raise ``CancelledError`` when the current task was cancelled but the cancel never
-    reached it. Background loops that call Redis check this once per round.
-
-    Why a cancel can get lost: redis-py (the clients :func:`redis_client` makes, which
-    set ``socket_timeout``) sends every command through ``asyncio.wait_for``, and
-    Python 3.11's ``wait_for`` *returns the result* instead of raising when the caller
-    is cancelled just as the wrapped send completes (cpython bpo-42130, gh-86296; 3.12 rebuilt
-    ``wait_for`` on ``asyncio.timeout``). The task then carries an unanswered cancel
-    request (``Task.cancelling()`` stays above 0) and a ``while True`` loop around the
-    command runs on, so whoever awaits the cancelled task at shutdown waits forever.
-    Call this outside any ``asyncio.timeout`` block (a timeout that is expiring also
-    counts as a cancel request until it is handled)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError("cancelled (the cancel was swallowed by a library call)")
-
-
-async def sync_forever(sync_once: Callable[[], Awaitable[None]], *, interval_s: float, timeout_s: float,
-                       on_error: Callable[[Exception], None], on_ok: Callable[[], None]) -> None:
-    """Run ``sync_once`` every ``interval_s`` seconds until cancelled, each call bounded
-    by ``timeout_s``. A failure (any exception, the timeout included) goes to
-    ``on_error`` and the next try comes after ``min(max(interval_s, 0.1), 1)`` s; a
-    success goes to ``on_ok``. Never raises but ``CancelledError``, and stops on a
-    cancel that a Redis call swallowed (:func:`raise_if_cancel_swallowed`). Uses
-    ``asyncio.timeout``, not ``asyncio.wait_for``, whose Python 3.11 version can swallow
-    a cancel and keep the loop alive at shutdown."""
-    loop = asyncio.get_running_loop()
-    while True:
-        raise_if_cancel_swallowed()
-        started = loop.time()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await sync_once()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any Redis failure degrades, never crashes
-            raise_if_cancel_swallowed()
-            on_error(e)
-            await asyncio.sleep(min(max(interval_s, 0.1), 1.0))
-            continue
-        raise_if_cancel_swallowed()
-        on_ok()
-        await asyncio.sleep(max(interval_s - (loop.time() - started), 0.0))
-
-
 class InProcessStore:
-    """The default: the state is this process's memory and nothing is shared."""
+    """The default: the state is this process's memory and nothing is shared (the
+    decision core gets no store; this one only answers the lifecycle and metrics)."""
 
     kind = "memory"
 
@@ -217,9 +114,24 @@ def _unpack_hashes(data: bytes) -> tuple[int, ...]:
     return tuple(h + (1 << 64) if h < 0 else h for (h,) in _PACK.iter_unpack(data))
 
 
+def _decode_snapshots(raws: list) -> list[dict[str, list[float]]]:
+    out = []
+    for raw in raws:
+        if not raw:
+            continue
+        try:
+            out.append(orjson.loads(raw))
+        except orjson.JSONDecodeError:
+            continue
+    return out
+
+
 class RedisStore:
     """Shares load and prefix placement with the other replicas through Redis.
 
+    - ``fleet``, ``index``: the decision core's (``core.fleet``, ``core.index``), into
+      which the other replicas' view is folded; hand the store to the core with
+      ``core.attach_store`` so that it learns this replica's dispatches.
     - ``url``: ``redis://``, ``rediss://`` (TLS) or ``unix://``, a password in the URL;
       or ``redis+sentinel://[:password@]h1:26379,h2:26379/service[/db]`` to find the
       master through Redis Sentinel.
@@ -280,7 +192,7 @@ class RedisStore:
         self._task = asyncio.create_task(self._run())
         try:
             await asyncio.wait_for(self._synced.wait(), initial_sync_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("state store: no initial sync with Redis within %.1f s; serving on local state",
                         initial_sync_timeout_s)
 
@@ -289,14 +201,6 @@ class RedisStore:
         await stop_sync(self._task, self.client, self.k_load_prefix + self.replica, self.timeout_s)
 
     # ---- sync ----------------------------------------------------------------------
-
-    def _snapshot(self) -> bytes:
-        out = {}
-        for name, b in self.fleet.backends.items():
-            ld = b.load
-            out[name] = [ld.queued, ld.queued_prefill_tokens, ld.running, ld.decode_tokens_remaining, ld.kv_tokens,
-                         b.in_flight, *ld.local_speed()]
-        return orjson.dumps(out)
 
     def _count(self, op: str, n: int = 1) -> None:
         self.stats.calls[op] = self.stats.calls.get(op, 0) + n
@@ -307,12 +211,13 @@ class RedisStore:
         client = self.client
         now_ms = int(time.time() * 1000)
         expires = now_ms + self.lease_ms
-        pending = []
+        pending: list[tuple[str, tuple[int, ...]]] = []
         while self.outbox and len(pending) < 2000:
             pending.append(self.outbox.popleft())
         try:
             pipe = client.pipeline(transaction=False)
-            pipe.set(self.k_load_prefix + self.replica, self._snapshot(), px=self.lease_ms)
+            pipe.set(self.k_load_prefix + self.replica, orjson.dumps(load_snapshot(self.fleet)),
+                     px=self.lease_ms)
             pipe.zadd(self.k_registry, {self.replica: expires})
             pipe.zremrangebyscore(self.k_registry, "-inf", now_ms)
             if pending:  # one entry per sync, however many dispatches it carries
@@ -353,17 +258,17 @@ class RedisStore:
                 snaps = await client.mget([self.k_load_prefix + r for r in listed])
                 self._count("mget")
             self._others = listed
-        self._fold_load(snaps)
+        fold_remote_loads(self.fleet, _decode_snapshots(snaps))
         self.stats.replicas = 1 + sum(1 for s in snaps if s)
         now = loop.time()
         me = self.replica.encode()
-        for entry_id, fields in entries:
+        for entry_id, entry in entries:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             self.cursor = eid
-            rep = fields.get(b"r", fields.get("r"))
+            rep = entry.get(b"r", entry.get("r"))
             if rep == me or rep == self.replica:  # this replica's own entry: nothing to learn
                 continue
-            f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+            f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in entry.items()}
             age_s = max(redis_now_ms - int(eid.split("-")[0]), 0) / 1000.0
             i = 0
             while f"b{i}" in f:
@@ -376,37 +281,6 @@ class RedisStore:
                 i += 1
         self.stats.last_sync_at = now
 
-    def _fold_load(self, snaps: list) -> None:
-        totals: dict[str, RemoteLoad] = {name: RemoteLoad() for name in self.fleet.backends}
-        in_flight: dict[str, int] = dict.fromkeys(self.fleet.backends, 0)
-        for raw in snaps:
-            if not raw:
-                continue
-            try:
-                snap = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                continue
-            for name, v in snap.items():
-                t = totals.get(name)
-                if t is None or len(v) < 11:
-                    continue
-                t.queued += v[0]
-                t.queued_prefill_tokens += v[1]
-                t.running += v[2]
-                t.decode_tokens_remaining += v[3]
-                t.kv_tokens += v[4]
-                in_flight[name] += int(v[5])
-                t.speeds.append((v[6], v[7], v[8], v[9], int(v[10])))
-        for name, b in self.fleet.backends.items():
-            b.load.remote = totals[name]
-            b.remote_in_flight = in_flight[name]
-
-    def _drop_remote(self) -> None:
-        for b in self.fleet.backends.values():
-            b.load.remote = RemoteLoad()
-            b.remote_in_flight = 0
-        self.stats.replicas = 1
-
     def _on_sync_error(self, e: Exception) -> None:
         op = type(e).__name__
         self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
@@ -417,7 +291,8 @@ class RedisStore:
         self.stats.up = False
         last = self.stats.last_sync_at
         if last is None or asyncio.get_running_loop().time() - last > self.lease_s:
-            self._drop_remote()
+            clear_remote_loads(self.fleet)
+            self.stats.replicas = 1
 
     def _on_sync_ok(self) -> None:
         if self._degraded_logged:
