@@ -22,6 +22,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from gateway.runtime import STATE
+from gateway.store.background_sync import BackgroundSync
 
 log = logging.getLogger("gateway.batch")
 
@@ -67,17 +68,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     from gateway.batch.worker import Consumer, LocalSender
 
     rt = app[BATCH]
-    stop = asyncio.Event()
     tasks = rt.tasks
     try:
         await rt.store.ensure_group()
     except Exception as e:  # Redis down at start: the manager and consumers retry
         log.warning("batch: cannot reach Redis at start (%s); retrying in the background", e)
-    tasks.append(asyncio.create_task(rt.manager.run(), name="batch-manager"))
+    loops: list[BackgroundSync] = [rt.manager]
     if rt.cfg.workers > 0:
         sender = LocalSender(app[STATE], rt.gate, rt.cfg.request_timeout_s)
         rt.consumer = Consumer(rt.store, sender, rt.cfg, concurrency=rt.cfg.workers)
-        tasks.append(asyncio.create_task(_consume_forever(rt.consumer, stop), name="batch-consumer"))
+        loops.append(ConsumerLoop(rt.consumer))
+    tasks.extend(loop.start_loop() for loop in loops)
     try:
         yield
     finally:
@@ -87,8 +88,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         # swallowed by a Redis call (gateway.store.background_sync.raise_if_cancel_swallowed),
         # and a loop that missed it would keep this gather, and so the gateway's shutdown,
         # waiting forever.
-        stop.set()
-        rt.manager.stop()
+        for loop in loops:
+            loop.request_stop()
         try:
             consumers = [t for t in tasks if t.get_name() == "batch-consumer"]
             if consumers:
@@ -100,12 +101,21 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await rt.store.close()
 
 
-async def _consume_forever(consumer, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            await consumer.run(stop)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("batch consumer stopped (%s); restarting", e)
-            await asyncio.sleep(1.0)
+class ConsumerLoop(BackgroundSync):
+    """Runs a :class:`~gateway.batch.worker.Consumer` until :meth:`request_stop` (its
+    ``stop`` event: it then drains), restarting it a second after it fails."""
+
+    outage_errors = ()  # a consumer retries Redis itself: what ends it is logged every time
+
+    def __init__(self, consumer) -> None:
+        super().__init__("batch-consumer", interval_s=1.0, round_timeout_s=None, logger=log)
+        self.consumer = consumer
+
+    async def sync_once(self) -> None:
+        await self.consumer.run(self.stopping)
+
+    def unexpected(self, e: Exception) -> None:
+        log.warning("batch consumer stopped (%s); restarting", e)
+
+    def delay(self, elapsed_s: float) -> float:
+        return self.interval_s

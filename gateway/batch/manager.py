@@ -31,6 +31,7 @@ import orjson
 
 from gateway.batch.job_store import ENDPOINTS, FINAL, BatchStore
 from gateway.batch.worker import output_line
+from gateway.store.background_sync import BackgroundSync, raise_if_cancel_swallowed
 
 log = logging.getLogger("gateway.batch")
 
@@ -109,65 +110,39 @@ def _error(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message}
 
 
-class BatchManager:
-    """Moves batches through their statuses (see the module docstring)."""
+class BatchManager(BackgroundSync):
+    """Moves batches through their statuses (see the module docstring): a tick at once
+    when woken (:meth:`wake`: a new or cancelled batch), else every ``tick_s``, backing
+    off while Redis fails (twice as long per failed tick, at most 5 s), until
+    :meth:`request_stop` or a cancel."""
 
     def __init__(self, store: BatchStore, *, tick_s: float = 0.2) -> None:
-        self.store = store
-        self.tick_s = tick_s
-        self.owner = uuid.uuid4().hex
-        self._wake = asyncio.Event()
-        self._busy: set[str] = set()
-        self._stopping = False
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def stop(self) -> None:
-        """Make :meth:`run` return at its next step. The owner also cancels the task;
-        this flag is what stops it when a Redis call swallowed that cancel (see
-        :func:`gateway.store.background_sync.raise_if_cancel_swallowed`)."""
-        self._stopping = True
-        self._wake.set()
-
-    async def run(self) -> None:
-        """Tick until :meth:`stop` or a cancel: at once when woken (a new or cancelled
-        batch), else every ``tick_s`` (backing off while Redis fails)."""
         import redis.exceptions
 
-        from gateway.store.background_sync import raise_if_cancel_swallowed
+        super().__init__("batch-manager", interval_s=tick_s, round_timeout_s=None, logger=log)
+        self.outage_errors = (redis.exceptions.RedisError, OSError)
+        self.store = store
+        self.owner = uuid.uuid4().hex
+        self._busy: set[str] = set()
 
-        errors = 0
-        while not self._stopping:
-            raise_if_cancel_swallowed()
-            try:
-                await self.tick()
-                if errors:
-                    log.warning("batch manager: Redis is back")
-                errors = 0
-            except (redis.exceptions.RedisError, OSError) as e:
-                if not errors:
-                    log.warning("batch manager: Redis error (%s); retrying with backoff", e)
-                errors += 1
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("batch manager tick failed")
-            self._wake.clear()
-            if self._stopping:
-                break
-            raise_if_cancel_swallowed()
-            try:
-                async with asyncio.timeout(min(self.tick_s * 2 ** min(errors, 5), 5.0)):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+    async def sync_once(self) -> None:
+        await self.tick()
+
+    def down_message(self, e: BaseException) -> tuple[Any, ...]:
+        return ("batch manager: Redis error (%s); retrying with backoff", e)
+
+    def back_message(self) -> tuple[Any, ...]:
+        return ("batch manager: Redis is back",)
+
+    def unexpected(self, e: Exception) -> None:
+        log.exception("batch manager tick failed")
+
+    def delay(self, elapsed_s: float) -> float:
+        return min(self.interval_s * 2 ** min(self.failures, 5), 5.0)
 
     async def tick(self) -> None:
-        from gateway.store.background_sync import raise_if_cancel_swallowed
-
         for bid in await self.store.active_ids():
-            if self._stopping:
+            if self.stopping.is_set():
                 return
             raise_if_cancel_swallowed()
             if bid in self._busy:

@@ -7,8 +7,12 @@ client (:mod:`gateway.store.background_sync`) bound each round on top of that.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
+import uuid
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 
 def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
@@ -50,3 +54,31 @@ def redis_client(url: str, *, timeout_s: float, cluster: bool = False) -> Any:
 
         return RedisCluster.from_url(url, **kw)
     return aioredis.from_url(url, **kw)
+
+
+def replica_id() -> str:
+    """This process's name among the replicas sharing a store: host, PID and a random
+    suffix (a restarted process on the same host and PID is a new replica)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password (and path), for the log."""
+    u = urlsplit(url)
+    host = u.hostname or u.path
+    return f"{u.scheme}://{host}{':' + str(u.port) if u.port else ''}"
+
+
+async def close_client(client: Any, key: str, timeout_s: float) -> None:
+    """Delete this replica's ``key`` (best effort: the others then stop counting it at
+    once rather than at its lease's end) and close ``client``. Each step waits at most
+    ``max(timeout_s, 1)`` seconds; never raises but ``CancelledError`` (of the caller)."""
+    if client is None:
+        return
+    bound = max(timeout_s, 1.0)
+    for step in (lambda: client.delete(key), client.aclose):
+        try:
+            async with asyncio.timeout(bound):
+                await step()
+        except Exception:  # noqa: BLE001, S110 - best effort on shutdown
+            pass

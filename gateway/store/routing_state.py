@@ -1,7 +1,8 @@
 """Where the routing state lives: this process only, or shared through Redis.
 
 The request path never waits for Redis (DESIGN.md section 4). Each replica decides on
-its local view; a background task of the :class:`RedisStore`, every ``sync_interval_s``
+its local view; a background task of the :class:`RedisStore` (a
+:class:`~gateway.store.background_sync.BackgroundSync`), every ``sync_interval_s``
 (half the staleness bound, 25 ms by default), in one pipelined round trip:
 
 1. publishes this replica's **load snapshot** per backend (queued prefill tokens,
@@ -46,19 +47,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import struct
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from gateway.store.background_sync import stop_sync, sync_forever
-from gateway.store.redis_client import redis_client
+from gateway.store.background_sync import BackgroundSync
+from gateway.store.redis_client import close_client, redis_client, safe_url
+from gateway.store.redis_client import replica_id as new_replica_id
 from routing.core import (
     Fleet,
     PrefixIndex,
@@ -126,7 +125,7 @@ def _decode_snapshots(raws: list) -> list[dict[str, list[float]]]:
     return out
 
 
-class RedisStore:
+class RedisStore(BackgroundSync):
     """Shares load and prefix placement with the other replicas through Redis.
 
     - ``fleet``, ``index``: the decision core's (``core.fleet``, ``core.index``), into
@@ -139,7 +138,7 @@ class RedisStore:
     - ``staleness_s``: bound on how old the other replicas' view may be; the sync
       interval is half of it.
     - ``lease_s``: a replica's load counts this long after its last successful sync.
-    - ``timeout_s``: every Redis call's connect and read timeout.
+    - ``timeout_s``: every Redis call's connect and read timeout (a sync round gets four).
     - ``prefix_stream_maxlen``: dispatches kept in the shared prefix stream.
     - ``cluster``: connect with redis-py's ``RedisCluster`` (the hash tag keeps
       every key of a namespace on one slot).
@@ -150,16 +149,16 @@ class RedisStore:
     def __init__(self, fleet: Fleet, index: PrefixIndex, url: str, *, namespace: str = "turbo-gateway",
                  staleness_s: float = 0.05, lease_s: float = 2.0, timeout_s: float = 0.25,
                  prefix_stream_maxlen: int = 20000, cluster: bool = False, replica_id: str | None = None) -> None:
+        super().__init__("state-store-sync", interval_s=staleness_s / 2, round_timeout_s=timeout_s * 4, logger=log)
         self.fleet = fleet
         self.index = index
         self.url = url
         self.cluster = cluster
-        self.replica = replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.replica = replica_id or new_replica_id()
         tag = "{" + namespace + "}"
         self.k_registry = f"tg:{tag}:replicas"
         self.k_stream = f"tg:{tag}:prefix"
         self.k_load_prefix = f"tg:{tag}:load:"
-        self.interval_s = staleness_s / 2
         self.lease_ms = int(lease_s * 1000)
         self.lease_s = lease_s
         self.timeout_s = timeout_s
@@ -169,8 +168,6 @@ class RedisStore:
         self.cursor = "0-0"
         self._others: list[str] = []  # the other live replicas, as the last sync listed them
         self.client: Any = None
-        self._task: asyncio.Task | None = None
-        self._degraded_logged = False
         self._synced = asyncio.Event()
 
     # ---- the hot path --------------------------------------------------------------
@@ -189,7 +186,7 @@ class RedisStore:
         if initial_sync_timeout_s is None:
             initial_sync_timeout_s = max(1.0, 4 * self.timeout_s)
         self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
-        self._task = asyncio.create_task(self._run())
+        self.start_loop()
         try:
             await asyncio.wait_for(self._synced.wait(), initial_sync_timeout_s)
         except TimeoutError:
@@ -197,8 +194,9 @@ class RedisStore:
                         initial_sync_timeout_s)
 
     async def stop(self) -> None:
+        await self.stop_loop(max(self.timeout_s, 1.0))
         # deleting the snapshot lets the others stop counting this replica's load now
-        await stop_sync(self._task, self.client, self.k_load_prefix + self.replica, self.timeout_s)
+        await close_client(self.client, self.k_load_prefix + self.replica, self.timeout_s)
 
     # ---- sync ----------------------------------------------------------------------
 
@@ -281,33 +279,24 @@ class RedisStore:
                 i += 1
         self.stats.last_sync_at = now
 
-    def _on_sync_error(self, e: Exception) -> None:
+    # ---- outage and recovery (BackgroundSync) ---------------------------------------
+
+    def down_message(self, e: BaseException) -> tuple[Any, ...]:
+        return ("state store degraded: Redis at %s failed (%s: %s); serving on local state", safe_url(self.url),
+                type(e).__name__, e)
+
+    def back_message(self) -> tuple[Any, ...]:
+        return ("state store: Redis at %s is back; shared view resynchronized", safe_url(self.url))
+
+    def on_down(self, e: BaseException) -> None:
         op = type(e).__name__
         self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
-        if self.stats.up or not self._degraded_logged:
-            log.warning("state store degraded: Redis at %s failed (%s: %s); serving on local state",
-                        self._safe_url(), op, e)
-            self._degraded_logged = True
         self.stats.up = False
         last = self.stats.last_sync_at
         if last is None or asyncio.get_running_loop().time() - last > self.lease_s:
             clear_remote_loads(self.fleet)
             self.stats.replicas = 1
 
-    def _on_sync_ok(self) -> None:
-        if self._degraded_logged:
-            log.warning("state store: Redis at %s is back; shared view resynchronized", self._safe_url())
-            self._degraded_logged = False
+    def on_up(self) -> None:
         self.stats.up = True
         self._synced.set()
-
-    async def _run(self) -> None:
-        await sync_forever(self.sync_once, interval_s=self.interval_s, timeout_s=self.timeout_s * 4,
-                           on_error=self._on_sync_error, on_ok=self._on_sync_ok)
-
-    def _safe_url(self) -> str:
-        # never log a password
-        from urllib.parse import urlsplit
-        u = urlsplit(self.url)
-        host = u.hostname or u.path
-        return f"{u.scheme}://{host}{':' + str(u.port) if u.port else ''}"

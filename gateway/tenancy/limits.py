@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -39,6 +36,8 @@ import orjson
 
 from gateway.config import ClientKey
 from gateway.errors import ClientError, retry_later_headers
+from gateway.store.background_sync import BackgroundSync
+from gateway.store.redis_client import close_client, redis_client, replica_id
 
 if TYPE_CHECKING:
     from gateway.tenancy.admission import TokenCounters
@@ -197,15 +196,16 @@ class Limiter:
         return sum(u.concurrent for u in self.usage.values())
 
 
-class LimiterSync:
+class LimiterSync(BackgroundSync):
     """Shares a :class:`Limiter`'s counters through Redis in the background (see the
     module docstring), and the admission queue's per-key service ``counters``
     (:class:`gateway.tenancy.admission.TokenCounters`, weighted tokens: each replica adds its
-    charges to one hash, ``HINCRBYFLOAT``, and reads back the totals). Never raises
-    into the request path."""
+    charges to one hash, ``HINCRBYFLOAT``, and reads back the totals), a round every
+    ``interval_s`` bounded by four ``timeout_s``. Never raises into the request path."""
 
     def __init__(self, limiter: Limiter, url: str, *, namespace: str, interval_s: float, lease_s: float,
                  timeout_s: float, cluster: bool = False, counters: TokenCounters | None = None) -> None:
+        super().__init__("limits-sync", interval_s=interval_s, round_timeout_s=timeout_s * 4, logger=log)
         self.limiter = limiter
         self.counters = counters
         self.url = url
@@ -214,29 +214,21 @@ class LimiterSync:
         self.prefix = f"tg:{tag}:lim:"
         self.k_registry = f"tg:{tag}:lim:replicas"
         self.k_service = f"tg:{tag}:adm:service"
-        self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.interval_s = interval_s
+        self.replica = replica_id()
         self.lease_s = lease_s
         self.timeout_s = timeout_s
         self.client: Any = None
-        self.up = False
-        self.last_ok: float | None = None
-        self._task: asyncio.Task | None = None
-        self._logged_down = False
 
     async def start(self) -> None:
-        from gateway.store.redis_client import redis_client
-
         self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
         self.limiter.shared = True
         if self.counters is not None:
             self.counters.shared = True
-        self._task = asyncio.create_task(self._run())
+        self.start_loop()
 
     async def stop(self) -> None:
-        from gateway.store.background_sync import stop_sync
-
-        await stop_sync(self._task, self.client, self.prefix + "conc:" + self.replica, self.timeout_s)
+        await self.stop_loop(max(self.timeout_s, 1.0))
+        await close_client(self.client, self.prefix + "conc:" + self.replica, self.timeout_s)
         self.limiter.shared = False
         if self.counters is not None:
             c = self.counters
@@ -325,24 +317,13 @@ class LimiterSync:
         for name, u in lim.usage.items():
             u.remote_concurrent = remote.get(name, 0)
 
-    def _on_sync_error(self, e: Exception) -> None:
-        if self.up or not self._logged_down:
-            log.warning("limits: shared store unreachable (%s); enforcing per-key limits locally", type(e).__name__)
-            self._logged_down = True
-        self.up = False
+    def down_message(self, e: BaseException) -> tuple[Any, ...]:
+        return ("limits: shared store unreachable (%s); enforcing per-key limits locally", type(e).__name__)
+
+    def back_message(self) -> tuple[Any, ...]:
+        return ("limits: shared store is back; per-key limits shared again",)
+
+    def on_down(self, e: BaseException) -> None:
         if self.last_ok is None or asyncio.get_running_loop().time() - self.last_ok > self.lease_s:
             for u in self.limiter.usage.values():
                 u.remote_concurrent = 0
-
-    def _on_sync_ok(self) -> None:
-        if self._logged_down:
-            log.warning("limits: shared store is back; per-key limits shared again")
-            self._logged_down = False
-        self.up = True
-        self.last_ok = asyncio.get_running_loop().time()
-
-    async def _run(self) -> None:
-        from gateway.store.background_sync import sync_forever
-
-        await sync_forever(self.sync_once, interval_s=self.interval_s, timeout_s=self.timeout_s * 4,
-                           on_error=self._on_sync_error, on_ok=self._on_sync_ok)

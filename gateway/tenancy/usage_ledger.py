@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from gateway.config import Price
+from gateway.store.background_sync import BackgroundSync
+from gateway.store.redis_client import close_client, redis_client, replica_id
 
 log = logging.getLogger("gateway.tenancy.usage_ledger")
 
@@ -177,47 +176,38 @@ def _parse_field(f: str) -> tuple[str, str, str] | None:
     return key, model, counter
 
 
-class UsageSync:
-    """Flushes a :class:`UsageLedger`'s buffer to Redis in the background and reads
-    the shared buckets (see the module docstring). Never raises into the request path."""
+class UsageSync(BackgroundSync):
+    """Flushes a :class:`UsageLedger`'s buffer to Redis in the background, every
+    ``interval_s`` bounded by four ``timeout_s``, and reads the shared buckets (see the
+    module docstring). Never raises into the request path."""
 
     def __init__(self, ledger: UsageLedger, url: str, *, namespace: str, interval_s: float, timeout_s: float,
                  cluster: bool = False) -> None:
+        super().__init__("usage-sync", interval_s=interval_s, round_timeout_s=timeout_s * 4, logger=log)
         self.ledger = ledger
         self.url = url
         self.cluster = cluster
         self.prefix = "tg:{" + namespace + "}:usage:"
-        self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.interval_s = interval_s
+        self.replica = replica_id()
         self.timeout_s = timeout_s
         self.client: Any = None
-        self.up = False
         self.seq = 0  # the sequence number of the flush in ``ledger.flushing``
         self._script: Any = None
-        self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one flush at a time: the loop's, or a caller's (shutdown)
-        self._logged_down = False
 
     def hour_key(self, hour: int) -> str:
         return f"{self.prefix}h:{hour}"
 
     async def start(self) -> None:
-        from gateway.store.redis_client import redis_client
-
         self.client = redis_client(self.url, timeout_s=self.timeout_s, cluster=self.cluster)
         self._script = self.client.register_script(_FLUSH)
         self.ledger.shared = True
-        self._task = asyncio.create_task(self._run())
+        self.start_loop()
 
     async def stop(self) -> None:
         """Stop the loop, flush once more (bounded by ``timeout_s``; what fails stays
         unflushed and is lost with the process), close the client."""
-        from gateway.store.background_sync import stop_sync
-
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=max(self.timeout_s, 1.0))
+        await self.stop_loop(max(self.timeout_s, 1.0))
         try:
             async with asyncio.timeout(max(self.timeout_s, 0.1) * 4):
                 await self.flush_once()
@@ -228,8 +218,11 @@ class UsageSync:
             if lost:
                 log.warning("usage: %d unflushed (key, model, hour) entries lost at shutdown (%s)", lost,
                             type(e).__name__)
-        await stop_sync(None, self.client, self.prefix + "flush:" + self.replica, self.timeout_s)
+        await close_client(self.client, self.prefix + "flush:" + self.replica, self.timeout_s)
         self.ledger.shared = False
+
+    async def sync_once(self) -> None:
+        await self.flush_once()
 
     async def flush_once(self) -> None:
         """Apply the failed flush again if there is one, else the buffer as a new
@@ -285,24 +278,12 @@ class UsageSync:
                     v[COUNTERS.index(counter)] += int(n)
         return out
 
-    def _on_error(self, e: Exception) -> None:
-        if self.up or not self._logged_down:
-            log.warning("usage: shared store unreachable (%s); %d (key, model, hour) entries buffered",
-                        type(e).__name__, self.ledger.buffered())
-            self._logged_down = True
-        self.up = False
+    def down_message(self, e: BaseException) -> tuple[Any, ...]:
+        return ("usage: shared store unreachable (%s); %d (key, model, hour) entries buffered", type(e).__name__,
+                self.ledger.buffered())
 
-    def _on_ok(self) -> None:
-        if self._logged_down:
-            log.warning("usage: shared store is back; buffered usage flushed")
-            self._logged_down = False
-        self.up = True
-
-    async def _run(self) -> None:
-        from gateway.store.background_sync import sync_forever
-
-        await sync_forever(self.flush_once, interval_s=self.interval_s, timeout_s=self.timeout_s * 4,
-                           on_error=self._on_error, on_ok=self._on_ok)
+    def back_message(self) -> tuple[Any, ...]:
+        return ("usage: shared store is back; buffered usage flushed",)
 
 
 def summarize(buckets: dict[Bucket, list[int]], *, since: int, until: int) -> dict[str, Any]:

@@ -866,7 +866,7 @@ async def test_shutdown_with_a_cancelling_batch_and_no_consumers_does_not_hang(r
     shutdown's cancel could land while redis-py was sending a command through Python
     3.11's ``asyncio.wait_for``, which then swallowed it: the manager looped on and the
     batch lifecycle's ``gather`` waited forever. The manager polls back to back here
-    (``tick_s`` 0) so that the cancel lands mid-command often; several rounds make a
+    (``interval_s`` 0) so that the cancel lands mid-command often; several rounds make a
     return of the bug all but certain to show. Each shutdown is bounded: a hang fails
     the test (after stopping the stray loop so the suite can go on)."""
     from gateway.batch.job_store import BatchStore
@@ -888,7 +888,7 @@ async def test_shutdown_with_a_cancelling_batch_and_no_consumers_does_not_hang(r
                     await wait_batch(client, b.id, {"in_progress"})
                 # a consumer took line 0 and died: its lease keeps the batch cancelling
                 await rt.store.mark_in_flight(b.id, 0, 3600.0)
-                rt.manager.tick_s = 0.0
+                rt.manager.interval_s = 0.0
                 status, c = await admin(http, "POST", f"{url}/admin/batches/{b.id}/cancel")
                 assert status == 200 and c["status"] == "cancelling", c
                 status, one = await admin(http, "GET", f"{url}/admin/batches/{b.id}")
@@ -900,7 +900,7 @@ async def test_shutdown_with_a_cancelling_batch_and_no_consumers_does_not_hang(r
                 if not done:
                     stuck = [t for t in rt.tasks if not t.done()]
                     what = ", ".join(f"{t.get_name()} (cancelling: {t.cancelling()})" for t in stuck)
-                    rt.manager.tick_s = 60.0  # its next wait is long: a cancel lands there
+                    rt.manager.interval_s = 60.0  # its next wait is long: a cancel lands there
                     for _ in range(100):
                         for t in stuck:
                             t.cancel()
