@@ -32,13 +32,18 @@ class NoBackendAvailable(RoutingError):
     (maps to HTTP 503).
 
     ``retry_after_s`` is the time in seconds until the earliest cooling backend becomes
-    eligible again, or ``None`` when none will by itself.
+    eligible again, or ``None`` when none will by itself. ``breaker_open``: that
+    earliest backend is held back by its open circuit breaker (it failed
+    ``failure_threshold`` attempts in a row and is presumed down until a probe says
+    otherwise), not by a cool-down it asked for (``Retry-After``) or a short one after
+    a refused connection.
     """
 
-    def __init__(self, model: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, model: str, retry_after_s: float | None = None, breaker_open: bool = False) -> None:
         super().__init__(f"No backend is currently available for model `{model}`.")
         self.model = model
         self.retry_after_s = retry_after_s
+        self.breaker_open = breaker_open
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,8 +99,10 @@ class Router:
             else:
                 all_candidates = [b for b in all_candidates if b.healthy]
         if not warm:
-            wait = min(b.ready_at(now) for b in all_candidates) - now
-            raise NoBackendAvailable(request.model, retry_after_s=max(wait, 0.0))
+            soonest = min(all_candidates, key=lambda b: b.ready_at(now))
+            wait = soonest.ready_at(now) - now
+            breaker_open = soonest.breaker.state != "closed" and soonest.breaker.ready_at(now) >= soonest.cooldown_until
+            raise NoBackendAvailable(request.model, retry_after_s=max(wait, 0.0), breaker_open=breaker_open)
         if request.exclude:
             fresh = [b for b in warm if b.name not in request.exclude]
             if fresh:

@@ -298,7 +298,8 @@ async def _on_model(state: GatewayState, ex: Exchange,
                 pools, stable_pools = stable_pools, None
                 m.child(m.canary_fallbacks, "no_canary_backend").inc()
                 continue
-            if e.retry_after_s is not None and policy.may_wait(e.retry_after_s, len(ex.attempts) - first, t0, now):
+            if e.retry_after_s is not None and policy.may_wait(e.retry_after_s, len(ex.attempts) - first, t0, now,
+                                                               breaker_open=e.breaker_open):
                 await asyncio.sleep(e.retry_after_s)
                 now = loop.time()
                 continue

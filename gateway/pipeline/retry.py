@@ -78,8 +78,15 @@ class RetryPolicy:
         delay = self.backoff_s(attempts)
         return delay if self.within_budget(started_at, now + delay) else None
 
-    def may_wait(self, wait_s: float, attempts: int, started_at: float, now: float) -> bool:
-        """Whether a request that no backend can take now may wait ``wait_s`` (a
-        backend's ``Retry-After`` or cool-down) for one."""
-        return attempts < self.max_attempts and wait_s <= self.max_retry_after_s and \
-            self.within_budget(started_at, now + wait_s)
+    def may_wait(self, wait_s: float, attempts: int, started_at: float, now: float, *,
+                 breaker_open: bool = False) -> bool:
+        """Whether a request that no backend can take now may wait ``wait_s`` for one.
+
+        A backend that asked for the wait (``Retry-After``) or cools down after a
+        refused connection is waited for up to ``max_retry_after_s``. A backend behind
+        an open circuit breaker (``breaker_open``) is presumed down: the request waits
+        for its probe only when it is as near as one backoff (``max_backoff_s``), and
+        otherwise is answered at once (503 with the probe's time as ``Retry-After``)
+        instead of holding every client of a dead fleet until the budget runs out."""
+        bound = min(self.max_backoff_s, self.max_retry_after_s) if breaker_open else self.max_retry_after_s
+        return attempts < self.max_attempts and wait_s <= bound and self.within_budget(started_at, now + wait_s)
