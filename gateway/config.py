@@ -515,8 +515,8 @@ class Batch(_Strict):
         None, description="Where `python -m gateway.batch` consumers send lines; unset: the `listen` "
         "address.")
     workers: int = Field(
-        0, ge=0, le=4096, description="Lines this gateway process drains itself, concurrently (0: external "
-        "consumers only, `python -m gateway.batch`).")
+        16, ge=0, le=4096, description="Lines this gateway process drains itself, concurrently (0: none; "
+        "batches then run only while `python -m gateway.batch` consumers drain the queue).")
     ttft_slo_s: float = Field(
         2.0, gt=0, description="Batch lines are admitted only while the fleet's estimated TTFT for an "
         "interactive request (`interactive_prompt_tokens` long) stays within this.")

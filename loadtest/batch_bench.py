@@ -188,7 +188,8 @@ async def _run(args) -> list[dict[str, Any]]:
                "routing": {"scrape_interval_s": 1},
                "state": {"namespace": f"bench{os.getpid()}"},
                "batch": {"enabled": True, "redis_url": redis, "files_dir": os.path.join(workdir, "files"),
-                         "ttft_slo_s": args.slo, "max_share": args.max_share, "visibility_timeout_s": 30}}
+                         "ttft_slo_s": args.slo, "max_share": args.max_share, "visibility_timeout_s": 30,
+                         "workers": 0}}  # the consumer process drains the batch
         gw, url, cfg_path = start_gateway(cfg, workdir=workdir)
         procs.append(gw)
         rows = []

@@ -74,6 +74,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     except Exception as e:  # Redis down at start: the manager and consumers retry
         log.warning("batch: cannot reach Redis at start (%s); retrying in the background", e)
     loops: list[BackgroundSync] = [rt.manager]
+    if rt.cfg.workers == 0:
+        log.warning("batch: batch.workers is 0, so this gateway drains no batch line itself: batches stay "
+                    "in_progress until a `python -m gateway.batch` consumer drains the queue")
     if rt.cfg.workers > 0:
         sender = LocalSender(app[STATE], rt.gate, rt.cfg.request_timeout_s)
         rt.consumer = Consumer(rt.store, sender, rt.cfg, concurrency=rt.cfg.workers)

@@ -50,7 +50,7 @@ def consumer_config(cfg, gateway_url: str, tmp_path: Path) -> Path:
 def batch_config(backends: list[dict[str, Any]], redis: str, tmp_path: Path, **batch: Any):
     return gateway_config(backends, state={"namespace": f"t{uuid.uuid4().hex[:8]}"},
                           batch={"enabled": True, "redis_url": redis, "files_dir": str(tmp_path / "files"),
-                                 "base_backoff_s": 0.01, "max_backoff_s": 0.05, **batch})
+                                 "workers": 0, "base_backoff_s": 0.01, "max_backoff_s": 0.05, **batch})
 
 
 def line(i: int | str, content: str = "Say something.", max_tokens: int = 4, model: str = "demo-model") -> bytes:
@@ -535,7 +535,7 @@ def admin_batch_config(backends: list[dict[str, Any]], redis: str, tmp_path: Pat
         extra["auth"] = {"keys": [{"name": n, "key_sha256": _sha(k)} for n, k in CLIENT_KEYS.items()]}
     return gateway_config(backends, state={"namespace": f"t{uuid.uuid4().hex[:8]}"},
                           batch={"enabled": True, "redis_url": redis, "files_dir": str(tmp_path / "files"),
-                                 "base_backoff_s": 0.01, "max_backoff_s": 0.05, **batch}, **extra)
+                                 "workers": 0, "base_backoff_s": 0.01, "max_backoff_s": 0.05, **batch}, **extra)
 
 
 async def admin(http: aiohttp.ClientSession, method: str, url: str, headers: dict | None = ADMIN_HEADERS):
@@ -943,3 +943,31 @@ async def test_a_batch_lines_ttft_does_not_count_its_wait_at_the_gate(redis, tmp
             ttft = gw.state.metrics.child(gw.state.metrics.ttft, "demo-model")
             # the TTFT counts from the gate's release (the loop's clock, ms resolution), not from arrival
             assert sum(ttft.counts) == 1 and ttft.sum <= answered_at - released_at + 0.002
+
+
+async def test_the_documented_enable_snippet_runs_a_batch_to_completion(redis, tmp_path):
+    """docs/batch.md's "Enable it" is the whole recipe: with only ``enabled``,
+    ``redis_url`` and ``files_dir`` set, the gateway drains the batch itself."""
+    backends, urls = await sim_fleet()
+    cfg = gateway_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()],
+                         state={"namespace": f"t{uuid.uuid4().hex[:8]}"},
+                         batch={"enabled": True, "redis_url": redis, "files_dir": str(tmp_path / "files")})
+    try:
+        async with running_gateway(cfg) as gw, sdk(gw) as client:
+            b = await submit(client, jsonl([line(i) for i in range(6)]))
+            b = await wait_batch(client, b.id, {"completed", "failed", "expired"}, timeout_s=20.0)
+            assert b.status == "completed" and b.request_counts.completed == 6
+    finally:
+        for be in backends:
+            await be.cleanup()
+
+
+async def test_a_gateway_that_drains_no_batch_line_says_so_at_start(redis, tmp_path, caplog):
+    """``batch.workers: 0`` is a choice (external consumers only), flagged at start:
+    otherwise a batch that sits in_progress would leave no trace of why."""
+    cfg = batch_config([{"name": "b", "url": "http://127.0.0.1:9", "models": ["demo-model"]}], redis, tmp_path)
+    with caplog.at_level("WARNING", logger="gateway.batch"):
+        async with running_gateway(cfg):
+            pass
+    assert any("batch.workers is 0" in r.getMessage() and "python -m gateway.batch" in r.getMessage()
+               for r in caplog.records)
