@@ -23,18 +23,21 @@ only a key named ``anonymous`` (if any) and the admin see it. See :func:`visible
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
+import redis.exceptions
 from aiohttp import web
 
 from gateway.tenancy.keys import CALLER
 from gateway.runtime import STATE
 from gateway.batch.job_store import (ENDPOINTS, FINAL, RUNNING, BatchStore, batch_object, file_object, new_id,
                                  parse_window)
-from gateway.errors import ClientError
+from gateway.errors import ClientError, retry_later_headers
 
 PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "vision", "user", "evals"})
 
@@ -59,6 +62,32 @@ def _page(items: list[dict[str, Any]], request: web.Request, default_limit: int)
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+STORE_RETRY_S = 5.0  # the wait suggested to a client while the batch store is unreachable
+
+
+def store_unavailable(e: Exception) -> ClientError:
+    """The answer while the batch store (Redis) cannot be reached: 503
+    ``batch_store_unavailable`` with a retry-after, as ``/v1/usage`` answers its own
+    store's outage; nothing was recorded."""
+    return ClientError(503, f"The batch store (Redis) is unreachable ({type(e).__name__}); nothing was recorded, "
+                       "retry later.", code="batch_store_unavailable", headers=retry_later_headers(STORE_RETRY_S))
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _store_errors(handler: Handler) -> Handler:
+    """``handler`` answering 503 (:func:`store_unavailable`) when Redis fails."""
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except redis.exceptions.RedisError as e:
+            raise store_unavailable(e) from None
+
+    return wrapped
 
 
 def _store(request: web.Request) -> BatchStore:
@@ -119,13 +148,17 @@ async def create_file(request: web.Request) -> web.Response:
             raise ClientError(400, "Missing required parameter: 'purpose'.", param="purpose")
         if purpose not in PURPOSES:
             raise ClientError(400, f"Invalid value for purpose: {purpose!r}.", param="purpose")
+        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "expires_at": None,
+               "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
         os.replace(tmp, store.path(file_id))
+        try:
+            await store.add_file(obj, owner)
+        except BaseException:  # no record, no file: an upload either exists whole or not at all
+            store.path(file_id).unlink(missing_ok=True)
+            raise
     finally:
         if tmp.exists():
             tmp.unlink()
-    obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "expires_at": None,
-           "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
-    await store.add_file(obj, owner)
     return _json(obj)
 
 
@@ -332,12 +365,12 @@ async def admin_detail(rt, batch_id: str) -> dict[str, Any]:
 
 def add_routes(app: web.Application) -> None:
     r = app.router
-    r.add_post("/v1/files", create_file)
-    r.add_get("/v1/files", list_files)
-    r.add_get("/v1/files/{file_id}", get_file)
-    r.add_delete("/v1/files/{file_id}", delete_file)
-    r.add_get("/v1/files/{file_id}/content", file_content)
-    r.add_post("/v1/batches", create_batch)
-    r.add_get("/v1/batches", list_batches)
-    r.add_get("/v1/batches/{batch_id}", get_batch)
-    r.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+    r.add_post("/v1/files", _store_errors(create_file))
+    r.add_get("/v1/files", _store_errors(list_files))
+    r.add_get("/v1/files/{file_id}", _store_errors(get_file))
+    r.add_delete("/v1/files/{file_id}", _store_errors(delete_file))
+    r.add_get("/v1/files/{file_id}/content", _store_errors(file_content))
+    r.add_post("/v1/batches", _store_errors(create_batch))
+    r.add_get("/v1/batches", _store_errors(list_batches))
+    r.add_get("/v1/batches/{batch_id}", _store_errors(get_batch))
+    r.add_post("/v1/batches/{batch_id}/cancel", _store_errors(cancel_batch))

@@ -124,6 +124,7 @@ class BatchManager(BackgroundSync):
         self.store = store
         self.owner = uuid.uuid4().hex
         self._busy: set[str] = set()
+        self.store_error: str | None = None  # why the last tick could not reach Redis (None: it could)
 
     async def sync_once(self) -> None:
         await self.tick()
@@ -139,6 +140,12 @@ class BatchManager(BackgroundSync):
 
     def delay(self, elapsed_s: float) -> float:
         return min(self.interval_s * 2 ** min(self.failures, 5), 5.0)
+
+    def on_down(self, e: BaseException) -> None:
+        self.store_error = f"{type(e).__name__}: {e}"
+
+    def on_up(self) -> None:
+        self.store_error = None
 
     async def tick(self) -> None:
         for bid in await self.store.active_ids():

@@ -206,12 +206,33 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def degraded(app: web.Application) -> dict[str, str]:
+    """Features that cannot work now though completions can, each with the reason:
+    ``batch`` (the Files and Batches API's Redis unreachable) and ``shared_state``
+    (``state.url`` unreachable: this replica routes on its own view)."""
+    from gateway.batch.api import BATCH
+
+    out: dict[str, str] = {}
+    state = app[STATE]
+    if state.cfg.state.url is not None and not state.store.stats.up:
+        out["shared_state"] = "the shared state store (state.url) is unreachable; routing on this replica's view"
+    rt = app.get(BATCH)
+    if rt is not None and rt.manager.store_error is not None:
+        out["batch"] = f"the batch store (Redis) is unreachable ({rt.manager.store_error})"
+    return out
+
+
 async def _ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     up = sorted(b.name for b in state.fleet.backends.values() if b.healthy)
-    if state.health is not None and state.health.ready():
-        return web.json_response({"status": "ready", "healthy_backends": up})
-    return web.json_response({"status": "not ready", "healthy_backends": up}, status=503)
+    body: dict[str, object] = {"status": "ready", "healthy_backends": up}
+    ready = state.health is not None and state.health.ready()
+    if not ready:
+        body["status"] = "not ready"
+    lame = degraded(request.app)
+    if lame:
+        body["degraded"] = lame
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:

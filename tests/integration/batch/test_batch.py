@@ -971,3 +971,47 @@ async def test_a_gateway_that_drains_no_batch_line_says_so_at_start(redis, tmp_p
             pass
     assert any("batch.workers is 0" in r.getMessage() and "python -m gateway.batch" in r.getMessage()
                for r in caplog.records)
+
+
+async def test_redis_down_answers_503_leaves_no_file_and_ready_says_batch_is_degraded(tmp_path):
+    """With the batch store's Redis gone, ``/v1/files`` and ``/v1/batches`` answer 503
+    ``batch_store_unavailable`` (retry later, as ``/v1/usage`` does), an upload leaves
+    no file behind, and ``/ready`` stays 200 for completions while naming ``batch``."""
+    from tests.redis_server import ValkeyProcess
+
+    server = ValkeyProcess()
+    server.start()
+    files = tmp_path / "files"
+    try:
+        async with ScriptedBackend().running() as be:
+            cfg = gateway_config([{"name": "b", "url": be.url, "models": ["demo-model"]}],
+                                 state={"namespace": f"t{uuid.uuid4().hex[:8]}"},
+                                 batch={"enabled": True, "redis_url": server.url, "files_dir": str(files)})
+            async with running_gateway(cfg) as gw, sdk(gw) as client, aiohttp.ClientSession() as http:
+                f = await client.files.create(file=("input.jsonl", jsonl([line(0)])), purpose="batch")
+                server.stop()
+                with pytest.raises(openai.APIStatusError) as e:
+                    await client.files.create(file=("input.jsonl", jsonl([line(1)])), purpose="batch")
+                assert e.value.status_code == 503
+                assert e.value.body["code"] == "batch_store_unavailable"
+                assert e.value.response.headers["x-should-retry"] == "true"
+                assert int(e.value.response.headers["Retry-After"]) >= 1
+                assert sorted(p.name for p in files.iterdir()) == [f.id]  # the refused upload left nothing
+                with pytest.raises(openai.APIStatusError) as e:
+                    await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+                assert e.value.status_code == 503 and e.value.body["code"] == "batch_store_unavailable"
+
+                async def ready() -> tuple[int, dict]:
+                    async with http.get(gw.url + "/ready") as r:
+                        return r.status, await r.json()
+
+                deadline = asyncio.get_running_loop().time() + 10
+                while "batch" not in (await ready())[1].get("degraded", {}):
+                    assert asyncio.get_running_loop().time() < deadline, await ready()
+                    await asyncio.sleep(0.05)
+                status, body = await ready()
+                assert status == 200 and body["status"] == "ready"
+                assert "Redis" in body["degraded"]["batch"]
+    finally:
+        server.cleanup()
