@@ -62,9 +62,17 @@ def error_body(message: str, status: int, *, code: str | None = None, param: str
 
 def error_response(message: str, status: int, *, code: str | None = None, param: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
-    """An aiohttp JSON response carrying the OpenAI error body."""
+    """An aiohttp JSON response carrying the OpenAI error body; it says
+    ``x-should-retry: false`` unless ``headers`` say otherwise."""
     return web.Response(status=status, body=error_body(message, status, code=code, param=param),
-                        content_type="application/json", headers=headers)
+                        content_type="application/json", headers={SHOULD_RETRY_HEADER: "false", **(headers or {})})
+
+
+def internal_error_answer(request_id: str) -> tuple[int, bytes, dict[str, str]]:
+    """The answer to a request the gateway failed on itself (a bug, logged with its
+    traceback): 500 ``internal_error``, not worth an SDK's retries."""
+    return 500, error_body("The gateway hit an internal error.", 500, code="internal_error"), {
+        "Content-Type": "application/json", REQUEST_ID_HEADER: request_id, SHOULD_RETRY_HEADER: "false"}
 
 
 def sse_error_event(message: str, code: str) -> bytes:
@@ -74,7 +82,9 @@ def sse_error_event(message: str, code: str) -> bytes:
 
 
 class ClientError(Exception):
-    """A request the caller got wrong; becomes a 4xx with an OpenAI error body."""
+    """A request the caller got wrong (or, 503, one the gateway cannot take now);
+    becomes a 4xx with an OpenAI error body, ``x-should-retry: false`` unless
+    ``headers`` say otherwise (a retry-after refusal says ``true``)."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -90,6 +100,7 @@ class ClientError(Exception):
         ``x-request-id`` when given)."""
         h = dict(self.headers or {})
         h["Content-Type"] = "application/json"
+        h.setdefault(SHOULD_RETRY_HEADER, "false")
         if request_id is not None:
             h.setdefault(REQUEST_ID_HEADER, request_id)
         return self.status, error_body(self.message, self.status, code=self.code, param=self.param), h

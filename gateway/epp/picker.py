@@ -48,7 +48,8 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
-from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, ClientError, ProxyRetried, error_body, request_id
+from gateway.errors import (BACKEND_HEADER, REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, ProxyRetried, error_body,
+                            request_id)
 from gateway.pipeline import director, settle
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole_usage
@@ -218,7 +219,7 @@ class EppStream:
                 log.error("endpoint picker: request_body_mode %s is not supported (FULL_DUPLEX_STREAMED or BUFFERED)",
                           ProcessingMode.BodySendMode.Name(mode))
                 await self.immediate(500, error_body("The endpoint picker cannot serve this Envoy configuration.",
-                                                     500, code="internal_error"), {}, rid)
+                                                     500, code="internal_error"), {SHOULD_RETRY_HEADER: "false"}, rid)
                 return
             self.duplex = mode == ProcessingMode.FULL_DUPLEX_STREAMED
         self.subset = subset_hint(first)

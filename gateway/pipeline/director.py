@@ -36,7 +36,7 @@ from gateway.errors import (
     IdleTimeout,
     TotalTimeout,
     UpstreamError,
-    error_body,
+    internal_error_answer,
 )
 from gateway.pipeline.engine_errors import context_length_exceeded
 from gateway.pipeline.openai_request import (ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object,
@@ -129,8 +129,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
     except Exception:
         log.exception("unhandled error on POST /v1/%s (request %s)", endpoint, request_id)
         if not down.started:
-            down.respond(500, error_body("The gateway hit an internal error.", 500, code="internal_error"),
-                         {"Content-Type": "application/json", "x-request-id": request_id})
+            down.respond(*internal_error_answer(request_id))
     finally:
         if charge is not None:
             prompt_used, _, completion = ex.usage or (None, None, None)

@@ -14,7 +14,9 @@ import asyncio
 import hashlib
 import time
 
+import aiohttp
 import openai
+import orjson
 import pytest
 from aiohttp import web
 
@@ -142,3 +144,42 @@ async def test_a_full_admission_queue_asks_the_sdk_to_retry():
             responses = [s for s in seen if s[0] == "response"]
             assert [r[2] for r in responses] == [503, 200]
             assert responses[0][3]["x-should-retry"] == "true" and responses[0][3]["retry-after-ms"] == "1000"
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_every_error_the_gateway_answers_itself_says_whether_to_retry(fast_path, monkeypatch):
+    """The caller's mistakes (400, 401, 404, 405, 413, 415, an unknown route) and the
+    gateway's own internal error say ``x-should-retry: false``: no SDK retries them."""
+    keys = {"keys": [{"name": "k", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest()}]}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat = "/v1/chat/completions"
+    ok = {"model": "m", "messages": MESSAGES, "max_tokens": 4}
+    async with ScriptedBackend().running() as be:
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], auth=keys,
+                             limits={"max_body_bytes": 10_000}, listen={"fast_path": fast_path})
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as http:
+            cases = [
+                ("POST", chat, {}, orjson.dumps(ok), "application/json", 401),
+                ("POST", chat, auth, b"{not json", "application/json", 400),
+                ("POST", chat, auth, orjson.dumps({**ok, "model": "nope"}), "application/json", 404),
+                ("POST", chat, auth, orjson.dumps(ok), "text/plain", 415),
+                ("POST", chat, auth, b'{"x": "' + b"a" * 20_000 + b'"}', "application/json", 413),
+                ("GET", "/v1/no/such/route", auth, b"", None, 404),
+                ("DELETE", "/v1/models", auth, b"", None, 405),
+            ]
+            for method, path, headers, body, ctype, status in cases:
+                h = dict(headers)
+                if ctype:
+                    h["Content-Type"] = ctype
+                async with http.request(method, gw.url + path, headers=h, data=body) as r:
+                    assert r.status == status, (path, await r.text())
+                    assert r.headers.get("x-should-retry") == "false", (method, path, status)
+                    assert "error" in await r.json(content_type=None)
+
+            def broken(*a, **k):
+                raise RuntimeError("injected fault")
+
+            monkeypatch.setattr(gw.state.core, "request", broken)
+            async with http.post(gw.url + chat, headers=auth, json=ok) as r:
+                assert r.status == 500 and (await r.json())["error"]["code"] == "internal_error"
+                assert r.headers.get("x-should-retry") == "false"
