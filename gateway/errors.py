@@ -110,6 +110,14 @@ class ClientError(Exception):
         return web.Response(status=status, body=body, headers=headers)
 
 
+def unknown_route(method: str, path: str) -> ClientError:
+    """404 ``unknown_route`` for a path the gateway does not serve, naming what it does."""
+    return ClientError(404, f"Unknown route {method} {path}. This gateway serves the OpenAI API under /v1/ "
+                       "(chat/completions, completions, models, usage; files and batches with batch.enabled), "
+                       "/health, /ready and /metrics; every route is listed at GET /openapi.json.",
+                       code="unknown_route")
+
+
 class UpstreamError(Exception):
     """One failed attempt against a backend.
 

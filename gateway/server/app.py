@@ -20,7 +20,7 @@ from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
 from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
-from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id
+from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id, unknown_route
 from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
@@ -149,8 +149,9 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        messages = {404: f"Unknown route {request.method} {request.path}.",
-                    405: f"Method {request.method} is not allowed on {request.path}.",
+        if e.status == 404:
+            return _with_id(unknown_route(request.method, request.path).response(), rid)
+        messages = {405: f"Method {request.method} is not allowed on {request.path}.",
                     413: "Request body too large."}
         headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
         resp = error_response(messages.get(e.status, e.reason), e.status, headers=headers)
@@ -159,6 +160,10 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error on %s %s (request %s)", request.method, request.path, rid)
         resp = error_response("The gateway hit an internal error.", 500, code="internal_error")
+    return _with_id(resp, rid)
+
+
+def _with_id(resp: web.StreamResponse, rid: str) -> web.StreamResponse:
     if not resp.prepared:
         resp.headers[REQUEST_ID_HEADER] = rid
     return resp

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.config import Auth, ClientKey
-from gateway.errors import ClientError
+from gateway.errors import ClientError, unknown_route
 
 ANONYMOUS = "anonymous"
 CALLER = web.RequestKey("caller", object)  # the authenticated Caller of a /v1/ request (aiohttp routes)
@@ -87,7 +87,7 @@ def check_admin(request: web.Request, admin_digest: bytes | None) -> None:
     """Admin endpoints: 404 (as an unknown route) when no admin key is configured,
     401 without the right key."""
     if admin_digest is None:
-        raise ClientError(404, f"Unknown route {request.method} {request.path}.")
+        raise unknown_route(request.method, request.path)
     digest = bearer_digest(request.headers)
     if digest is None or not hmac.compare_digest(digest, admin_digest):
         raise ClientError(401, "This endpoint needs the admin key.", code="invalid_api_key",

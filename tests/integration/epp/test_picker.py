@@ -434,3 +434,4 @@ def test_envoy_config_command_renders_a_bootstrap_envoy_accepts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gateway.envoy_config", "--config", str(simulated)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no url" in r.stderr
+

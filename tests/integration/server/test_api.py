@@ -205,3 +205,14 @@ async def test_a_body_aiohttp_cannot_decode_is_a_400_not_a_500():
             finally:
                 w.close()
             assert be.bodies == []
+
+
+async def test_an_unknown_route_is_a_404_that_says_what_is_served():
+    async with ScriptedBackend().running() as be:
+        async with running_gateway(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])) as gw:
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/v1/chat/completion") as r:
+                assert r.status == 404
+                err = (await r.json())["error"]
+            assert err["code"] == "unknown_route" and err["type"] == "invalid_request_error"
+            assert "/v1/chat/completion" in err["message"] and "GET /openapi.json" in err["message"]
+            assert "chat/completions" in err["message"]
