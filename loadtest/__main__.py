@@ -32,6 +32,8 @@ from loadtest.metrics import parse_slo, percentile
 from loadtest.runner import LoadSpec, RunResult, Target, run_load
 from loadtest.workloads import WORKLOADS, make_workload, parse_params
 
+DEFAULT_CONCURRENCY = 8  # closed loop, when neither --rate nor --concurrency is given and the workload has no arrivals
+
 
 def _rate(v: str) -> float:
     return math.inf if v.lower() in ("inf", "infinity") else float(v)
@@ -51,7 +53,8 @@ def _add_load_args(ap: argparse.ArgumentParser, sweep: bool) -> None:
                     help="open loop: mean requests/s per target (inf: all at once)" + ("; several: a sweep" if sweep else ""))
     ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
     ld.add_argument("--concurrency", type=int, nargs=nargs,
-                    help="closed loop: requests in flight per target (with --rate: a cap)"
+                    help="closed loop: requests in flight per target (with --rate: a cap; without either, and "
+                    f"for a workload without arrival times: {DEFAULT_CONCURRENCY})"
                     + ("; several: a sweep" if sweep else ""))
     ld.add_argument("--num-requests", "-n", type=int, help="requests per target (default 200 without --duration)")
     ld.add_argument("--duration", type=float, help="seconds of sending")
@@ -164,9 +167,19 @@ def _print_written(paths: dict[str, Path], plots: bool) -> None:
         print(report.PLOTS_HINT)
 
 
+def _default_concurrency(args: argparse.Namespace) -> int | None:
+    """The concurrency a run uses when none is given: :data:`DEFAULT_CONCURRENCY` for a
+    workload without arrival times of its own (and no ``--rate``), else ``None``."""
+    if args.rate or args.concurrency or WORKLOADS[args.workload][2]:  # (build, defaults, has_arrivals)
+        return None
+    return DEFAULT_CONCURRENCY
+
+
 async def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 31)
     rates = args.rate or [None]
+    if args.concurrency is None and (conc := _default_concurrency(args)) is not None:
+        args.concurrency = [conc]
     concs = args.concurrency or [None]
     if len(rates) > 1 and len(concs) > 1:
         raise ValueError("sweep either --rate or --concurrency, not both")
@@ -230,7 +243,8 @@ async def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
             if wl.has_arrivals and args.rate is not None:
                 wl.target_rate = args.rate
             wls.append(wl)
-        load = LoadSpec(rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
+        load = LoadSpec(rate=args.rate, burstiness=args.burstiness,
+                        concurrency=args.concurrency or _default_concurrency(args),
                         num_requests=args.num_requests, duration_s=args.duration)
         run = await run_load(targets, wls, load, opts, seed=seed, interleave=args.interleave,
                              batch_size=args.batch_size, sample_interval_s=args.sample_interval,

@@ -91,7 +91,7 @@ class LoadSpec:
             parts.append(f"rate={self.rate:g}")
         if self.concurrency is not None:
             parts.append(f"concurrency={self.concurrency}")
-        return ", ".join(parts) or "trace arrivals"
+        return ", ".join(parts) or "the trace's arrivals"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -360,7 +360,8 @@ async def run_load(targets: list[Target], workloads: list[Workload], load: LoadS
     if interleave not in ("request", "batch"):
         raise ValueError("interleave must be 'request' or 'batch'")
     if load.rate is None and load.concurrency is None and not any(w.has_arrivals for w in workloads):
-        raise ValueError("give a rate, a concurrency, or a trace workload")
+        raise ValueError(f"the workload {workloads[0].name!r} has no arrival times of its own: give --rate or "
+                         "--concurrency")
     lanes = [LaneResult(t, w.describe()) for t, w in zip(targets, workloads)]
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)

@@ -230,3 +230,24 @@ async def test_cli_run_without_matplotlib_writes_results_and_says_how_to_get_plo
     assert [len(r["lanes"][0]["records"]) for r in data["runs"]] == [3, 3]
     assert "## concurrency=2" in (tmp_path / "out" / "report.md").read_text()
     assert not list((tmp_path / "out").glob("*.png"))
+
+
+@pytest.mark.slow
+async def test_the_readmes_run_command_needs_no_rate_or_concurrency(tmp_path):
+    """README's ``python -m loadtest run --target URL --out DIR`` runs (closed loop at the
+    default concurrency) instead of exiting 2."""
+    async with sim_fleet() as urls, gateway_over(urls) as gw:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "loadtest", "run", "--target", gw.url, "--out", str(tmp_path / "out"),
+            "-n", "12", "--no-plots", "--quiet", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["runs"][0]["load"]["concurrency"] == 8
+    assert len(data["runs"][0]["lanes"][0]["records"]) == 12
+
+
+def test_a_load_without_rate_concurrency_or_arrivals_is_refused_in_plain_words():
+    wl = make_workload("fixed", {}, 0)
+    with pytest.raises(ValueError, match="'fixed' has no arrival times of its own: give --rate or --concurrency"):
+        asyncio.run(run_load([Target("t", "http://127.0.0.1:9")], [wl], LoadSpec(num_requests=1), ClientOptions()))
