@@ -145,10 +145,26 @@ class HealthChecker:
                     log.warning("backend %s failed %d health checks; marking it down", name, n)
                     c.state.healthy = False
 
+    def passing(self, name: str) -> bool:
+        """Whether backend ``name`` passed its last check (and is routed to)."""
+        b = next((c.state for c in self.clients if c.state.name == name), None)
+        return b is not None and b.healthy and name in self.checked and self.failures.get(name, 0) == 0
+
     def ready(self) -> bool:
         """At least one backend passed its last check."""
-        return any(c.state.healthy and c.state.name in self.checked and self.failures.get(c.state.name, 0) == 0
-                   for c in self.clients)
+        return any(self.passing(c.state.name) for c in self.clients)
+
+    def describe(self, name: str) -> str:
+        """Backend ``name``'s health in words, for ``/ready``."""
+        b = next((c.state for c in self.clients if c.state.name == name), None)
+        if b is None or name not in self.checked:
+            return "not checked yet"
+        if not b.healthy:
+            return f"down: failed {self.failures.get(name, 0)} health checks in a row"
+        n = self.failures.get(name, 0)
+        if n:
+            return f"failing: failed its last {n} health check(s); marked down after {self.cfg.unhealthy_threshold}"
+        return "passing"
 
     async def run(self) -> None:
         await self.discover_all()  # an auto backend serves nothing before its first read

@@ -228,12 +228,19 @@ def degraded(app: web.Application) -> dict[str, str]:
 
 
 async def _ready(request: web.Request) -> web.Response:
+    """200 when a backend passed its last health check: ``healthy_backends`` names those,
+    ``backends`` says each one's health in words."""
     state = request.app[STATE]
-    up = sorted(b.name for b in state.fleet.backends.values() if b.healthy)
-    body: dict[str, object] = {"status": "ready", "healthy_backends": up}
-    ready = state.health is not None and state.health.ready()
+    health = state.health
+    names = sorted(state.fleet.backends)
+    up = [n for n in names if health is not None and health.passing(n)]
+    body: dict[str, object] = {"status": "ready", "healthy_backends": up,
+                               "backends": {n: health.describe(n) if health is not None else "not checked yet"
+                                            for n in names}}
+    ready = health is not None and health.ready()
     if not ready:
         body["status"] = "not ready"
+        body["reason"] = "no backend passed its last health check"
     lame = degraded(request.app)
     if lame:
         body["degraded"] = lame

@@ -216,3 +216,16 @@ async def test_an_unknown_route_is_a_404_that_says_what_is_served():
             assert err["code"] == "unknown_route" and err["type"] == "invalid_request_error"
             assert "/v1/chat/completion" in err["message"] and "GET /openapi.json" in err["message"]
             assert "chat/completions" in err["message"]
+
+
+async def test_not_ready_says_why_and_lists_no_backend_as_healthy():
+    """A backend that failed its only check so far is still routed to (it is marked
+    down after ``unhealthy_threshold`` failures) but is not healthy in ``/ready``."""
+    cfg = gateway_config([{"name": "x", "url": f"http://127.0.0.1:{free_port()}", "models": ["m"]}],
+                         health={"unhealthy_threshold": 3})
+    async with running_gateway(cfg) as gw:
+        status, _, body = await _raw(gw.url, "GET", "/ready")
+        ready = orjson.loads(body)
+        assert status == 503 and ready["status"] == "not ready" and ready["healthy_backends"] == []
+        assert ready["reason"] == "no backend passed its last health check"
+        assert ready["backends"]["x"].startswith("failing: failed its last 1 health check")
