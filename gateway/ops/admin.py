@@ -224,7 +224,10 @@ async def _own_usage(request: web.Request) -> web.Response:
 
 
 async def _openapi(request: web.Request) -> web.Response:
-    return web.Response(body=OPENAPI_BYTES, content_type="application/json")
+    """The document of what this gateway serves: without an admin key the ``/admin/``
+    routes answer as unknown ones, so they are left out."""
+    admin = _state(request).admin_digest is not None
+    return web.Response(body=OPENAPI_BYTES if admin else OPENAPI_NO_ADMIN_BYTES, content_type="application/json")
 
 
 def setup_admin(app: web.Application) -> None:
@@ -455,3 +458,22 @@ OPENAPI = {
     },
 }
 OPENAPI_BYTES = orjson.dumps(OPENAPI)
+
+
+def _without_admin(doc: dict) -> dict:
+    """``doc`` without the ``/admin/`` paths and the schemas only they use."""
+    paths = {p: v for p, v in doc["paths"].items() if not p.startswith("/admin/")}
+    schemas = doc["components"]["schemas"]
+    keep: set[str] = set()
+    text = orjson.dumps(paths).decode()
+    while True:
+        more = {n for n in schemas if n not in keep and f"#/components/schemas/{n}" in text}
+        if not more:
+            break
+        keep |= more
+        text = orjson.dumps([schemas[n] for n in more]).decode()
+    return {**doc, "paths": paths,
+            "components": {**doc["components"], "schemas": {n: v for n, v in schemas.items() if n in keep}}}
+
+
+OPENAPI_NO_ADMIN_BYTES = orjson.dumps(_without_admin(OPENAPI))

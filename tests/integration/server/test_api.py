@@ -208,14 +208,14 @@ async def test_a_body_aiohttp_cannot_decode_is_a_400_not_a_500():
 
 
 async def test_an_unknown_route_is_a_404_that_says_what_is_served():
-    async with ScriptedBackend().running() as be:
-        async with running_gateway(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])) as gw:
-            async with aiohttp.ClientSession() as s, s.get(gw.url + "/v1/chat/completion") as r:
-                assert r.status == 404
-                err = (await r.json())["error"]
-            assert err["code"] == "unknown_route" and err["type"] == "invalid_request_error"
-            assert "/v1/chat/completion" in err["message"] and "GET /openapi.json" in err["message"]
-            assert "chat/completions" in err["message"]
+    async with ScriptedBackend().running() as be, \
+            running_gateway(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])) as gw:
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/v1/chat/completion") as r:
+            assert r.status == 404
+            err = (await r.json())["error"]
+        assert err["code"] == "unknown_route" and err["type"] == "invalid_request_error"
+        assert "/v1/chat/completion" in err["message"] and "GET /openapi.json" in err["message"]
+        assert "chat/completions" in err["message"]
 
 
 async def test_not_ready_says_why_and_lists_no_backend_as_healthy():
@@ -229,3 +229,22 @@ async def test_not_ready_says_why_and_lists_no_backend_as_healthy():
         assert status == 503 and ready["status"] == "not ready" and ready["healthy_backends"] == []
         assert ready["reason"] == "no backend passed its last health check"
         assert ready["backends"]["x"].startswith("failing: failed its last 1 health check")
+
+
+async def test_openapi_lists_the_admin_routes_only_when_they_are_served():
+    """Without an admin key ``/admin/*`` answers as an unknown route: the document leaves
+    those routes out; with one it lists them."""
+    import hashlib
+
+    async with ScriptedBackend().running() as be:
+        backends = [{"name": "b", "url": be.url, "models": ["m"]}]
+        digest = hashlib.sha256(b"sk-admin-0123456789").hexdigest()
+        for admin, listed in ((None, False), ({"key_sha256": digest}, True)):
+            cfg = gateway_config(backends, **({"admin": admin} if admin else {}))
+            async with running_gateway(cfg) as gw:
+                status, _, body = await _raw(gw.url, "GET", "/openapi.json")
+                paths = orjson.loads(body)["paths"]
+                assert status == 200 and "/v1/chat/completions" in paths
+                assert ("/admin/reload" in paths) is listed
+                status, _, _ = await _raw(gw.url, "POST", "/admin/reload")
+                assert (status != 404) is listed
