@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import os
 import sys
 import time
 
@@ -29,8 +30,15 @@ from gateway.server.run import serve, setup_logging
 log = logging.getLogger("gateway")
 
 
+def prog_name() -> str:
+    """How the user started the gateway: ``turbo-gateway`` (the installed command) or
+    ``python -m gateway``, for the usage line and ``--help``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m gateway" if name in ("", "__main__.py", "-c") else name
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gateway",
+    ap = argparse.ArgumentParser(prog=prog_name(),
                                  description="turbo-gateway: an OpenAI-compatible, traffic-aware LLM gateway")
     ap.add_argument("--config", required=True, help="path to backends.yaml")
     ap.add_argument("--host", help="listen address (overrides listen.host; default 127.0.0.1)")

@@ -128,3 +128,19 @@ def test_cli_port_in_use_says_so(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in r.stderr
+
+
+@pytest.mark.parametrize("command", [["turbo-gateway"], ["python", "-m", "gateway"]])
+def test_help_names_the_command_the_user_typed(command):
+    if command[0] == "turbo-gateway":
+        exe = Path(sys.executable).parent / "turbo-gateway"
+        if not exe.exists():
+            pytest.skip("the turbo-gateway command is not installed in this environment (pip install -e .)")
+        argv = [str(exe)]
+    else:
+        argv = [sys.executable, "-m", "gateway"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(argv + ["--help"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: {' '.join(command)} "), out.stdout.splitlines()[0]
