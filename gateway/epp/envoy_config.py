@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 from typing import Any
 
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a config error or a backend Envoy cannot reach
         print(f"error: {e}", file=sys.stderr)
         return 2
-    yaml.safe_dump(doc, sys.stdout, sort_keys=False)
+    try:
+        yaml.safe_dump(doc, sys.stdout, sort_keys=False)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader had enough (`... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush writes nowhere
     return 0
 
 

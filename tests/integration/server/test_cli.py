@@ -144,3 +144,19 @@ def test_help_names_the_command_the_user_typed(command):
                          check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: {' '.join(command)} "), out.stdout.splitlines()[0]
+
+
+def test_envoy_config_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """``python -m gateway.envoy_config ... | head``: the reader gone before the
+    bootstrap is written is no error and prints no traceback."""
+    path = tmp_path / "backends.yaml"
+    path.write_text("backends:\n- {name: a, url: 'http://127.0.0.1:18001', models: [m]}\n")
+    r, w = os.pipe()
+    os.close(r)  # the reader left before a byte was written: every write meets a broken pipe
+    try:
+        out = subprocess.run([sys.executable, "-m", "gateway.envoy_config", "--config", str(path)], stdout=w,
+                             stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT, check=False)
+    finally:
+        os.close(w)
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
+    assert out.returncode == 0
