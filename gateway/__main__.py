@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import errno
 import logging
 import os
@@ -112,5 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """The command (``turbo-gateway``, ``python -m gateway``): :func:`main`, then exit at
+    once. Everything the gateway opened is closed by then; the interpreter's own
+    teardown of every imported module would only keep the process alive for a second
+    or so after its last log line. The exit handlers (log flush, coverage) still run."""
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -160,3 +160,44 @@ def test_envoy_config_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path
         os.close(w)
     assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
     assert out.returncode == 0
+
+
+SITECUSTOMIZE = '''
+import atexit, sys
+
+
+class _Teardown:
+    def __del__(self):
+        sys.stderr.write("TEST: interpreter teardown\\n")
+
+
+_witness = _Teardown()  # collected only by the interpreter's teardown of every module
+atexit.register(lambda: sys.stderr.write("TEST: exit handlers ran\\n"))
+'''
+
+
+def test_the_process_ends_once_it_logged_shut_down(tmp_path):
+    """After its drain the gateway exits at once: the exit handlers run (log flush,
+    coverage), the interpreter's teardown of every imported module, which kept it alive
+    for a second or so after its last log line, does not."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    config = tmp_path / "backends.yaml"
+    config.write_text("backends:\n- {name: a, url: 'http://127.0.0.1:9', models: [m]}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config), "--port", str(free_port())],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "listening on" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert '"shut down"' in err and "TEST: exit handlers ran" in err
+    assert "TEST: interpreter teardown" not in err
