@@ -41,6 +41,7 @@ from gateway.errors import (
 from gateway.pipeline.engine_errors import context_length_exceeded
 from gateway.pipeline.openai_request import (ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object,
                                 prompt_token_ids)
+from gateway.ops import access_log
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
 from gateway.pipeline.relay import KeepAlives, StreamScan, close_comment
@@ -82,6 +83,7 @@ class Exchange:
     usage: tuple[int, int, int] | None = None  # (prompt, cached prompt, completion) tokens of a completed response
     key_name: str = ANONYMOUS  # the caller's key name, whose usage ledger counts it (gateway.tenancy.usage_ledger)
     served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
+    ttft_s: float | None = None  # arrival to the answer's first byte (s), once it went out
     subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
     send: Send = attempt.run  # the attempt step: the gateway's own, or the endpoint picker's (gateway.epp.picker)
 
@@ -122,6 +124,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         charge = await state.admission.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight)
         await forward(state, ex)
     except ClientError as e:
+        access_log.refused(request_id, endpoint, e.status, e.code)
         if not down.started:
             down.respond(*e.answer(request_id))
     except ClientGone:

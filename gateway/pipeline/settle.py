@@ -23,6 +23,7 @@ from gateway.errors import (
     failure_answer,
     sse_error_event,
 )
+from gateway.ops import access_log
 from gateway.ops.metrics import GatewayMetrics
 from gateway.pipeline.downstream import ClientGone
 from gateway.tenancy.usage_ledger import cost_nanos
@@ -76,7 +77,7 @@ def first_byte(state: GatewayState, ex: Exchange, reservation: Reservation | Non
     if reservation is not None:
         reservation.first_token(at)
     s = served(state, ex)  # the answering backend is known from here on
-    ttft = at - ex.arrival
+    ttft = ex.ttft_s = at - ex.arrival
     s.ttft.observe(ttft)
     s.pool_ttft.observe(ttft)
 
@@ -145,6 +146,8 @@ def finish(state: GatewayState, ex: Exchange, status: int) -> None:
     """Count the request's final ``status`` (and its end-to-end time when 200), and its
     usage in the ledger (:mod:`gateway.tenancy.usage_ledger`) under its caller's key name."""
     account(state, ex, status)
+    access_log.completion(ex.request_id, ex.parsed.endpoint, status, ex.model or ex.parsed.model, ex.backend,
+                          ex.ttft_s, ex.usage, state.loop.time() - ex.arrival, len(ex.attempts))
     if status == 200:
         s = ex.served or served(state, ex)
         s.ok.inc()

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable
 import orjson
 from aiohttp import web
 
+from gateway.ops import access_log
 from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
@@ -150,16 +151,19 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         if e.status == 404:
-            return _with_id(unknown_route(request.method, request.path).response(), rid)
-        messages = {405: f"Method {request.method} is not allowed on {request.path}.",
-                    413: "Request body too large."}
-        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        resp = error_response(messages.get(e.status, e.reason), e.status, headers=headers)
+            resp = unknown_route(request.method, request.path).response()
+        else:
+            messages = {405: f"Method {request.method} is not allowed on {request.path}.",
+                        413: "Request body too large."}
+            headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+            resp = error_response(messages.get(e.status, e.reason), e.status, headers=headers)
     except (asyncio.CancelledError, ClientGone):
         raise
     except Exception:
         log.exception("unhandled error on %s %s (request %s)", request.method, request.path, rid)
         resp = error_response("The gateway hit an internal error.", 500, code="internal_error")
+    if request.method != "POST" or request.path not in COMPLETION_PATHS:  # a completion's is written when settled
+        access_log.route(rid, request.method, request.path, resp.status)
     return _with_id(resp, rid)
 
 
