@@ -36,6 +36,12 @@ def retry_later_headers(wait_s: float) -> dict[str, str]:
             SHOULD_RETRY_HEADER: "true"}
 
 
+def reason(e: BaseException) -> str:
+    """An exception in words for a log line, never empty (a timeout's own text is)."""
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def request_id(headers) -> str:
     """The caller's ``x-request-id``, or a new 32-hex-digit id."""
     return headers.get(REQUEST_ID_HEADER) or "%032x" % _ids.getrandbits(128)

@@ -21,6 +21,7 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
+from gateway.errors import reason
 from gateway.runtime import STATE
 from gateway.store.background_sync import BackgroundSync
 
@@ -72,7 +73,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         await rt.store.ensure_group()
     except Exception as e:  # Redis down at start: the manager and consumers retry
-        log.warning("batch: cannot reach Redis at start (%s); retrying in the background", e)
+        log.warning("batch: cannot reach Redis at start (%s); retrying in the background", reason(e))
     loops: list[BackgroundSync] = [rt.manager]
     if rt.cfg.workers == 0:
         log.warning("batch: batch.workers is 0, so this gateway drains no batch line itself: batches stay "
@@ -118,7 +119,7 @@ class ConsumerLoop(BackgroundSync):
         await self.consumer.run(self.stopping)
 
     def unexpected(self, e: Exception) -> None:
-        log.warning("batch consumer stopped (%s); restarting", e)
+        log.warning("batch consumer stopped (%s); restarting", reason(e))
 
     def delay(self, elapsed_s: float) -> float:
         return self.interval_s

@@ -31,6 +31,7 @@ import orjson
 
 from gateway.batch.job_store import ENDPOINTS, FINAL, BatchStore
 from gateway.batch.worker import output_line
+from gateway.errors import reason
 from gateway.store.background_sync import BackgroundSync, raise_if_cancel_swallowed
 
 log = logging.getLogger("gateway.batch")
@@ -130,7 +131,7 @@ class BatchManager(BackgroundSync):
         await self.tick()
 
     def down_message(self, e: BaseException) -> tuple[Any, ...]:
-        return ("batch manager: Redis error (%s); retrying with backoff", e)
+        return ("batch manager: Redis error (%s); retrying with backoff", reason(e))
 
     def back_message(self) -> tuple[Any, ...]:
         return ("batch manager: Redis is back",)
@@ -142,7 +143,7 @@ class BatchManager(BackgroundSync):
         return min(self.interval_s * 2 ** min(self.failures, 5), 5.0)
 
     def on_down(self, e: BaseException) -> None:
-        self.store_error = f"{type(e).__name__}: {e}"
+        self.store_error = reason(e)
 
     def on_up(self) -> None:
         self.store_error = None

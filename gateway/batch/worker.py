@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.errors import reason
 from gateway.tenancy.keys import ANONYMOUS
 from gateway.batch.batch_gate import DEFERRED_CODE, PRIORITY_HEADER
 from gateway.batch.job_store import GROUP, BatchStore
@@ -217,7 +218,7 @@ class Consumer:
                 errors = 0
             except (redis.exceptions.RedisError, OSError) as e:
                 errors += 1
-                log.warning("consumer %s: Redis error (%s); retrying", self.name, e)
+                log.warning("consumer %s: Redis error (%s); retrying", self.name, reason(e))
                 await _wait_any(stop, None, min(0.2 * 2 ** min(errors, 5), 5.0))
                 continue
             for eid, fields in entries:
@@ -313,7 +314,7 @@ class Consumer:
                                                                      + self.cfg.visibility_timeout_s}, xx=True)
                         await p.execute()
             except (redis.exceptions.RedisError, OSError) as e:
-                log.warning("consumer %s: heartbeat failed (%s)", self.name, e)
+                log.warning("consumer %s: heartbeat failed (%s)", self.name, reason(e))
 
     async def _batch_status(self, batch_id: str, fresh: bool = False) -> tuple[str | None, str | None, float | None]:
         now = time.monotonic()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from gateway.config import HealthChecks
+from gateway.errors import reason
 from routing.core import DecisionCore, ServedModel
 
 log = logging.getLogger("gateway.engine_signals.health_checks")
@@ -88,7 +89,7 @@ class HealthChecker:
                 models = parse_models_list(await r.json(content_type=None))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             if self.discovery_ok.get(name, True):
-                log.warning("cannot read the models of backend %s (%s); keeping the last ones read", name, e)
+                log.warning("cannot read the models of backend %s (%s); keeping the last ones read", name, reason(e))
             self.discovery_ok[name] = False
             return
         self.discovery_ok[name] = True

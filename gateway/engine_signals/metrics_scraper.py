@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.errors import reason
 from routing.core import DecisionCore, EngineSample, LoraActivity
 
 log = logging.getLogger("gateway.engine_signals.metrics_scraper")
@@ -136,7 +137,7 @@ class MetricsScraper:
             m = parse_engine_metrics(text)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, UnicodeDecodeError) as e:
             if self.ok.get(name, True):
-                log.info("no engine metrics from backend %s (%s); its load is not drift-corrected", name, e)
+                log.info("no engine metrics from backend %s (%s); its load is not drift-corrected", name, reason(e))
             self.ok[name] = False
             return
         self.ok[name] = True

@@ -22,3 +22,37 @@ async def test_gateway_learns_kv_capacity_from_vllm_metrics():
     finally:
         for b in backends:
             await b.cleanup()
+
+
+async def test_a_scrape_that_times_out_is_logged_with_a_reason(caplog):
+    """A ``/metrics`` that never answers ends in a timeout, whose own text is empty:
+    the log line still says what went wrong."""
+    import asyncio
+    import logging
+
+    from aiohttp import web
+
+    done = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await done.wait()
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/metrics", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        cfg = gateway_config([{"name": "slow", "url": f"http://127.0.0.1:{port}", "models": ["m"]}],
+                             routing={"scrape_interval_s": 0.05})
+        with caplog.at_level(logging.INFO, logger="gateway.engine_signals.metrics_scraper"):
+            async with running_gateway(cfg) as gw:
+                await wait_until(lambda: gw.state.scraper.ok.get("slow") is False)
+        line = next(r.getMessage() for r in caplog.records if "no engine metrics from backend slow" in r.getMessage())
+        assert "()" not in line and "TimeoutError" in line
+    finally:
+        done.set()
+        await runner.cleanup()
