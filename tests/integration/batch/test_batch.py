@@ -977,7 +977,7 @@ async def test_redis_down_answers_503_leaves_no_file_and_ready_says_batch_is_deg
     """With the batch store's Redis gone, ``/v1/files`` and ``/v1/batches`` answer 503
     ``batch_store_unavailable`` (retry later, as ``/v1/usage`` does), an upload leaves
     no file behind, and ``/ready`` stays 200 for completions while naming ``batch``."""
-    from tests.redis_server import ValkeyProcess
+    from tests.support.redis_server import ValkeyProcess
 
     server = ValkeyProcess()
     server.start()

@@ -11,7 +11,7 @@ import time
 
 import aiohttp
 
-from tests.servers import free_port, gateway_config, running_gateway
+from tests.support.servers import free_port, gateway_config, running_gateway
 
 OPEN_S = 5.0
 BODY = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.servers import ScriptedBackend, gateway_config, running_gateway
+from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
 
 KEY = "sk-access-log-secret-0123456789"
 PROMPT = "my-very-private-prompt-text"
