@@ -183,10 +183,16 @@ class PrefixIndex:
         self._evict(backend, b)
 
     def record(self, backend: str, hashes: tuple[int, ...], now: float) -> None:
-        """Note that ``backend`` received a prompt made of ``hashes`` at time ``now`` (s)."""
+        """Note that ``backend`` received a prompt made of ``hashes`` at time ``now`` (s).
+        Only the first ``capacity_blocks`` of them: a cache that takes in a longer prompt
+        keeps its prefix and evicts the rest (whatever the order of eviction, its blocks
+        past the capacity go), so the work per request is bounded by the cache's size,
+        not by the prompt's."""
         if not hashes:
             return
         b = self._blocks(backend)
+        if len(hashes) > b.capacity_blocks:
+            hashes = hashes[:b.capacity_blocks]
         lru = b.lru
         owners = self.owners
         ghosts = self.ghosts

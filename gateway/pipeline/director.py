@@ -39,8 +39,8 @@ from gateway.errors import (
     internal_error_answer,
 )
 from gateway.pipeline.engine_errors import context_length_exceeded
-from gateway.pipeline.openai_request import (ParsedRequest, check_json_content_type, parse_completion_request, parse_json_object,
-                                prompt_token_ids)
+from gateway.pipeline.openai_request import (ParsedRequest, check_json_content_type, off_loop, parse_body,
+                                parse_completion_request, parse_json_object, prompt_token_ids)
 from gateway.ops import access_log
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
@@ -107,7 +107,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         check_json_content_type(headers.get("Content-Type"))
         if not isinstance(body, bytes):
             body = await body()
-        parsed = parse_completion_request(endpoint, body, parse_json_object(body))
+        parsed = await off_loop(len(body), parse_body, endpoint, body)
         check_model(state, parsed.model)
         if state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch":
             kv = await state.batch_gate.enter(parsed)
@@ -264,8 +264,8 @@ async def _on_model(state: GatewayState, ex: Exchange,
     parsed = ex.parsed
     first = len(ex.attempts)  # the attempts on earlier models do not count against this one's
     token_ids = await _token_ids(state, ex)
-    ex.estimate, req = core.request(ex.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt, parsed.stream,
-                                    token_ids)
+    ex.estimate, req = await off_loop(len(parsed.body), core.request, ex.model, parsed.prompt_text, parsed.max_tokens,
+                                      parsed.cache_salt, parsed.stream, token_ids)
     ex.request = req
     if token_ids is not None:  # an exact count: a prompt that fits on no backend is refused unsent
         limit = core.context_exceeded(ex.model, len(token_ids), parsed.max_tokens)

@@ -7,9 +7,11 @@ because the gateway forwards the original body bytes, never a re-serialization.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -18,6 +20,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.errors import ClientError
 from routing.core import ServedModel, canonical_prompt
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -85,6 +89,24 @@ def check_json_content_type(content_type: str | None) -> None:
         if not _is_json_type(mime):
             raise ClientError(415, f"Unsupported content type `{mime}`; send `Content-Type: application/json`.",
                               code="unsupported_media_type")
+
+
+LARGE_BODY_BYTES = 1 << 20  # parsed and estimated off the event loop from this size on
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in the loop's default executor when it works on ``size`` bytes of
+    at least :data:`LARGE_BODY_BYTES` (a long prompt's parse or estimate would stall
+    every other request meanwhile), else at once."""
+    if size < LARGE_BODY_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def parse_body(endpoint: str, body: bytes) -> ParsedRequest:
+    """``body`` parsed and validated as a completion request for ``endpoint``
+    (:func:`parse_json_object`, :func:`parse_completion_request`)."""
+    return parse_completion_request(endpoint, body, parse_json_object(body))
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
