@@ -23,9 +23,9 @@ import os
 import sys
 import time
 
-from gateway.server.app import create_app
 from gateway.config import ConfigError, load_config
 from gateway.ops.demo_fleet import DemoFleetError
+from gateway.server.app import create_app
 from gateway.server.run import serve, setup_logging
 
 log = logging.getLogger("gateway")

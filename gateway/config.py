@@ -11,8 +11,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from routing.core import DEFAULT_TOKENIZER_CACHE_TOKENS, POLICIES, TokenizerError, load_tokenizer
 
@@ -50,10 +58,14 @@ class Timeouts(_Strict):
 class TimeoutOverrides(_Strict):
     """Per-backend overrides of :class:`Timeouts`; unset fields keep the global value."""
 
-    connect_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.connect_s`; unset: the global value.")
-    ttft_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.ttft_s`; unset: the global value.")
-    idle_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.idle_s`; unset: the global value.")
-    total_s: PositiveSeconds | None = Field(None, description="This backend's `timeouts.total_s`; unset: the global value.")
+    connect_s: PositiveSeconds | None = Field(
+        None, description="This backend's `timeouts.connect_s`; unset: the global value.")
+    ttft_s: PositiveSeconds | None = Field(
+        None, description="This backend's `timeouts.ttft_s`; unset: the global value.")
+    idle_s: PositiveSeconds | None = Field(
+        None, description="This backend's `timeouts.idle_s`; unset: the global value.")
+    total_s: PositiveSeconds | None = Field(
+        None, description="This backend's `timeouts.total_s`; unset: the global value.")
 
 
 class Retries(_Strict):
@@ -133,7 +145,7 @@ class KVEvents(_Strict):
     def _check_endpoint(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        if not (v.startswith("tcp://") or v.startswith("ipc://")):
+        if not v.startswith(("tcp://", "ipc://")):
             raise ValueError("must be a ZMQ address starting with tcp:// or ipc://")
         if "*" in v:
             raise ValueError("give the engine's host, not the `*` it binds to")
@@ -148,7 +160,7 @@ class KVEvents(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _ranks_need_ports(self) -> "KVEvents":
+    def _ranks_need_ports(self) -> KVEvents:
         if self.data_parallel_size > 1:
             for v in (self.endpoint, self.replay_endpoint):
                 if v is not None and not v.startswith("tcp://"):
@@ -256,7 +268,7 @@ class Backend(_Strict):
     def _check_url(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        if not (v.startswith("http://") or v.startswith("https://")):
+        if not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")
 
@@ -272,7 +284,7 @@ class Backend(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _simulated_kv_events(self) -> "Backend":
+    def _simulated_kv_events(self) -> Backend:
         if self.simulate is not None and self.simulate.get("kv_events") is not None:
             from loadtest.sim.spec import check_simulate
             spec = check_simulate(self.name, self.static_models, self.simulate)
@@ -303,14 +315,14 @@ class Backend(_Strict):
                         block_size=self._simulated_block_size, base_model=self._simulated_base_model)
 
     @model_validator(mode="after")
-    def _kv_events_base_model(self) -> "Backend":
+    def _kv_events_base_model(self) -> Backend:
         if self.kv_events is not None and self.kv_events.base_model is None and not self.static_models:
             raise ValueError("kv_events.base_model must be set when `models` is only `auto` (the blocks without "
                              "a LoRA adapter are keyed under it)")
         return self
 
     @model_validator(mode="after")
-    def _url_or_simulate(self) -> "Backend":
+    def _url_or_simulate(self) -> Backend:
         if (self.url is None) == (self.simulate is None):
             raise ValueError("set exactly one of `url` (a real server) or `simulate` (a demo backend)")
         if self.api_key_env is not None and self.api_key_env not in os.environ:
@@ -654,7 +666,7 @@ class ClientKey(_Strict):
         "weight 2 gets twice the tokens of a key of weight 1 while both wait.")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ClientKey":
+    def _one_source(self) -> ClientKey:
         if (self.key_sha256 is None) == (self.key_env is None):
             raise ValueError("set exactly one of `key_sha256` or `key_env`")
         if self.key_env is not None and not os.environ.get(self.key_env):
@@ -681,7 +693,7 @@ class Auth(_Strict):
         "Names and key values must be unique.")
 
     @model_validator(mode="after")
-    def _unique(self) -> "Auth":
+    def _unique(self) -> Auth:
         names = [k.name for k in self.keys]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -704,7 +716,7 @@ class Admin(_Strict):
         "at load; must be set and non-empty).")
 
     @model_validator(mode="after")
-    def _at_most_one(self) -> "Admin":
+    def _at_most_one(self) -> Admin:
         if self.key_sha256 is not None and self.key_env is not None:
             raise ValueError("set at most one of `key_sha256` or `key_env`")
         if self.key_env is not None and not os.environ.get(self.key_env):
@@ -764,7 +776,7 @@ class Admission(_Strict):
         "w_q; 2 as in its evaluation: output tokens cost about twice input tokens in API prices).")
 
     @model_validator(mode="after")
-    def _some_cost(self) -> "Admission":
+    def _some_cost(self) -> Admission:
         if self.prompt_token_weight == 0 and self.output_token_weight == 0:
             raise ValueError("prompt_token_weight and output_token_weight are both 0: tokens would cost nothing; "
                              "set one above 0, or use fairness: round_robin")
@@ -822,7 +834,7 @@ class ModelSettings(_Strict):
         return str(p)
 
     @model_validator(mode="after")
-    def _load(self) -> "ModelSettings":
+    def _load(self) -> ModelSettings:
         if self.chat_template is not None and self.tokenizer is None:
             raise ValueError("`chat_template` needs `tokenizer`")
         if self.tokenizer is not None:
@@ -889,7 +901,7 @@ class GatewayConfig(_Strict):
         "retention, flushing to Redis and prices.")
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "GatewayConfig":
+    def _cross_checks(self) -> GatewayConfig:
         names = [b.name for b in self.backends]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -897,7 +909,8 @@ class GatewayConfig(_Strict):
         pools = {p.name for p in self.pools}
         for b in self.backends:
             if b.pool not in pools:
-                raise ValueError(f"backend {b.name!r} names pool {b.pool!r}, which is not in `pools` ({', '.join(sorted(pools))})")
+                raise ValueError(f"backend {b.name!r} names pool {b.pool!r}, which is not in `pools` "
+                                 f"({', '.join(sorted(pools))})")
         # A backend with `models: auto` may serve any model once it lists it, so the
         # checks below only hold names to the configured lists when none discovers.
         for c in self.routing.canaries:
@@ -924,7 +937,8 @@ class GatewayConfig(_Strict):
                 if f.model == model:
                     raise ValueError(f"routing.fallbacks: model {model!r} names itself as a fallback")
                 if f.model not in served:
-                    raise ValueError(f"routing.fallbacks: fallback {f.model!r} of model {model!r} is served by no backend")
+                    raise ValueError(f"routing.fallbacks: fallback {f.model!r} of model {model!r} is served by "
+                                     "no backend")
         unpriced = sorted(m for m in self.usage.prices if m not in served)
         if unpriced:
             raise ValueError(f"usage.prices: no backend serves {', '.join(map(repr, unpriced))}")
@@ -962,7 +976,7 @@ class GatewayConfig(_Strict):
                 models[m] = {**settings, "tokenizer": path}
         return {**data, "models": models}
 
-    def with_kv_events(self, sources: dict[str, KVEvents]) -> "GatewayConfig":
+    def with_kv_events(self, sources: dict[str, KVEvents]) -> GatewayConfig:
         """This config with the ``kv_events`` of the simulated backends the gateway
         wires itself (:attr:`Backend.simulated_kv_events`) taken from ``sources`` (by
         backend name; see :func:`gateway.ops.demo_fleet.simulated_kv_sources`)."""
@@ -973,7 +987,7 @@ class GatewayConfig(_Strict):
         return self.model_copy(update={"backends": backends})
 
     @model_validator(mode="after")
-    def _batch_needs_redis(self) -> "GatewayConfig":
+    def _batch_needs_redis(self) -> GatewayConfig:
         if self.batch.enabled and not (self.batch.redis_url or self.state.url):
             raise ValueError("batch.enabled needs Redis: set batch.redis_url or state.url")
         return self

@@ -18,9 +18,10 @@ import argparse
 import sys
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import annotated_types as at
 from pydantic import BaseModel
@@ -210,7 +211,7 @@ def render() -> str:
         first = (field.description or "").split(". ")[0].rstrip(".")
         out.append(f"| [`{name}`](#{name}) | {_cell(first)} |")
     out.append("")
-    for name, field, sub, between in sections:
+    for name, _field, sub, between in sections:
         (top,) = [r for r in rows(GatewayConfig) if r.key == name]
         out.append(f"## `{name}`\n")
         out.append(f"{top.description}\n")

@@ -20,20 +20,20 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.tenancy.admission import AdmissionControl
-from gateway.tenancy.keys import KeyRing
 from gateway.config import Backend, GatewayConfig, KVEvents
 from gateway.engine_signals.health_checks import HealthChecker
 from gateway.engine_signals.kv_event_subscriber import KVEventSubscribers
-from gateway.tenancy.limits import Limiter, LimiterSync
-from gateway.upstream.lora_loader import AdapterLoader
+from gateway.engine_signals.metrics_scraper import MetricsScraper
 from gateway.ops.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
 from gateway.pipeline.relay import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
-from gateway.engine_signals.metrics_scraper import MetricsScraper
-from gateway.upstream.client import BackendClient
 from gateway.store.routing_state import InProcessStore, RedisStore
+from gateway.tenancy.admission import AdmissionControl
+from gateway.tenancy.keys import KeyRing
+from gateway.tenancy.limits import Limiter, LimiterSync
 from gateway.tenancy.usage_ledger import UsageLedger, UsageSync
+from gateway.upstream.client import BackendClient
+from gateway.upstream.lora_loader import AdapterLoader
 from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, load_tokenizer
 
 log = logging.getLogger("gateway.runtime")

@@ -50,7 +50,8 @@ def _add_load_args(ap: argparse.ArgumentParser, sweep: bool) -> None:
     ld = ap.add_argument_group("load")
     nargs = "+" if sweep else None
     ld.add_argument("--rate", type=_rate, nargs=nargs,
-                    help="open loop: mean requests/s per target (inf: all at once)" + ("; several: a sweep" if sweep else ""))
+                    help="open loop: mean requests/s per target (inf: all at once)"
+                    + ("; several: a sweep" if sweep else ""))
     ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
     ld.add_argument("--concurrency", type=int, nargs=nargs,
                     help="closed loop: requests in flight per target (with --rate: a cap; without either, and "
@@ -103,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--output-len", type=int, default=16)
     ov.add_argument("--realistic-profile", default="h100-llama3-8b",
                     help="simulator profile of the realistic backend (default h100-llama3-8b)")
-    ov.add_argument("--policy", default="estimated_ttft", help="gateway routing policy (default: the gateway default, estimated_ttft)")
+    ov.add_argument("--policy", default="estimated_ttft",
+                    help="gateway routing policy (default: the gateway default, estimated_ttft)")
     ov.add_argument("--request-timeout", type=float, default=120.0)
     ov.add_argument("--out", help="output folder (default: print only)")
     ov.add_argument("--quiet", action="store_true")
@@ -311,8 +313,8 @@ async def overhead(backends: list[str], concurrencies: list[int], *, requests: i
             for conc in concurrencies:
                 n = requests or max(200, 4 * conc)
                 recs: dict[str, list] = {k: [] for k in targets}
-                cpu: dict[str, float] = {k: 0.0 for k in targets}
-                counted: dict[str, int] = {k: 0 for k in targets}
+                cpu: dict[str, float] = dict.fromkeys(targets, 0.0)
+                counted: dict[str, int] = dict.fromkeys(targets, 0)
                 for rep in range(reps):
                     for name, (turl, tproc) in targets.items():
                         warm = make_workload("fixed", {"input_len": input_len, "output_len": output_len},
@@ -362,7 +364,8 @@ def format_overhead(rows: list[dict[str, Any]], nginx: bool, header: bool = True
             ("gateway_added_p50_ms", "added p50", "{:+.2f}"), ("gateway_added_p99_ms", "added p99", "{:+.2f}"),
             ("gateway_cpu_s_per_1k", "gw CPU s/1k req", "{:.2f}")]
     if nginx:
-        cols += [("nginx_added_p50_ms", "nginx added p50", "{:+.2f}"), ("nginx_added_p99_ms", "nginx added p99", "{:+.2f}"),
+        cols += [("nginx_added_p50_ms", "nginx added p50", "{:+.2f}"),
+                 ("nginx_added_p99_ms", "nginx added p99", "{:+.2f}"),
                  ("nginx_cpu_s_per_1k", "nginx CPU s/1k", "{:.2f}")]
     cols.append(("gateway_errors", "gw errors", "{}"))
     out = []

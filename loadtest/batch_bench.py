@@ -67,7 +67,7 @@ def _start_valkey(workdir: str) -> tuple[subprocess.Popen, str]:
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError("valkey-server did not start")
+                raise RuntimeError("valkey-server did not start") from None
             time.sleep(0.05)
 
 
@@ -92,7 +92,7 @@ async def _interactive(http: aiohttp.ClientSession, url: str, args, seed: int) -
                             and b'"content":""' not in line:
                         ttft = time.perf_counter() - t0
                 out.append((ttft, ttft is not None))
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             out.append((None, False))
 
     tasks = []
@@ -135,7 +135,8 @@ async def _phase(name: str, http: aiohttp.ClientSession, url: str, cfg_path: Pat
         if batch == "no-priority":
             cmd.append("--no-priority")
         log_path = cfg_path.parent / f"consumer-{batch}.log"
-        consumer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+        consumer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                    stderr=open(log_path, "wb"))  # noqa: SIM115 - the child keeps it open
         while (await _batch_counts(http, url, bid))["request_counts"]["completed"] < args.consumer_workers:
             if consumer.poll() is not None:
                 raise RuntimeError(f"the consumer exited ({consumer.returncode}): {log_path.read_text()[-2000:]}")
@@ -161,8 +162,8 @@ async def _phase(name: str, http: aiohttp.ClientSession, url: str, cfg_path: Pat
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = "| phase | interactive requests | errors | TTFT p50 (ms) | TTFT p99 (ms) | batch lines/s |\n" \
-           "|---|---:|---:|---:|---:|---:|\n"
+    head = ("| phase | interactive requests | errors | TTFT p50 (ms) | TTFT p99 (ms) | batch lines/s |\n"
+            "|---|---:|---:|---:|---:|---:|\n")
 
     def f(v: Any, nd: int = 0) -> str:
         return "-" if v is None else f"{v:.{nd}f}"
@@ -195,8 +196,8 @@ async def _run(args) -> list[dict[str, Any]]:
         rows = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=300)) as http:
-            for i, (name, batch) in enumerate((("interactive alone", None), ("+ batch, priority", "priority"),
-                                               ("+ batch, no priority", "no-priority"))):
+            for name, batch in (("interactive alone", None), ("+ batch, priority", "priority"),
+                                ("+ batch, no priority", "no-priority")):
                 row = await _phase(name, http, url, cfg_path, args, batch, seed=args.seed)
                 emit_row(row)
                 rows.append(row)

@@ -88,7 +88,7 @@ def build_body(opts: ClientOptions, session: Session, turn: int, history: list[s
 def _chunk_text(obj: dict[str, Any]) -> str:
     out = ""
     for c in obj.get("choices") or ():
-        if "text" in c and c["text"]:
+        if c.get("text"):
             out += c["text"]
         delta = c.get("delta") or {}
         out += (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")

@@ -71,7 +71,7 @@ async def _stream(http: aiohttp.ClientSession, url: str, key: str, prompt: str, 
                     ttft = time.perf_counter() - t0
                 if b'"usage"' in line:
                     usage = orjson.loads(line[6:]).get("usage") or usage
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return None, 0, 0
     if ttft is None or not usage:
         return None, 0, 0
@@ -97,7 +97,7 @@ async def _phase(fairness: str, args, workdir: str) -> list[dict[str, Any]]:
         words = {"short": args.short_words, "long": 10 * args.short_words}
         # per key: (start, TTFT, prompt tokens, completion tokens, end), perf_counter seconds
         results: dict[str, list[tuple[float, float, int, int, float]]] = {k: [] for k in KEYS}
-        failures = {k: 0 for k in KEYS}
+        failures = dict.fromkeys(KEYS, 0)
         t_start = time.perf_counter()
         t_count = t_start + args.warmup
         t_end = t_count + args.duration
@@ -139,7 +139,8 @@ async def _phase(fairness: str, args, workdir: str) -> list[dict[str, Any]]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = ("| fairness | key | prompt words | requests/s | tokens/s | service/s | TTFT p50 (ms) | TTFT p99 (ms) "
-            "| failures | Jain (tokens/s) | Jain (service/s) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| failures | Jain (tokens/s) | Jain (service/s) |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     return head + "".join(
         f"| {r['fairness']} | {r['key']} | {r['prompt_words']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.0f} "
         f"| {r['service_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['failures']} "

@@ -41,7 +41,8 @@ from loadtest.report import emit_row, print_rows
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 PHASES = (("round_robin", "round_robin", None), ("least_requests", "least_requests", None),
-          ("estimated_ttft, no load cost", "estimated_ttft", 0.0), ("estimated_ttft (affinity)", "estimated_ttft", None))
+          ("estimated_ttft, no load cost", "estimated_ttft", 0.0),
+          ("estimated_ttft (affinity)", "estimated_ttft", None))
 
 
 async def _stream(http: aiohttp.ClientSession, url: str, model: str, prompt: str, output_tokens: int,
@@ -59,7 +60,7 @@ async def _stream(http: aiohttp.ClientSession, url: str, model: str, prompt: str
             async for line in r.content:
                 if ttft is None and line.startswith(b"data: {"):
                     ttft = time.perf_counter() - t0
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return None, None
     return ttft, backend
 

@@ -30,8 +30,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 SLO_KEYS = {"ttft": "ttft", "ttft_ms": "ttft", "tpot": "tpot", "tpot_ms": "tpot", "e2el": "e2el",

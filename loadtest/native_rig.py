@@ -54,8 +54,19 @@ import httptools
 import yaml
 
 from loadtest import procs
-from loadtest.rig_common import (MODEL, PROMPT, PROXY_CORE, core_busy, cpu_split, fmt, gather_bounded, percentile,
-                                 print_split_table, spawn, split_text)
+from loadtest.rig_common import (
+    MODEL,
+    PROMPT,
+    PROXY_CORE,
+    core_busy,
+    cpu_split,
+    fmt,
+    gather_bounded,
+    percentile,
+    print_split_table,
+    spawn,
+    split_text,
+)
 
 TOKEN = b' tok"'  # a content token in the body as any proxy relays or re-serializes it
 WHOLE_TOKENS = 16

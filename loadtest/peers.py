@@ -70,16 +70,30 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 import yaml
 
 from loadtest import procs
-from loadtest.rig_common import (CLIENT_CORE, MODEL, PROMPT, PROXY_CORE, core_busy, cpu_split, fmt, gather_bounded,
-                                 percentile, print_split_table, spawn, split_text, wait_chat)
+from loadtest.rig_common import (
+    CLIENT_CORE,
+    MODEL,
+    PROMPT,
+    PROXY_CORE,
+    core_busy,
+    cpu_split,
+    fmt,
+    gather_bounded,
+    percentile,
+    print_split_table,
+    spawn,
+    split_text,
+    wait_chat,
+)
 
 PEERS_HOME = Path(os.environ.get("TG_PEERS_HOME", "~/.cache/turbo-gateway/peers")).expanduser()
 
@@ -581,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| target | (a) non-streaming, max_tokens 16: CPU s/1k | (a) req/s | (b) streaming, 64 tokens: CPU s/1k "
           "| (b) req/s | errors | backend split (a) | core 1 other |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
+    for r in results.values():
         if r.get("missing"):
             print(f"| {r['label']} | {r['missing']} | | | | | | |")
             continue

@@ -44,10 +44,26 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from loadtest.replay import (APPROXIMATE, DEFAULT_FLEET, ORACLE, PRECISE, FleetMember, ceiling_hit_ratio,
-                             make_fleet, replay, summarize)
-from loadtest.traces import (TRACE_BLOCK_TOKENS, TraceRequest, block_words, load_trace, scale_time,
-                             shared_prefix_trace, trace_prompt_text)
+from loadtest.replay import (
+    APPROXIMATE,
+    DEFAULT_FLEET,
+    ORACLE,
+    PRECISE,
+    FleetMember,
+    ceiling_hit_ratio,
+    make_fleet,
+    replay,
+    summarize,
+)
+from loadtest.traces import (
+    TRACE_BLOCK_TOKENS,
+    TraceRequest,
+    block_words,
+    load_trace,
+    scale_time,
+    shared_prefix_trace,
+    trace_prompt_text,
+)
 
 TINY_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "support" / "data" / "tiny-tokenizer"
 MODES = {  # row label: (evidence, speculative_s or None for --speculative-s)
@@ -278,7 +294,7 @@ def run(args: argparse.Namespace) -> dict:
     keys = [(w, r) for w in workloads for r in (args.rate if w in (SHARED_PREFIX, DIRECT_CLIENTS) else [None])]
     jobs = [(k, kind, args) for k in keys for kind in ("ceiling", "tokenize", *modes)]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        results = dict(((key, job[1]), s) for job, (key, s) in zip(jobs, pool.map(_job, jobs)))
+        results = {(key, job[1]): s for job, (key, s) in zip(jobs, pool.map(_job, jobs))}
     out: dict[str, dict] = {}
     for key in keys:
         w, rate = key
@@ -347,9 +363,9 @@ def live(args: argparse.Namespace) -> dict[str, dict]:
                 cpu0 = cpu_seconds(gw.pid)
                 subprocess.run([sys.executable, "-m", "loadtest", "run", "--target", url, "--model", "m",
                                 "--workload", "shared-prefix", "-p",
-                                f"num_groups={args.live_tenants},prompts_per_group={args.live_per_tenant},"
-                                f"system_prompt_len={args.live_system_len},question_len={args.live_question_len},"
-                                f"output_len={args.live_output_len}",
+                                (f"num_groups={args.live_tenants},prompts_per_group={args.live_per_tenant},"
+                                 f"system_prompt_len={args.live_system_len},question_len={args.live_question_len},"
+                                 f"output_len={args.live_output_len}"),
                                 "-n", str(args.live_tenants * args.live_per_tenant),
                                 "--rate", str(args.live_rate), "--seed", str(args.seed + 1),
                                 "--slo", f"ttft_ms={args.ttft_slo * 1000:g},tpot_ms={args.tpot_slo * 1000:g}",

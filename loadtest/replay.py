@@ -45,16 +45,25 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from loadtest.sim.engine import Engine, prompt_block_hashes
 from loadtest.sim.kv_event_publisher import encode_batch
 from loadtest.sim.profiles import PROFILES, Profile
-from loadtest.traces import (BYTES_PER_TOKEN, MAX_INPUT_TOKENS, TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, TraceRequest,  # noqa: F401
-                             load_trace, request_tokens_and_text, scale_time)
+from loadtest.traces import (  # noqa: F401
+    BYTES_PER_TOKEN,
+    MAX_INPUT_TOKENS,
+    TRACE_BLOCK_TOKENS,
+    TRACES,
+    TRACES_DIR,
+    TraceRequest,
+    load_trace,
+    request_tokens_and_text,
+    scale_time,
+)
 from routing import POLICIES, BackendSpec, BackendState, NoBackendAvailable, RouteRequest
 from routing.core import DecisionCore
 from routing.estimate import TokenEstimator
@@ -378,7 +387,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     excluded: dict[int, set[str]] = {}
     retry_rng = random.Random(seed)
     events: list[tuple[float, int, str, object]] = []
-    blocks_in_flight: list[tuple[float, int, int, str, tuple[int, ...]]] = []  # (visible at, seq, from, backend, hashes)
+    # (visible at, seq, from, backend, hashes)
+    blocks_in_flight: list[tuple[float, int, int, str, tuple[int, ...]]] = []
     seq = 0
     pending = len(reqs)
 
@@ -714,7 +724,8 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float,
     first = sorted((r for r in records if r.arrival >= cold_from), key=lambda r: r.arrival)[:COLD_START_REQUESTS]
     first_ttft = [r.first_token - r.arrival for r in first if r.end is not None and r.first_token is not None]
     cold_start = {"requests": len(first), "ttft_mean_s": statistics.fmean(first_ttft) if first_ttft else float("nan"),
-                  "share": {k: v / len(first) for k, v in sorted(collections.Counter(r.backend for r in first).items())}}
+                  "share": {k: v / len(first)
+                            for k, v in sorted(collections.Counter(r.backend for r in first).items())}}
     return {
         "requests": len(records), "completed": len(done), "errors": sum(1 for r in records if r.error),
         "retried": sum(1 for r in records if r.attempts > 1),

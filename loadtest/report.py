@@ -25,7 +25,7 @@ import platform
 import shutil
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ def machine_context(argv: list[str] | None = None) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             libs[name] = None
     return {
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": argv if argv is not None else sys.argv,
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": _cpu_model(),
                     "cpu_count": os.cpu_count(), "memory_bytes": _mem_total_bytes()},

@@ -148,7 +148,7 @@ def _tracee(gateway_argv: list[str]) -> None:
     for name in DIRS:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
-            dirs[name] = os.path.realpath(list(spec.submodule_search_locations)[0])
+            dirs[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
     rec = _Recorder(dirs)
 
     def start(signum, frame) -> None:
@@ -304,10 +304,10 @@ def _source_state() -> str:
 def report(res: dict[str, Any]) -> str:
     files = res["files"]
     entries = sum(f["entries"] for f in files)
-    lines = [f"# one streamed chat completion (max_tokens 8, include_usage, new connection) through the gateway "
-             f"at {res['root']} ({_source_state()}); {res['response_bytes']} bytes of response",
-             f"{len(files)} distinct files of gateway/ and routing/ entered; {entries} entries, {res['calls']} "
-             f"Python calls in them, on {res['threads']} thread(s)",
+    lines = [(f"# one streamed chat completion (max_tokens 8, include_usage, new connection) through the gateway "
+              f"at {res['root']} ({_source_state()}); {res['response_bytes']} bytes of response"),
+             (f"{len(files)} distinct files of gateway/ and routing/ entered; {entries} entries, {res['calls']} "
+              f"Python calls in them, on {res['threads']} thread(s)"),
              "", "entries  calls  file: functions called in it, in first-call order"]
     width = max([len(f["file"]) for f in files] + [4])
     for f in files:

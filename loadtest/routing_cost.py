@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 
-from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
+from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
 from routing.estimate import TokenEstimator
 from routing.prefix_index import PrefixIndex
 
@@ -70,7 +70,7 @@ def decision_cost(n_backends: int, n_blocks: int, n_requests: int = 2000, store=
         t0 = time.perf_counter()
         for i, text in enumerate(texts):
             e = est.estimate("m", text, 128)
-            d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+            _d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
                                                prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
                                                tokens_per_block=64.0), now=1.0 + i * 1e-3)
             res.release(1.0 + i * 1e-3)
@@ -103,7 +103,7 @@ async def _paced_routing(router: Router, seconds: float, max_requests: int) -> t
         t0 = time.perf_counter()
         e = est.estimate("m", text, 128)
         now = loop.time()
-        d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+        _d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
                                            prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
                                            tokens_per_block=64.0), now)
         res.release(now)
@@ -114,10 +114,10 @@ async def _paced_routing(router: Router, seconds: float, max_requests: int) -> t
 
 
 async def _store_part(seconds: float = 5.0, max_requests: int = 20_000) -> None:
+    import redis.asyncio as aioredis
+
     from gateway.store.routing_state import RedisStore  # the gateway's store is what this part measures
     from tests.support.redis_server import ValkeyProcess  # the same valkey-server the tests use
-
-    import redis.asyncio as aioredis
 
     server = ValkeyProcess()
     server.start()
@@ -235,7 +235,7 @@ def part_tokenize(path: str | None = None) -> None:
     long = [("completions", {"prompt": f"{i}: " + _words(rng, 6300)}) for i in range(12)]
     convo: list[dict] = [system]
     turns = []
-    for i in range(20):
+    for _i in range(20):
         convo = convo + [{"role": "user", "content": _words(rng, 80)}]
         turns.append(("chat", {"messages": convo}))
         convo = convo + [{"role": "assistant", "content": _words(rng, 120)}]
@@ -243,11 +243,13 @@ def part_tokenize(path: str | None = None) -> None:
     sizes = {name: statistics.mean(len(probe.tokenization(e, d).token_ids()) for e, d in reqs)
              for name, reqs in (("short", short), ("long", long), ("turns", turns))}
     print(f"\n## Tokenization cost ({path}), microseconds per request\n")
-    print("| request | tokens | cache off | cache on | of which on the event loop (cache on, long encodings in the executor) |")
+    print("| request | tokens | cache off | cache on "
+          "| of which on the event loop (cache on, long encodings in the executor) |")
     print("|---|---|---|---|---|")
     for name, label, reqs in (("short", "short chat (system + one question)", short),
                               ("long", "8k-token completion prompt (each one new)", long),
-                              ("turns", "20-turn conversation, 2k-token system prompt (each turn's whole history)", turns)):
+                              ("turns", "20-turn conversation, 2k-token system prompt (each turn's whole history)",
+                               turns)):
         cells = []
         for cache in (0, 1 << 21):
             runs = []
@@ -292,7 +294,7 @@ def kv_events_cost(events: bool, n_requests: int = 2000, block_size: int = 16) -
         for i, (ids, text) in enumerate(zip(prompts, texts)):
             now = 1.0 + (k * n_requests + i) * 1e-3
             _, req = core.request("m", text, 128, None, True, ids if core.wants_token_ids("m") else None)
-            d, res = core.route(req, now)
+            _d, res = core.route(req, now)
             res.release(now)
         passes.append((time.perf_counter() - t0) / n_requests * 1e6)
     return statistics.median(passes)

@@ -256,7 +256,7 @@ class _Run:
     async def phase(self, lanes: list[int], limit: int | None) -> None:
         """Send sessions of ``lanes`` (at most ``limit`` per lane) until they run out
         or the sending window closes; then wait for them (bounded)."""
-        sent = {lane: 0 for lane in lanes}
+        sent = dict.fromkeys(lanes, 0)
 
         def can_send(lane: int) -> bool:
             return limit is None or sent[lane] < limit

@@ -82,8 +82,8 @@ def load_trace(name: str, limit: int | None = None, max_input_tokens: int = MAX_
     else:
         with open(path, newline="") as f:
             t0 = None
-            for row in csv.DictReader(f):
-                t = datetime.strptime(row["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            for row in csv.DictReader(f):  # naive local times: only their differences are used
+                t = datetime.strptime(row["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()  # noqa: DTZ007
                 t0 = t if t0 is None else t0
                 out.append(TraceRequest(t - t0, min(max(1, int(row["ContextTokens"])), max_input_tokens),
                                         max(1, int(row["GeneratedTokens"]))))

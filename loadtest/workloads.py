@@ -28,14 +28,15 @@ multiplied by ``time_scale``, or rescaled so that the mean rate is the run's ``-
 
 Prompts of different runs share nothing unless they use the same ``seed`` (the seed
 salts every generated word), so a second run does not hit the first run's cache.
-"""
+"""  # noqa: E501 - a table, one row a line
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from loadtest import traces
 
@@ -73,7 +74,7 @@ class Workload:
     name: str
     params: dict[str, Any]
     seed: int
-    build: Callable[["Workload", int], Iterable[Session]] = field(repr=False)
+    build: Callable[[Workload, int], Iterable[Session]] = field(repr=False)
     has_arrivals: bool = False
 
     salt: str = ""  # namespaces the generated text (compare: one per target, so targets share no cache)

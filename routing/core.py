@@ -34,11 +34,9 @@ imports nothing else of this package (``tests/unit/test_import_cycles.py`` check
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt, chain_seed, token_block_keys
 from routing.fleet import (
@@ -67,9 +65,9 @@ from routing.policies import POLICIES, Decision, RouteRequest, make_policy
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
+from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 from routing.tokenize import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
 from routing.tokenize import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
-from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",

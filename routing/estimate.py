@@ -228,6 +228,6 @@ class TokenEstimator:
             a = 0.5 if s.samples < 10 else _EWMA_ALPHA
             s.bytes_per_token += a * (ratio - s.bytes_per_token)
             s.samples += 1
-        if completion_tokens is not None and completion_tokens > 0:
-            if not finish_reason_length or completion_tokens > s.output_tokens:
-                s.output_tokens += _EWMA_ALPHA * (completion_tokens - s.output_tokens)
+        if completion_tokens is not None and completion_tokens > 0 and (
+                not finish_reason_length or completion_tokens > s.output_tokens):
+            s.output_tokens += _EWMA_ALPHA * (completion_tokens - s.output_tokens)

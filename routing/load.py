@@ -480,7 +480,7 @@ class BackendLoad:
     # ---- accounting ----------------------------------------------------------------
 
     def admit(self, *, uncached_tokens: float, prompt_tokens: float, output_tokens: float, now: float,
-              stream: bool = True) -> "RequestLoad":
+              stream: bool = True) -> RequestLoad:
         """Account one dispatched request; returns its handle. A ``stream``'s first
         token will be seen, so its wait for it bounds the prefill rate
         (:attr:`waiting`); a whole answer's wait includes its decode."""

@@ -74,7 +74,8 @@ scored candidates, no I/O.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -166,7 +167,7 @@ class AdapterSets:
         s = self.sets.get(adapter)
         return tuple(s) if s else ()
 
-    def dispatched(self, adapter: str, backend: "BackendState", backends: dict[str, "BackendState"],
+    def dispatched(self, adapter: str, backend: BackendState, backends: dict[str, BackendState],
                    now: float) -> None:
         """A request for ``adapter`` was dispatched to ``backend`` at monotonic time
         ``now`` (s); ``backends``: the fleet's backends by name. A new backend joins the

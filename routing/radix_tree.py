@@ -39,13 +39,13 @@ of nodes ``k`` of the tenants over the limit.
 
 from __future__ import annotations
 
-from typing import Container, Iterable
+from collections.abc import Container, Iterable
 
 
 class _Node:
     __slots__ = ("text", "children", "parent", "tenants", "end")
 
-    def __init__(self, text: str, parent: "_Node | None", end: int) -> None:
+    def __init__(self, text: str, parent: _Node | None, end: int) -> None:
         self.text = text  # edge label (characters)
         self.children: dict[str, _Node] = {}  # first character of the child's label -> child
         self.parent = parent

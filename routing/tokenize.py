@@ -71,7 +71,6 @@ import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-
 OFFLOAD_CHARS = 4096
 """Text still to encode beyond this many characters is better encoded off the event
 loop (``tokenizers`` releases the GIL while it encodes): below it, the hop to a
@@ -100,8 +99,8 @@ _BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request line
 # Split regexes (Llama 3's, Qwen 2's) after which, with ByteLevel(use_regex=False), a
 # single space between two non-space characters always starts a new piece (see
 # ModelTokenizer.chunk_cut_pattern)
-_SEPARABLE_SPLITS = frozenset({
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+_SEPARABLE_SPLITS = frozenset({  # the patterns as tokenizer.json spells them
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",  # noqa: E501
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 })
 # chat_template_kwargs may not replace what the renderer itself passes
@@ -127,14 +126,14 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
 
 
 def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+    return datetime.now().strftime(fmt)  # noqa: DTZ005 - local time, as transformers' strftime_now
 
 
 class _Generation(jinja2.ext.Extension):
     """transformers' ``{% generation %}...{% endgeneration %}`` tag (it marks the
     assistant's tokens for training masks); rendering keeps its body unchanged."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares it so
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -526,7 +525,8 @@ class ModelTokenizer:
         try:
             text = self.template.render(messages=conversation, tools=tools, documents=documents,
                                         **{**self.special_tokens, **kwargs})
-        except Exception as e:  # raise_exception(), a sandbox refusal, a template bug: the engine refuses it too
+        except Exception as e:  # noqa: BLE001 - any failure of the template
+            # raise_exception(), a sandbox refusal, a template bug: the engine refuses it too
             raise Unsupported(f"the chat template raised {type(e).__name__}: {e}") from None
         if continue_final_message:
             if final.strip() not in text or tag.strip() not in text:
@@ -683,7 +683,8 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         raise Unsupported("tools that are not a list")
     out = []
     for t in tools:
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        if (not isinstance(t, dict) or t.get("type", "function") != "function"
+                or not isinstance(t.get("function"), dict)):
             raise Unsupported("a tool that is not a function")
         fn = t["function"]
         if not isinstance(fn.get("name"), str):
@@ -788,7 +789,7 @@ def load_tokenizer(path: str | os.PathLike[str], chat_template: str | os.PathLik
 def _load(tok_json: Path, cfg_path: Path | None, tpl_path: Path | None, cache_tokens: int) -> ModelTokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(tok_json))
-    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
         _read_json(tok_json)  # raises with a clear message when the file is not JSON at all
         raise TokenizerError(f"{tok_json}: not a valid tokenizers tokenizer: {e}") from None
     cfg: dict[str, Any] = {}

@@ -23,7 +23,7 @@ def _dump_tasks(name: str) -> None:
         print(f"--- {t!r}", file=out)
         try:
             t.print_stack(limit=12, file=out)
-        except Exception as e:  # noqa: BLE001 - diagnostics only
+        except Exception as e:  # diagnostics only
             print(f"(no stack: {e!r})", file=out)
     out.flush()
 

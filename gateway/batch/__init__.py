@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -48,10 +48,10 @@ def setup_batch(app: web.Application, cfg) -> None:
     b = cfg.batch
     if not b.enabled:
         return
-    from gateway.batch.batch_gate import BatchGate, GateCollector
     from gateway.batch.api import BATCH, add_routes
-    from gateway.batch.manager import BatchManager
+    from gateway.batch.batch_gate import BatchGate, GateCollector
     from gateway.batch.job_store import BatchStore
+    from gateway.batch.manager import BatchManager
 
     state = app[STATE]
     store = BatchStore.from_url(b.redis_url or cfg.state.url, cfg.state.namespace, b.files_dir)
@@ -72,7 +72,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     tasks = rt.tasks
     try:
         await rt.store.ensure_group()
-    except Exception as e:  # Redis down at start: the manager and consumers retry
+    except Exception as e:  # noqa: BLE001 - Redis down at start: the manager and consumers retry
         log.warning("batch: cannot reach Redis at start (%s); retrying in the background", reason(e))
     loops: list[BackgroundSync] = [rt.manager]
     if rt.cfg.workers == 0:

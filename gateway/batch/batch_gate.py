@@ -28,13 +28,13 @@ interactive request: it has no lock and interactive requests never pass through 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from gateway.config import Batch
 from gateway.errors import ClientError, retry_later_headers
-from gateway.pipeline.openai_request import ParsedRequest
 from gateway.pipeline.director import PRIORITY_HEADER
+from gateway.pipeline.openai_request import ParsedRequest
 from routing.core import RouteRequest, estimate_ttft
 
 __all__ = ["PRIORITY_HEADER", "DEFERRED_CODE", "BatchGate", "GateCollector"]

@@ -44,8 +44,9 @@ def _consumer_main(argv: list[str]) -> int:
     from gateway.batch.worker import Consumer, HttpSender
     from gateway.config import ConfigError, load_config
 
-    ap = argparse.ArgumentParser(prog="python -m gateway.batch",
-                                 description="Drain the gateway's batch queue (see also: python -m gateway.batch run -h)")
+    ap = argparse.ArgumentParser(
+        prog="python -m gateway.batch",
+        description="Drain the gateway's batch queue (see also: python -m gateway.batch run -h)")
     ap.add_argument("--config", required=True, help="backends.yaml (its batch: and state: sections)")
     ap.add_argument("--workers", type=int, default=8, help="lines in flight in this process (default 8)")
     ap.add_argument("--gateway", help="gateway base URL (default: batch.gateway_url, else the listen address)")

@@ -192,7 +192,7 @@ class BatchStore:
         self._hand_back = redis.register_script(_HAND_BACK)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str, files_dir: str | os.PathLike[str]) -> "BatchStore":
+    def from_url(cls, url: str, namespace: str, files_dir: str | os.PathLike[str]) -> BatchStore:
         from gateway.store.redis_client import redis_client  # redis://, rediss://, unix:// and redis+sentinel://
 
         return cls(redis_client(url, timeout_s=10.0), namespace, files_dir)
@@ -473,7 +473,8 @@ def batch_object(f: dict[str, str]) -> dict[str, Any]:
     obj["request_counts"] = {"total": total, "completed": int(f.get("completed") or 0),
                              "failed": int(f.get("failed") or 0)}
     tokens_in, tokens_out = int(f.get("input_tokens") or 0), int(f.get("output_tokens") or 0)
-    obj["usage"] = {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": int(f.get("cached_tokens") or 0)},
+    obj["usage"] = {"input_tokens": tokens_in,
+                    "input_tokens_details": {"cached_tokens": int(f.get("cached_tokens") or 0)},
                     "output_tokens": tokens_out,
                     "output_tokens_details": {"reasoning_tokens": int(f.get("reasoning_tokens") or 0)},
                     "total_tokens": tokens_in + tokens_out}

@@ -137,7 +137,7 @@ class BatchManager(BackgroundSync):
         return ("batch manager: Redis is back",)
 
     def unexpected(self, e: Exception) -> None:
-        log.exception("batch manager tick failed")
+        log.exception("batch manager tick failed")  # noqa: LOG004 - called in the loop's except block
 
     def delay(self, elapsed_s: float) -> float:
         return min(self.interval_s * 2 ** min(self.failures, 5), 5.0)

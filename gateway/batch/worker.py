@@ -43,14 +43,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.errors import reason
-from gateway.tenancy.keys import ANONYMOUS
 from gateway.batch.batch_gate import DEFERRED_CODE, PRIORITY_HEADER
 from gateway.batch.job_store import GROUP, BatchStore
 from gateway.config import Batch
+from gateway.errors import reason
 from gateway.pipeline import director
 from gateway.pipeline.retry import RetryPolicy
 from gateway.store.background_sync import raise_if_cancel_swallowed
+from gateway.tenancy.keys import ANONYMOUS
 
 log = logging.getLogger("gateway.batch")
 
@@ -278,7 +278,7 @@ class Consumer:
         try:
             async with asyncio.timeout(5.0):
                 n = await self.store.hand_back(self.name, left)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any store failure: the lines come back by their timeout
             log.warning("consumer %s: could not hand back %d unfinished lines (%s); other consumers take them "
                         "after visibility_timeout_s", self.name, len(left), e)
             return
@@ -359,7 +359,7 @@ class Consumer:
             # counting the line as in flight so that a cancel does not wait for it
             try:
                 await asyncio.wait_for(self.store.r.zrem(self.store.key("fly", batch_id), str(index)), 1.0)
-            except Exception:
+            except Exception:  # noqa: BLE001 - best effort while being cancelled
                 pass
             raise
         except Exception:
@@ -453,12 +453,12 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
         await asyncio.sleep(delay)
 
 
-async def _wait_any(ev: asyncio.Event, other: asyncio.Event | None, timeout: float) -> None:
+async def _wait_any(ev: asyncio.Event, other: asyncio.Event | None, wait_s: float) -> None:
     waits = [asyncio.ensure_future(ev.wait())]
     if other is not None:
         waits.append(asyncio.ensure_future(other.wait()))
     try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for w in waits:
             w.cancel()

@@ -75,7 +75,7 @@ class HealthChecker:
                                           timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
                 await r.read()
                 return 200 <= r.status < 300
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def discover(self, client) -> None:
@@ -87,7 +87,7 @@ class HealthChecker:
                 if r.status != 200:
                     raise ValueError(f"HTTP {r.status}")
                 models = parse_models_list(await r.json(content_type=None))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
             if self.discovery_ok.get(name, True):
                 log.warning("cannot read the models of backend %s (%s); keeping the last ones read", name, reason(e))
             self.discovery_ok[name] = False

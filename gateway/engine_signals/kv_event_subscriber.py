@@ -48,7 +48,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from gateway.config import GatewayConfig, KVEvents
-from routing.core import DUPLICATE, GAP, OK, RESTART, DecisionCore, SequenceTracker
+from routing.core import DUPLICATE, GAP, RESTART, DecisionCore, SequenceTracker
 
 log = logging.getLogger("gateway.engine_signals.kv_event_subscriber")
 

@@ -27,7 +27,7 @@ llama.cpp's ``llamacpp:prompt_tokens_total`` counts only the tokens it processed
 
 A backend that serves no ``/metrics`` (or none of these names) is simply not corrected;
 samples older than three intervals are ignored by the load model.
-"""
+"""  # noqa: E501 - a table, one row a line
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ class MetricsScraper:
                     raise ValueError(f"HTTP {r.status}")
                 text = await r.text()
             m = parse_engine_metrics(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, UnicodeDecodeError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError) as e:
             if self.ok.get(name, True):
                 log.info("no engine metrics from backend %s (%s); its load is not drift-corrected", name, reason(e))
             self.ok[name] = False
@@ -150,7 +150,7 @@ class MetricsScraper:
             self.core.set_lora_activity(state, LoraActivity(m.lora_running, m.lora_waiting, m.max_lora, now))
         if m.waiting is not None or m.running is not None or m.kv_usage is not None:
             state.load.observe_engine(EngineSample(now, m.waiting or 0.0, m.running or 0.0, m.kv_usage))
-        if m.prefill_s_total is not None and m.prefill_tokens_total is not None:
+        if m.prefill_s_total is not None and m.prefill_tokens_total is not None:  # noqa: SIM102 - it records
             if state.load.observe_engine_prefill(now, m.prefill_s_total, m.prefill_tokens_total):
                 log.info("the engine of backend %s restarted (its counters went back): its prefix entries "
                          "are dropped", name)

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         doc = render(load_config(args.config), args.listen, args.epp, args.admin, args.fail_open)
-    except Exception as e:  # a config error or a backend Envoy cannot reach
+    except Exception as e:  # noqa: BLE001 - a config error or a backend Envoy cannot reach
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -48,8 +48,15 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
-from gateway.errors import (BACKEND_HEADER, REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, ProxyRetried, error_body,
-                            request_id)
+from gateway.errors import (
+    BACKEND_HEADER,
+    REQUEST_ID_HEADER,
+    SHOULD_RETRY_HEADER,
+    ClientError,
+    ProxyRetried,
+    error_body,
+    request_id,
+)
 from gateway.pipeline import director, settle
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole_usage
@@ -466,7 +473,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, state: GatewayState) -> None:
         self.state = state
 
-    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # gRPC's name
         try:
             await EppStream(self.state, context).run()
         except ClientGone:

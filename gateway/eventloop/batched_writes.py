@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-
 _PER_LOOP: dict[tuple[type, int], Any] = {}
 
 

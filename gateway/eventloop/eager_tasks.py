@@ -63,7 +63,7 @@ def _rest(coro: Coroutine, box: list[Any]):
     cancel: BaseException | None = None
     try:
         yield  # primed: the task's first step resumes (or throws) here
-    except BaseException as e:  # cancelled before its first turn
+    except BaseException as e:  # noqa: BLE001 - cancelled before its first turn: handed to coro
         cancel = e
     first = box[0]
     if first is _NOT_RUN:  # the first step did not run eagerly: an ordinary task
@@ -78,7 +78,7 @@ def _rest(coro: Coroutine, box: list[Any]):
     if cancel is None:  # wait for what the first step waits on; the coroutine reads its outcome
         try:
             yield first  # as the coroutine yielded it (a future still marked blocking, or None)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - handed on below
             # the future's own outcome reaches the coroutine through its await; anything
             # else thrown here (a cancel while the future was already done) is handed on
             if first is None or not first.done() or (not first.cancelled() and first.exception() is not e):
@@ -98,7 +98,7 @@ def _throw(coro: Coroutine, exc: BaseException):
     while True:
         try:
             v = yield y
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - thrown into coro
             try:
                 y = coro.throw(e)
             except StopIteration as s:
@@ -131,7 +131,7 @@ def create(loop: asyncio.AbstractEventLoop, coro: Coroutine) -> tuple[asyncio.Ta
             box[0] = ctx.run(coro.send, None)
         except StopIteration as e:
             box[0] = _Outcome(e.value)
-        except BaseException as e:  # the task raises it in its first step
+        except BaseException as e:  # noqa: BLE001 - the task raises it in its first step
             box[0] = _Outcome(error=e)
         finally:
             _leave_task(loop, task)

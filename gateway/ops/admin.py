@@ -32,15 +32,15 @@ import asyncio
 import logging
 import math
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import orjson
 from aiohttp import web
 
-from gateway.tenancy.keys import CALLER, check_admin
 from gateway.errors import ClientError, retry_later_headers
 from gateway.pipeline.openai_request import UNREADABLE_BODY, unreadable_body
 from gateway.runtime import STATE
+from gateway.tenancy.keys import CALLER, check_admin
 
 _COMPLETIONS = frozenset({"/v1/chat/completions", "/v1/completions"})  # the pipeline authenticates these
 
@@ -173,7 +173,7 @@ def _usage_time(request: web.Request, name: str, default: float) -> float:
         except ValueError:
             raise ClientError(400, f"`{name}` must be Unix seconds or an ISO 8601 time, not {raw!r}.",
                               param=name, code="invalid_value") from None
-        value = (t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)).timestamp()
+        value = (t if t.tzinfo is not None else t.replace(tzinfo=UTC)).timestamp()
     if not math.isfinite(value) or value < 0:
         raise ClientError(400, f"`{name}` must be a time after 1970, not {raw!r}.", param=name, code="invalid_value")
     return value

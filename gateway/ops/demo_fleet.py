@@ -96,7 +96,7 @@ async def simulated_kv_sources(backends: list[Backend], urls: dict[str, str],
                 host = urlsplit(url).hostname or "127.0.0.1"
                 out[b.name] = b.simulated_kv_source(_reachable(src["endpoint"], host),
                                                     _reachable(src.get("replay_endpoint"), host), src.get("topic", ""))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError) as e:
+            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise DemoFleetError(f"simulated backend {b.name!r}: cannot read where it publishes its KV events "
                                      f"({url}/kv_event_sources): {e or type(e).__name__}") from None
     return out
@@ -118,7 +118,7 @@ class DemoFleet:
             log.debug("demo fleet: %s", line.decode(errors="replace").rstrip())
 
     @classmethod
-    async def start(cls, backends: list[Backend]) -> "DemoFleet":
+    async def start(cls, backends: list[Backend]) -> DemoFleet:
         """Start every backend with a ``simulate`` section on a free loopback port.
         Returns the fleet with ``urls`` = ``{name: base_url}``. Raises
         :class:`DemoFleetError`."""
@@ -129,7 +129,7 @@ class DemoFleet:
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)  # type: ignore[union-attr]
             urls = json.loads(line) if line else None
-        except (asyncio.TimeoutError, ValueError):
+        except (TimeoutError, ValueError):
             urls = None
         if not isinstance(urls, dict):
             # the child may have exited without being reaped yet: returncode says nothing
@@ -147,7 +147,7 @@ class DemoFleet:
             self.proc.stdin.close()
             try:
                 await asyncio.wait_for(self.proc.wait(), 5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
         await self._stderr_task  # ends at the pipe's end of file, once the child is gone

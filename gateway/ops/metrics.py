@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 from bisect import bisect_left
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -202,7 +202,8 @@ class _StoreCollector(Collector):
                                      labels=["error"])
         for op, n in st.errors.items():
             errors.add_metric([op], n)
-        replicas = GaugeMetricFamily("turbo_gateway_state_replicas", "Gateway replicas in the shared view (this one included)")
+        replicas = GaugeMetricFamily("turbo_gateway_state_replicas",
+                                     "Gateway replicas in the shared view (this one included)")
         replicas.add_metric([], st.replicas)
         blocks = GaugeMetricFamily("turbo_gateway_prefix_index_blocks", "Prefix blocks in the index, by origin",
                                    labels=["view"])
@@ -220,13 +221,14 @@ class _KVEventsCollector(Collector):
     COUNTERS = (
         ("batches", "turbo_gateway_kv_events_batches", "KV-event messages received from the engine"),
         ("events", "turbo_gateway_kv_events", "KV events decoded (BlockStored, BlockRemoved, AllBlocksCleared)"),
-        ("decode_errors", "turbo_gateway_kv_events_decode_errors", "KV-event payloads and events that could not be "
-         "decoded (skipped)"),
-        ("ignored", "turbo_gateway_kv_events_ignored", "KV events decoded but not indexed: another medium, KV-cache "
-         "group or block size, an unknown parent block, multimodal blocks"),
+        ("decode_errors", "turbo_gateway_kv_events_decode_errors",
+         "KV-event payloads and events that could not be decoded (skipped)"),
+        ("ignored", "turbo_gateway_kv_events_ignored",
+         ("KV events decoded but not indexed: another medium, KV-cache group or block size, an unknown parent "
+          "block, multimodal blocks")),
         ("gaps", "turbo_gateway_kv_events_gaps", "Gaps in the engine's sequence numbers"),
-        ("restarts", "turbo_gateway_kv_events_restarts", "Engine restarts seen in the sequence numbers (precise "
-         "entries dropped)"),
+        ("restarts", "turbo_gateway_kv_events_restarts",
+         "Engine restarts seen in the sequence numbers (precise entries dropped)"),
         ("clears", "turbo_gateway_kv_events_cleared", "AllBlocksCleared events (precise entries dropped)"),
     )
 
@@ -273,17 +275,20 @@ class GatewayMetrics:
         self.ttft = Histogram("turbo_gateway_ttft_seconds",
                               "Time from request arrival to the first response byte sent to the client",
                               ["model"], buckets=TTFT_BUCKETS_S, registry=r)
-        self.itl = Histogram("turbo_gateway_itl_seconds", "Gap between consecutive streamed chunks (inter-token latency)",
+        self.itl = Histogram("turbo_gateway_itl_seconds",
+                             "Gap between consecutive streamed chunks (inter-token latency)",
                              ["model"], buckets=ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("turbo_gateway_e2e_seconds", "Request arrival to last byte sent",
                              ["model"], buckets=E2E_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("turbo_gateway_prompt_tokens", "Prompt tokens reported by backends (usage)",
                                      ["model"], registry=r)
         self.completion_tokens = Counter("turbo_gateway_completion_tokens",
-                                         "Completion tokens reported by backends (usage), or streamed events when usage is absent",
+                                         "Completion tokens reported by backends (usage), or streamed events when "
+                                         "usage is absent",
                                          ["model"], registry=r)
         self.cached_tokens = Counter("turbo_gateway_cached_prompt_tokens",
-                                     "Prompt tokens the backends served from their prefix cache (usage.prompt_tokens_details.cached_tokens)",
+                                     "Prompt tokens the backends served from their prefix cache "
+                                     "(usage.prompt_tokens_details.cached_tokens)",
                                      ["model"], registry=r)
         self.predicted_cached_tokens = Counter(
             "turbo_gateway_predicted_cached_tokens",
@@ -311,7 +316,8 @@ class GatewayMetrics:
             ["evidence"], registry=r)
         self.disaggregated = Counter("turbo_gateway_disaggregated",
                                      "Requests planned for disaggregated prefill/decode, by outcome of the prefill leg "
-                                     "(ok, or fallback: served by a decode or mixed backend that recomputed the prompt)",
+                                     "(ok, or fallback: served by a decode or mixed backend that recomputed the "
+                                     "prompt)",
                                      ["outcome"], registry=r)
         self.pool_requests = Counter("turbo_gateway_pool_requests", "Requests answered, by the serving backend's pool",
                                      ["pool", "status"], registry=r)
@@ -324,7 +330,8 @@ class GatewayMetrics:
                                  "Requests sent to a fallback model (routing.fallbacks), by the model that could not "
                                  "serve them, the fallback and the failure that triggered it",
                                  ["model", "fallback", "reason"], registry=r)
-        self.retries = Counter("turbo_gateway_retries", "Retries, by the failure that caused them", ["reason"], registry=r)
+        self.retries = Counter("turbo_gateway_retries", "Retries, by the failure that caused them", ["reason"],
+                               registry=r)
         self.upstream_errors = Counter("turbo_gateway_upstream_errors", "Failed upstream attempts",
                                        ["backend", "reason"], registry=r)
         self.stream_errors = Counter("turbo_gateway_stream_errors",
@@ -375,8 +382,8 @@ class TokenizerCollector(Collector):
                                    "Rendered prompt segments found in the tokenizer's prefix cache", labels=["model"])
         misses = CounterMetricFamily("turbo_gateway_tokenizer_cache_misses",
                                      "Rendered prompt segments encoded (not in the prefix cache)", labels=["model"])
-        held = GaugeMetricFamily("turbo_gateway_tokenizer_cache_tokens", "Token ids held by the tokenizer's prefix cache",
-                                 labels=["model"])
+        held = GaugeMetricFamily("turbo_gateway_tokenizer_cache_tokens",
+                                 "Token ids held by the tokenizer's prefix cache", labels=["model"])
         for model, st in core.tokenize_stats.items():
             done.add_metric([model, "exact"], st.exact)
             done.add_metric([model, "unsupported"], st.unsupported)

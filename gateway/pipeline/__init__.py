@@ -19,4 +19,4 @@ error body and the one upstream exception hierarchy); :mod:`gateway.runtime` (wh
 running gateway holds) and the decision core, :mod:`routing.core`, the only door into
 ``routing/``. No module here imports ``gateway.server.app``, ``gateway.server.listener`` or
 ``gateway.server.fast_path``.
-"""
+"""  # noqa: E501 - a table, one row a line

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gateway.pipeline import engine_errors
 from gateway.config import Timeouts
 from gateway.errors import (
     REQUEST_ID_HEADER,
@@ -25,7 +24,7 @@ from gateway.errors import (
     TotalTimeout,
     UpstreamError,
 )
-from gateway.pipeline import relay, settle
+from gateway.pipeline import engine_errors, relay, settle
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.retry import parse_retry_after
 from gateway.upstream.client import BackendClient, header_value

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.tenancy.keys import ANONYMOUS
 from gateway.errors import (
     BackendStatus,
     ClientError,
@@ -38,14 +37,22 @@ from gateway.errors import (
     UpstreamError,
     internal_error_answer,
 )
-from gateway.pipeline.engine_errors import context_length_exceeded
-from gateway.pipeline.openai_request import (ParsedRequest, check_json_content_type, off_loop, parse_body,
-                                parse_completion_request, parse_json_object, prompt_token_ids)
 from gateway.ops import access_log
 from gateway.pipeline import attempt, prefill, settle
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
+from gateway.pipeline.engine_errors import context_length_exceeded
+from gateway.pipeline.openai_request import (
+    ParsedRequest,
+    check_json_content_type,
+    off_loop,
+    parse_body,
+    parse_completion_request,
+    parse_json_object,
+    prompt_token_ids,
+)
 from gateway.pipeline.relay import KeepAlives, StreamScan, close_comment
 from gateway.pipeline.settle import ServedMetrics
+from gateway.tenancy.keys import ANONYMOUS
 from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, RouteRequest, UnknownModel
 
 if TYPE_CHECKING:

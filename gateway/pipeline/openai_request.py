@@ -66,12 +66,13 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
     """Read an aiohttp request's body. Raises :class:`ClientError` 413 (over
     ``max_bytes`` bytes) or 400 (not readable as its ``Content-Encoding`` says)."""
     if request.content_length is not None and request.content_length > max_bytes:
-        raise ClientError(413, f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.",
-                          code="request_too_large")
+        raise ClientError(413, f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} "
+                          "bytes.", code="request_too_large")
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large") from None
+        raise ClientError(413, f"Request body exceeds the limit of {max_bytes} bytes.",
+                          code="request_too_large") from None
     except UNREADABLE_BODY as e:
         raise unreadable_body(request, e) from None
     if len(body) > max_bytes:
@@ -177,8 +178,8 @@ def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any]) -
             raise ClientError(400, "`prompt` is required and must be a string or a non-empty array.", param="prompt",
                               code="invalid_value" if "prompt" in data else "missing_required_parameter")
     salt = data.get("cache_salt")
-    return ParsedRequest(endpoint, body, data, model, stream, include_usage, max_tokens, canonical_prompt(endpoint, data),
-                         salt if isinstance(salt, str) else None)
+    return ParsedRequest(endpoint, body, data, model, stream, include_usage, max_tokens,
+                         canonical_prompt(endpoint, data), salt if isinstance(salt, str) else None)
 
 
 def prompt_token_ids(data: dict[str, Any]) -> list[int] | None:

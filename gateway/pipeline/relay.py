@@ -365,7 +365,7 @@ class EarlyAnswer:
         if chunk:
             try:
                 self.opened.append(open_now(self.state, self.ex, up, chunk, self.reservation, self.deadlines))
-            except Exception as e:  # ClientGone, or a bug
+            except Exception as e:  # noqa: BLE001 - ClientGone, or a bug: its owner raises it
                 self.opened.append(e)
 
     def stop(self) -> None:

@@ -16,16 +16,16 @@ from collections.abc import AsyncIterator, Awaitable
 import orjson
 from aiohttp import web
 
-from gateway.ops import access_log
-from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
-from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
 from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id, unknown_route
-from gateway.pipeline.openai_request import model_card, models_list, read_body
+from gateway.ops import access_log
+from gateway.ops.admin import auth_middleware, setup_admin
+from gateway.ops.config_reload import watch_config
+from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
-from gateway.ops.config_reload import watch_config
+from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
 
 log = logging.getLogger("gateway")
@@ -101,7 +101,7 @@ def _lifecycle(backend_urls: dict[str, str]):
         tasks.append(asyncio.create_task(state.health.run()))
         if state.config_path is not None:
             try:
-                with open(state.config_path, "rb") as f:
+                with open(state.config_path, "rb") as f:  # noqa: ASYNC230 - once at start, a small local file
                     state.config_digest = hashlib.sha256(f.read()).digest()
             except OSError:
                 pass

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
-from gateway.eventloop import eager_tasks
 from gateway.errors import REQUEST_ID_HEADER, ClientError, request_id
+from gateway.eventloop import eager_tasks
+from gateway.eventloop.batched_writes import Sends
 from gateway.pipeline import director
 from gateway.pipeline.downstream import ClientGone
-from gateway.eventloop.batched_writes import Sends
 
 if TYPE_CHECKING:
     from gateway.server.listener import DataPlaneServer
@@ -39,7 +39,7 @@ _MAX_LINE_BYTES = 8190
 _MAX_HEADERS = 128
 _SINGLETONS = {"authorization", "content-length", "content-location", "content-range", "content-type",
                "etag", "host", "max-forwards", "server", "transfer-encoding", "user-agent"}
-_CONTROL = bytes([*range(0, 9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
+_CONTROL = bytes([*range(9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')  # starts with a literal: re scans for it at C speed
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
 # headers whose requests aiohttp serves: codings and protocol switches it implements
@@ -69,7 +69,8 @@ def _head(status: int, headers: dict[str, str], tail: bytes) -> bytes:
     block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
     n = len(headers)
     if block.count(b"\r") != n or block.count(b"\n") != n or b"\x00" in block:
-        block = b"".join([b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1", "replace").translate(None, b"\r\n\x00"))
+        block = b"".join([b"%s: %s\r\n" % (k.encode("latin-1"),
+                                              v.encode("latin-1", "replace").translate(None, b"\r\n\x00"))
                           for k, v in headers.items()])
     return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\nServer: turbo-gateway\r\n%s\r\n" % (
         status, _REASONS.get(status, b"Unknown"), block, _Date.get(), tail)
@@ -109,7 +110,8 @@ class LeanDownstream:
             tail += b"Connection: close\r\n"
         self.started = self.finished = True
         t = self.proto.transport
-        if t is not None and not t.is_closing():  # a whole response: sent with this turn's others (gateway/eventloop/batched_writes.py)
+        # a whole response: sent with this turn's others (gateway/eventloop/batched_writes.py)
+        if t is not None and not t.is_closing():
             Sends.of(self.proto.loop).send(t, _head(status, headers, tail) + body)
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
@@ -221,7 +223,7 @@ class DataPlaneProtocol(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         n = len(buf)
-        if not (buf.startswith(_PREFIXES[0]) or buf.startswith(_PREFIXES[1])):
+        if not buf.startswith(_PREFIXES):
             if any(p.startswith(bytes(buf)) for p in _PREFIXES):
                 return  # the request line is still arriving
             return self._hand_over()

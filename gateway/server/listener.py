@@ -29,9 +29,9 @@ from typing import Any
 from aiohttp import web
 
 from gateway.eventloop import eager_tasks
-from gateway.server.fast_path import DataPlaneProtocol
 from gateway.eventloop.batched_writes import Sends
 from gateway.runtime import OWN_MIDDLEWARES, STATE, GatewayState
+from gateway.server.fast_path import DataPlaneProtocol
 
 log = logging.getLogger("gateway.server.listener")
 
@@ -105,8 +105,8 @@ class DataPlaneServer:
             if self.closing:
                 conn.close()
                 continue
-            task, run_first_step = eager_tasks.create(loop, loop.connect_accepted_socket(lambda: DataPlaneProtocol(self),
-                                                                                    conn))
+            task, run_first_step = eager_tasks.create(
+                loop, loop.connect_accepted_socket(lambda: DataPlaneProtocol(self), conn))
             self._accepting.add(task)
             task.add_done_callback(self._accepted)
             run_first_step()
@@ -152,7 +152,7 @@ class DataPlaneServer:
         for c in list(self.conns):
             if c.task is None and c.transport is not None:
                 c.transport.close()
-        while self.in_flight() and loop.time() < deadline:
+        while self.in_flight() and loop.time() < deadline:  # noqa: ASYNC110 - polled once, at shutdown
             await asyncio.sleep(0.05)
         for c in list(self.conns):
             if c.transport is not None:
@@ -174,11 +174,12 @@ class _AiohttpOnly:
         return list(self.runner.addresses)
 
     async def shutdown(self, timeout_s: float) -> None:
-        self.runner._shutdown_timeout = timeout_s  # noqa: SLF001 - aiohttp reads it in cleanup()
+        self.runner._shutdown_timeout = timeout_s  # private, but aiohttp reads it in cleanup()
         await self.runner.cleanup()
 
 
-async def listen(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> DataPlaneServer | _AiohttpOnly:
+async def listen(app: web.Application, host: str, port: int, *,
+                 reuse_port: bool = False) -> DataPlaneServer | _AiohttpOnly:
     """Set the app up and listen on ``host:port`` (port 0: any free port, see
     ``.addresses``); with ``listen.fast_path`` (the default) through
     :class:`DataPlaneServer`. Stop it with ``await server.shutdown(drain_timeout_s)``.

@@ -17,8 +17,8 @@ import sys
 from aiohttp import web
 
 from gateway.ops.config_reload import reload_from_file
-from gateway.server.listener import listen
 from gateway.runtime import STATE
+from gateway.server.listener import listen
 
 log = logging.getLogger("gateway")
 

@@ -26,8 +26,8 @@ log = logging.getLogger("gateway.server.workers")
 
 
 def _worker(config_path: str, host: str, port: int, log_level: str, urls: dict[str, str], index: int) -> None:
-    from gateway.server.app import create_app
     from gateway.config import load_config
+    from gateway.server.app import create_app
     from gateway.server.run import serve, setup_logging
 
     setup_logging(log_level)

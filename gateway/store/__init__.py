@@ -10,4 +10,4 @@ The decision core (``routing/``) does no I/O; it reports each dispatch to the st
 attached to it and the store folds the other replicas' view into it, both through
 :mod:`routing.store`. The per-key limits and the usage ledger sync through the same
 loop (:mod:`gateway.tenancy.limits`, :mod:`gateway.tenancy.usage_ledger`).
-"""
+"""  # noqa: E501 - a table, one row a line

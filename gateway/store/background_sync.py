@@ -103,7 +103,7 @@ class BackgroundSync:
 
     def unexpected(self, e: Exception) -> None:
         """A round raised an exception that is not an outage (a bug)."""
-        self.logger.exception("%s failed", self.name)
+        self.logger.exception("%s failed", self.name)  # noqa: LOG004 - called in the loop's except block
 
     def delay(self, elapsed_s: float) -> float:
         """Seconds to wait before the next round; the last one took ``elapsed_s``."""

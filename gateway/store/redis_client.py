@@ -80,5 +80,5 @@ async def close_client(client: Any, key: str, timeout_s: float) -> None:
         try:
             async with asyncio.timeout(bound):
                 await step()
-        except Exception:  # noqa: BLE001, S110 - best effort on shutdown
+        except Exception:  # noqa: BLE001 - best effort on shutdown
             pass

@@ -23,8 +23,9 @@ its local view; a background task of the :class:`RedisStore` (a
    their blocks enter the local :class:`~routing.prefix_index.PrefixIndex`.
 
 A replica that starts late reads the capped stream back to the prefix index's TTL (older
-blocks would be dropped on arrival) and the live snapshots before it reports ready. Every key lives under ``{namespace}`` in braces, a Redis Cluster hash
-tag, so the multi-key commands above stay on one slot.
+blocks would be dropped on arrival) and the live snapshots before it reports ready. Every
+key lives under ``{namespace}`` in braces, a Redis Cluster hash tag, so the multi-key
+commands above stay on one slot.
 
 When Redis fails (down, refusing, frozen, slow: every call has ``timeout_s``), the
 store is *degraded*: one log line, ``turbo_gateway_state_store_up`` 0, the remote view

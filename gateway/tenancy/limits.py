@@ -29,8 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -99,7 +100,7 @@ class Permit:
 
     __slots__ = ("limiter", "usage", "window", "charged", "released")
 
-    def __init__(self, limiter: "Limiter | None", usage: KeyUsage | None, window: int, charged: float) -> None:
+    def __init__(self, limiter: Limiter | None, usage: KeyUsage | None, window: int, charged: float) -> None:
         self.limiter = limiter
         self.usage = usage
         self.window = window
@@ -268,9 +269,9 @@ class LimiterSync(BackgroundSync):
                 for win, v in u.publishing.items():
                     k = f"{self.prefix}{name}:{win}"
                     if v[0]:
-                        pipe.hincrby(k, "r", int(round(v[0])))
+                        pipe.hincrby(k, "r", round(v[0]))
                     if v[1]:
-                        pipe.hincrby(k, "t", int(round(v[1])))
+                        pipe.hincrby(k, "t", round(v[1]))
                     pipe.expire(k, int(3 * WINDOW_S))
             conc = {n: lim.usage[n].concurrent for n in names if lim.usage[n].concurrent}
             pipe.set(self.prefix + "conc:" + self.replica, orjson.dumps(conc), px=int(self.lease_s * 1000))

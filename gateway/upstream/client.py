@@ -26,8 +26,8 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from gateway.errors import ConnectFailed, ConnectTimeout, Disconnected, UpstreamError
-from gateway.upstream.connection import Connection, Exchange
 from gateway.eventloop.batched_writes import Sends
+from gateway.upstream.connection import Connection, Exchange
 
 __all__ = ["BackendClient", "Exchange", "UpstreamPool", "header_value"]
 

@@ -41,7 +41,8 @@ class Exchange:
     """
 
     __slots__ = ("conn", "status", "headers", "_head", "_waiter", "_chunks", "_size", "_limit", "_sink",
-                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at", "_error", "_timer", "_on_ready", "_finished")
+                 "_complete", "_keep_alive", "_wake_on_data", "last_data_at", "_error", "_timer", "_on_ready",
+                 "_finished")
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -305,7 +306,8 @@ class Connection(asyncio.Protocol):
             else:
                 name = self.pool.name
                 when = "mid-response" if ex._size else "before the first body byte" if ex.status else "before answering"
-                ex._on_error(Disconnected(name, f"backend {name} closed the connection {when}", got_bytes=self.got_bytes))
+                ex._on_error(Disconnected(name, f"backend {name} closed the connection {when}",
+                                          got_bytes=self.got_bytes))
 
     # httptools callbacks
     def on_message_begin(self) -> None:

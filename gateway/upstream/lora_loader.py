@@ -60,7 +60,7 @@ class AdapterLoader:
                 if not ok:
                     raise AdapterLoadFailed(name, f"backend {name} did not load LoRA adapter {adapter!r}: "
                                             f"HTTP {r.status} {text[:200]}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise AdapterLoadFailed(name, f"backend {name} did not load LoRA adapter {adapter!r}: "
                                     f"{type(e).__name__} {e}") from None
         log.info("loaded LoRA adapter %s on backend %s", adapter, name)

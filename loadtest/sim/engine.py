@@ -110,7 +110,8 @@ import itertools
 import time
 import zlib
 from array import array
-from typing import AsyncIterator, NamedTuple
+from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from loadtest.sim import tokenizer
 from loadtest.sim.profiles import Profile
@@ -334,7 +335,7 @@ class Request:
         self.last_token_time: float | None = None
 
 
-def _evict(lru: "collections.OrderedDict[str, None]", size: int, keep: set[str]) -> None:
+def _evict(lru: collections.OrderedDict[str, None], size: int, keep: set[str]) -> None:
     """Drop the least recently used entries of ``lru`` not in ``keep`` down to ``size``."""
     for k in list(lru):
         if len(lru) <= size:
@@ -763,7 +764,7 @@ class Engine:
             if reason is not None:
                 self._finish(req, reason, t_end)
         if finished:
-            done = set(id(r) for r in finished)
+            done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
         return dt, outputs
 
@@ -974,7 +975,7 @@ class AsyncEngineRunner:
         self.overrun = _Stat()
         self.late_steps = 0
 
-    async def __aenter__(self) -> "AsyncEngineRunner":
+    async def __aenter__(self) -> AsyncEngineRunner:
         self.start()
         return self
 
@@ -1010,7 +1011,7 @@ class AsyncEngineRunner:
 
     def submit(
         self, req_id: str, prompt_token_ids: list[int], max_tokens: int, **kw
-    ) -> "RequestStream":
+    ) -> RequestStream:
         """Add a request now and return its :class:`RequestStream`.
 
         Unlike :meth:`generate`, validation errors (``ValueError`` from
@@ -1115,7 +1116,7 @@ class RequestStream:
         self._q = q
         self._done = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -1159,13 +1160,13 @@ class RequestStream:
     async def aclose(self) -> None:
         self.close()
 
-    def __enter__(self) -> "RequestStream":
+    def __enter__(self) -> RequestStream:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -97,7 +97,7 @@ class Load:
                 else:
                     await self._stream(session, target[0], prompt, None)
                 self.requests_done += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
                 k = type(e).__name__
                 self.errors[k] = self.errors.get(k, 0) + 1
             finally:
@@ -190,7 +190,7 @@ async def run(args) -> dict:
             await load.monitor(deadline)
             cpu1, w1 = _cpu_seconds(proc.pid), time.monotonic()
             scraped = {n: await _scrape(session, u) for n, u in urls.items()}
-            done, pending = await asyncio.wait(tasks, timeout=20)
+            _done, pending = await asyncio.wait(tasks, timeout=20)
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

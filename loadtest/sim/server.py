@@ -67,7 +67,6 @@ from loadtest.sim import tokenizer
 from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, _Stat
 from loadtest.sim.spec import FaultConfig, KVEventsConfig, SimBackendConfig
 
-
 # --- prompt rendering -----------------------------------------------------------------
 
 
@@ -193,7 +192,7 @@ class _Metrics:
     """The Prometheus registry of one backend (rebuilt when the backend restarts,
     as a real server's counters restart from zero)."""
 
-    def __init__(self, backend: "SimBackend"):
+    def __init__(self, backend: SimBackend):
         self.backend = backend
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
@@ -250,7 +249,7 @@ class _Metrics:
 class _EngineCollector:
     """Gauges and counters read from the engine at scrape time."""
 
-    def __init__(self, backend: "SimBackend", labels: dict[str, str]):
+    def __init__(self, backend: SimBackend, labels: dict[str, str]):
         self.backend = backend
         self.labels = labels
 
@@ -569,7 +568,7 @@ class SimBackend:
         self._revive = asyncio.Event()
         try:
             await asyncio.wait_for(self._revive.wait(), down_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self._new_engine()
         await self._restart_kv_publisher()
@@ -847,7 +846,7 @@ class SimBackend:
                 return await self._stream(request, rs, ctx, so)
             return await self._complete(request, rs, ctx, prefill_only)
 
-    async def _complete(self, request: web.Request, rs, ctx: "_Ctx", prefill_only: bool) -> web.StreamResponse:
+    async def _complete(self, request: web.Request, rs, ctx: _Ctx, prefill_only: bool) -> web.StreamResponse:
         f = self.faults
         toks: list[int] = []
         last: RequestOutput | None = None
@@ -884,7 +883,7 @@ class SimBackend:
             tr.abort()
         raise asyncio.CancelledError  # nothing more to send on this connection
 
-    async def _stream(self, request: web.Request, rs, ctx: "_Ctx", so: dict) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rs, ctx: _Ctx, so: dict) -> web.StreamResponse:
         f = self.faults
         include_usage = bool(so.get("include_usage"))
         continuous = include_usage and bool(so.get("continuous_usage_stats"))

@@ -67,7 +67,7 @@ class FaultConfig:
     seed: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "FaultConfig":
+    def from_dict(cls, d: dict[str, Any] | None) -> FaultConfig:
         """Validate ``d``; raises ValueError naming the bad field."""
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(cls)}
@@ -136,7 +136,7 @@ class KVEventsConfig:
     replay_topic_frame: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KVEventsConfig":
+    def from_dict(cls, d: dict[str, Any]) -> KVEventsConfig:
         """Validate ``d``; raises ValueError naming the bad field."""
         if not isinstance(d, dict):
             raise ValueError(f"`kv_events` must be a mapping of publisher fields, got {type(d).__name__}")
@@ -194,7 +194,7 @@ class LoraConfig:
     dynamic: bool = False
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LoraConfig":
+    def from_dict(cls, d: dict[str, Any]) -> LoraConfig:
         """Validate ``d``; raises ValueError naming the bad field."""
         if not isinstance(d, dict):
             raise ValueError(f"`lora` must be a mapping of LoRA fields, got {type(d).__name__}")
@@ -261,7 +261,7 @@ class SimBackendConfig:
     port: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SimBackendConfig":
+    def from_dict(cls, d: dict[str, Any]) -> SimBackendConfig:
         """Validate one spec entry; raises ValueError naming the bad field."""
         if not isinstance(d, dict):
             raise ValueError(f"a backend spec must be an object, got {type(d).__name__}")

@@ -133,7 +133,7 @@ def detokenize(token_ids: list[int]) -> str:
 
 
 def _remember_output_vocab() -> None:
-    global _OUTPUT_IDS
+    global _OUTPUT_IDS  # noqa: PLW0603 - filled once, at import
     # Keep only words that are exactly one piece, so generated text re-tokenizes exactly.
     _OUTPUT_IDS = tuple(piece_id(w) for w in _OUTPUT_WORDS if split(w) == [w])
 

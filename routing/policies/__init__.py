@@ -12,7 +12,7 @@ Adding a policy means one module in this package and one line in :data:`POLICIES
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from routing.policies.base import BasePolicy, Decision, Policy, RouteRequest
 from routing.policies.cache_aware import CacheAware, CacheAwareMinLoad

@@ -3,8 +3,9 @@ what it answers (:class:`Decision`) and the :class:`Policy` protocol itself."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from routing.fleet import BackendState
 

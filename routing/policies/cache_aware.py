@@ -55,7 +55,7 @@ the algorithm as published and documented in both files' header comments.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from routing.fleet import BackendState
 from routing.policies.base import BasePolicy, Decision, RouteRequest

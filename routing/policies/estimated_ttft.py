@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from routing.fleet import BackendState
 from routing.lora import place

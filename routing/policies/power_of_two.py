@@ -19,7 +19,7 @@ backends); token-level load is the business of ``estimated_ttft``.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from routing.fleet import BackendState
 from routing.policies.base import BasePolicy, Decision, RouteRequest

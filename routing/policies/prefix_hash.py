@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Sequence
 from hashlib import blake2b
-from typing import Sequence
 
 from routing.fleet import BackendState
 from routing.policies.base import BasePolicy, Decision, RouteRequest

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from routing.fleet import BackendState
 from routing.policies.base import BasePolicy, Decision, RouteRequest

@@ -39,8 +39,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -169,7 +170,8 @@ def baked_config_source() -> Path:
 def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:  # a condition, not a timing check
-        assert proc.poll() is None, f"process exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+        assert proc.poll() is None, \
+            f"process exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
                 if r.status == 200:
@@ -318,7 +320,7 @@ def test_gateway_deployment_wiring(kustomization):
     assert {"cpu", "memory"} <= set(c["resources"]["requests"])
     assert "memory" in c["resources"]["limits"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-    uid, _, gid = next(a for i, a in dockerfile_instructions() if i == "USER").partition(":")
+    uid, _, _gid = next(a for i, a in dockerfile_instructions() if i == "USER").partition(":")
     assert pod["spec"]["securityContext"]["runAsUser"] == int(uid)
     # the config: ConfigMap key backends.yaml mounted where the image's entry point reads it
     mount_dir, file_name = CONFIG_PATH.rsplit("/", 1)
@@ -358,7 +360,7 @@ def k8s_container_env(docs: list[dict[str, Any]]) -> dict[str, str]:
     for src in c.get("envFrom", []):
         if "secretRef" in src:
             s = one(docs, "Secret", src["secretRef"]["name"])
-            env.update({k: "x" for k in {**s.get("data", {}), **s.get("stringData", {})}})
+            env.update(dict.fromkeys({**s.get("data", {}), **s.get("stringData", {})}, "x"))
     return env
 
 
@@ -867,10 +869,10 @@ def test_every_dashboard_metric_exists_in_gateway_metrics(demo_gateway_metrics):
 def test_store_health_metrics_exist_or_are_pending(demo_gateway_metrics):
     exported = exported_names(demo_gateway_metrics)
     store = {n for n in exported if n.startswith("turbo_gateway_state_")}
-    if store and not PENDING_METRICS <= exported:
+    if store and not exported >= PENDING_METRICS:
         pytest.fail(f"the gateway exports state-store metrics {sorted(store)} but not the dashboard's "
                     f"{sorted(PENDING_METRICS - exported)}: rename one side")
-    if not PENDING_METRICS <= exported:
+    if not exported >= PENDING_METRICS:
         pytest.skip(f"pending: {sorted(PENDING_METRICS - exported)} are not exported yet "
                     "(the Redis shared-state store adds them); the dashboard's store panels stay empty until then")
 
@@ -896,7 +898,7 @@ def test_dockerfile_shape():
     ep = dockerfile_entrypoint()
     assert ep == ["python", "-m", "gateway", "--config", CONFIG_PATH, "--host", "0.0.0.0"]
     assert not [a for i, a in ins if i == "CMD"], "arguments are appended by the runtime, not baked in"
-    opts, cmd = dockerfile_healthcheck()
+    _opts, cmd = dockerfile_healthcheck()
     assert dockerfile_env()["HEALTHCHECK_URL"].endswith("/health")
     assert "HEALTHCHECK_URL" in " ".join(cmd)
     # the config the image holds is a valid gateway config

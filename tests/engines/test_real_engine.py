@@ -9,6 +9,7 @@ The output text is gibberish; ``ignore_eos`` makes lengths exact. Needs the
 llama-server binary (``scripts/ci_build_llama_server.sh`` builds it once into the
 cache, or set ``LLAMA_SERVER_BIN``); without it the whole module skips.
 """
+# ruff: noqa: E402 - the imports below need the skip checks above to pass first
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def test_sdk_sync_non_streaming_from_both_engines(gateway):
 def test_sdk_sync_streaming(gateway):
     client = sdk(gateway)
     with client.chat.completions.create(model=MODEL, messages=chat("tell me a story"), max_tokens=12, stream=True,
-                                        stream_options={"include_usage": True}, extra_body=ONE_CHUNK_PER_TOKEN) as stream:
+                                        stream_options={"include_usage": True},
+                                        extra_body=ONE_CHUNK_PER_TOKEN) as stream:
         assert stream.response.headers["x-turbo-backend"] in {"llama-0", "llama-1"}
         chunks = list(stream)
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
@@ -177,8 +179,8 @@ def test_cached_tokens_on_repeated_prefix_reach_the_client(gateway_one):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 16, (first.usage, second.usage)
     assert cached > (first.usage.prompt_tokens_details.cached_tokens or 0)
-    print(f"prompt_tokens={first.usage.prompt_tokens} cached_tokens: first={first.usage.prompt_tokens_details.cached_tokens} "
-          f"second={cached}")
+    print(f"prompt_tokens={first.usage.prompt_tokens} cached_tokens: "
+          f"first={first.usage.prompt_tokens_details.cached_tokens} second={cached}")
 
     # and in a stream, in the usage chunk
     with client.chat.completions.create(model=MODEL, messages=chat(prompt + " and one more question"), max_tokens=4,

@@ -22,6 +22,7 @@ server start each to the module.
 ``tests/support/data/vllm_kv_events/`` (the decoder tests' golden data); otherwise the live
 payloads are checked to have the golden ones' shapes.
 """
+# ruff: noqa: E402 - the imports below need the skip checks above to pass first
 
 from __future__ import annotations
 

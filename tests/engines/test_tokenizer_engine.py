@@ -70,7 +70,8 @@ def engine_chat_ids(engine, body: dict) -> tuple[str, list[int]]:
     """What the engine renders for a chat request, and its ids for that text as its
     chat path tokenizes it (special tokens parsed, the model's BOS setting)."""
     prompt = post(engine.url + "/apply-template", body)["prompt"]
-    return prompt, post(engine.url + "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})["tokens"]
+    return prompt, post(engine.url + "/tokenize",
+                        {"content": prompt, "add_special": True, "parse_special": True})["tokens"]
 
 
 @pytest.mark.parametrize("i", range(len(CONVERSATIONS)))

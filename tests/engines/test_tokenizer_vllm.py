@@ -26,7 +26,8 @@ if VLLM_PYTHON is None:
     pytest.skip(engines.VLLM_ENABLE_HINT, allow_module_level=True)
 
 TEMPLATES = [None, TOOLS_TEMPLATE, PARTS_TEMPLATE]
-CASES = [{"tokenizer": str(TINY), "template": str(t) if t else None, "body": b} for b in chat_bodies() for t in TEMPLATES]
+CASES = [{"tokenizer": str(TINY), "template": str(t) if t else None, "body": b}
+         for b in chat_bodies() for t in TEMPLATES]
 
 
 @pytest.fixture(scope="module")

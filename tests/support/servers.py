@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.server.app import STATE, create_app
 from gateway.config import parse_config
+from gateway.server.app import STATE, create_app
 from gateway.server.listener import listen
 
 
@@ -72,7 +73,7 @@ class ScriptedBackend:
             raise
 
     @asynccontextmanager
-    async def running(self) -> AsyncIterator["ScriptedBackend"]:
+    async def running(self) -> AsyncIterator[ScriptedBackend]:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)

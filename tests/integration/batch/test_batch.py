@@ -24,9 +24,9 @@ import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 
-from gateway.server.app import create_app
 from gateway.batch.api import BATCH
 from gateway.config import ConfigError, parse_config
+from gateway.server.app import create_app
 from loadtest.sim.server import SimBackendConfig, start_backends
 from tests.support.redis_server import redis_url
 from tests.support.servers import ScriptedBackend, completion_body, gateway_config, running_gateway, wait_until
@@ -278,7 +278,7 @@ async def test_api_errors_are_openai_shaped(redis, tmp_path):
 
 
 def test_batch_needs_redis():
-    with pytest.raises(ConfigError, match="batch.enabled needs Redis"):
+    with pytest.raises(ConfigError, match=r"batch.enabled needs Redis"):
         parse_config({"backends": [{"name": "a", "url": "http://x", "models": ["m"]}], "batch": {"enabled": True}})
 
 

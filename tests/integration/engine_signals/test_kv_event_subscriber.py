@@ -6,8 +6,9 @@ x-turbo-route and /metrics say."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson

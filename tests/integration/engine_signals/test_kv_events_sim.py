@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import msgpack
@@ -377,7 +378,7 @@ async def test_the_fleet_clis_gateway_config_wires_kv_events_and_the_tokenizer(t
         proc.stdin.close()
         try:
             await asyncio.wait_for(proc.wait(), 20)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0

@@ -167,7 +167,7 @@ async def test_the_subset_hint_is_honoured_and_an_empty_one_is_503():
         cfg = two(a, b)
         async with picker_stack(cfg) as stack:
             b_endpoint = stack.state.clients["b"].endpoint
-            for i in range(3):
+            for _i in range(3):
                 status, headers, _ = await _through_envoy_with_hint(stack, cfg, None, b_endpoint,
                                                                     {"model": "m", "messages": CHAT})
                 assert status == 200 and headers["x-turbo-backend"] == "b"
@@ -186,7 +186,8 @@ async def test_no_ready_endpoint_is_503_and_a_key_over_its_limit_is_429_with_ret
         cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}],
                              auth={"keys": [{"name": "alpha", "key_sha256": hashlib.sha256(key.encode()).hexdigest(),
                                              "requests_per_minute": 2},
-                                            {"name": "beta", "key_sha256": hashlib.sha256(other.encode()).hexdigest()}]})
+                                            {"name": "beta",
+                                             "key_sha256": hashlib.sha256(other.encode()).hexdigest()}]})
         async with picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
             auth = {"Authorization": f"Bearer {key}"}
             body = {"model": "m", "messages": CHAT}
@@ -422,7 +423,8 @@ def test_envoy_config_command_renders_a_bootstrap_envoy_accepts(tmp_path):
     boot = tmp_path / "envoy.yaml"
     boot.write_text(r.stdout)
     pool = next(c for c in yaml.safe_load(r.stdout)["static_resources"]["clusters"] if c["name"] == "pool")
-    addrs = [e["endpoint"]["address"]["socket_address"] for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    addrs = [e["endpoint"]["address"]["socket_address"]
+             for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
     assert [a["port_value"] for a in addrs] == [18001, 18002]
     for a in addrs:  # the host name was resolved: the override-host policy takes addresses
         ipaddress.ip_address(a["address"])

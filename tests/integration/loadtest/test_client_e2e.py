@@ -240,7 +240,7 @@ async def test_the_readmes_run_command_needs_no_rate_or_concurrency(tmp_path):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "loadtest", "run", "--target", gw.url, "--out", str(tmp_path / "out"),
             "-n", "12", "--no-plots", "--quiet", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        _out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["runs"][0]["load"]["concurrency"] == 8

@@ -7,7 +7,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.ops.config_reload import apply_config
-from tests.integration.server.test_adversarial_probes import BODY, _P, exchange, post
+from tests.integration.server.test_adversarial_probes import _P, BODY, exchange, post
 from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
 
 

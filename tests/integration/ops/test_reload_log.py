@@ -7,9 +7,9 @@ import logging
 
 import yaml
 
-from gateway.server.app import create_app
 from gateway.config import load_config
 from gateway.ops.config_reload import reload_from_file
+from gateway.server.app import create_app
 from gateway.server.listener import listen
 from tests.support.servers import ScriptedBackend
 
@@ -32,7 +32,8 @@ async def test_an_applied_reload_logs_at_info_and_a_rejected_one_at_error(tmp_pa
             assert not (await reload_from_file(app, "test"))[0]
         finally:
             await server.shutdown(1.0)
-    lines = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records if r.name == "gateway.ops.config_reload"]
+    lines = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records
+             if r.name == "gateway.ops.config_reload"]
     assert ("INFO", "config reloaded (test) from " + str(path)) in lines
     assert ("ERROR", "config reload (test) rejected") in lines
     assert not [r for r in caplog.records if r.name == "gateway.ops.config_reload" and r.levelno == logging.WARNING]

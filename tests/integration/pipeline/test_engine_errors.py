@@ -18,8 +18,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.pipeline.engine_errors import classify
 from gateway.errors import BackendStatus
+from gateway.pipeline.engine_errors import classify
 from tests.support import engines
 from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
 
@@ -71,7 +71,7 @@ BOTH = ("chat", "completions")
 class Case:
     answer: Answer
     code: str
-    param: str | None | dict[str, str]  # a dict: per endpoint
+    param: str | dict[str, str] | None  # a dict: per endpoint
     status: int = 400
     streamed: bool = True  # the engine answers a streamed request the same way (else: inside a 200 stream)
     endpoints: tuple[str, ...] = BOTH
@@ -246,9 +246,9 @@ async def test_unrecognised_4xx_passes_through_byte_for_byte(name):
 async def test_error_event_in_a_200_stream_is_relayed_as_the_engine_sent_it():
     """SGLang's context-length error for a streamed request (its ``_generate_chat_stream``
     catches the ValueError after the 200): no error status, so nothing to classify."""
-    event = ('data: {"error": {"object": "error", "message": "The input (5000 tokens) is longer than the model\'s '
-             'context length (4096 tokens).", "type": "BadRequestError", "param": null, "code": 400}}\n\n'
-             'data: [DONE]\n\n').encode()
+    event = (b'data: {"error": {"object": "error", "message": "The input (5000 tokens) is longer than the model\'s '
+             b'context length (4096 tokens).", "type": "BadRequestError", "param": null, "code": 400}}\n\n'
+             b'data: [DONE]\n\n')
 
     async def handler(backend, request, body):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

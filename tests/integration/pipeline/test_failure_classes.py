@@ -32,7 +32,8 @@ async def test_backend_4xx_is_relayed_not_retried_and_breaker_not_tripped(status
                                             "code": "context_length_exceeded"}}, status=status)
 
     async with ScriptedBackend(handler=answer).running() as a, ScriptedBackend(handler=answer).running() as b:
-        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}, {"name": "b", "url": b.url, "models": ["m"]}],
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]},
+                              {"name": "b", "url": b.url, "models": ["m"]}],
                              breaker={"failure_threshold": 1})
         async with running_gateway(cfg) as gw:
             for stream in (False, True, False):

@@ -7,8 +7,8 @@ import asyncio
 import aiohttp
 import orjson
 import pytest
-from multidict import CIMultiDict
 from aiohttp import web
+from multidict import CIMultiDict
 
 from tests.support.servers import (
     ScriptedBackend,
@@ -22,7 +22,7 @@ from tests.support.servers import (
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def post(url: str, body: dict | bytes, **kw) -> tuple[int, "CIMultiDict[str]", bytes]:
+async def post(url: str, body: dict | bytes, **kw) -> tuple[int, CIMultiDict[str], bytes]:
     data = body if isinstance(body, bytes) else orjson.dumps(body)
     headers = kw.pop("headers", {"Content-Type": "application/json"})
     async with aiohttp.ClientSession() as s:
@@ -230,9 +230,10 @@ async def test_non_retryable_backend_error_is_relayed():
                                             "param": "messages", "code": None}}, status=400)
 
     async with ScriptedBackend(handler=answer).running() as a, ScriptedBackend(handler=answer).running() as b:
-        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}, {"name": "b", "url": b.url, "models": ["m"]}])
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]},
+                              {"name": "b", "url": b.url, "models": ["m"]}])
         async with running_gateway(cfg) as gw:
-            status, headers, body = await post(gw.url, CHAT)
+            status, _headers, body = await post(gw.url, CHAT)
             assert status == 400
             assert orjson.loads(body)["error"]["message"] == "context too long"
             assert len(a.attempt_times) + len(b.attempt_times) == 1

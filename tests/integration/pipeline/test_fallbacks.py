@@ -15,7 +15,13 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, parse_config
-from tests.support.servers import ScriptedBackend, completion_body, free_port, gateway_config, running_gateway, sse_chunk
+from tests.support.servers import (
+    ScriptedBackend,
+    free_port,
+    gateway_config,
+    running_gateway,
+    sse_chunk,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -87,7 +93,7 @@ async def test_a_silent_backend_falls_back_on_its_first_token_timeout():
                    retries={"max_attempts": 1})
         async with running_gateway(cfg) as gw:
             for stream in (True, False):
-                status, headers, body = await _post(gw.url, {"model": "big", "messages": MESSAGES, "stream": stream})
+                status, headers, _body = await _post(gw.url, {"model": "big", "messages": MESSAGES, "stream": stream})
                 assert status == 200 and headers["x-turbo-backend"] == "small-1"
                 assert "fallback_reason=first_token_timeout" in headers["x-turbo-route"]
             assert await _metric(gw.url, "turbo_gateway_fallbacks_total", reason="first_token_timeout") == 2
@@ -175,7 +181,7 @@ def test_a_fallback_must_be_served_and_not_the_model_itself():
         parse_config({"backends": backends, "routing": {"fallbacks": {"big": [{"model": "nope"}]}}})
     with pytest.raises(ConfigError, match="names itself"):
         parse_config({"backends": backends, "routing": {"fallbacks": {"big": [{"model": "big"}]}}})
-    with pytest.raises(ConfigError, match="routing.fallbacks"):
+    with pytest.raises(ConfigError, match=r"routing.fallbacks"):
         parse_config({"backends": backends, "routing": {"fallbacks": {"big": [{"model": "big", "on": ["slow"]}]}}})
 
 

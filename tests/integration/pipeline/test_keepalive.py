@@ -126,7 +126,7 @@ async def test_a_failure_behind_the_comments_is_still_retried():
                              routing={"policy": "round_robin"},
                              streaming={"keepalive_after_s": 0.2, "keepalive_every_s": 0.2})
         async with running_gateway(cfg) as gw:
-            status, headers, body = await _raw_stream(gw.url)  # round robin: "dead" first, in config order
+            status, _headers, body = await _raw_stream(gw.url)  # round robin: "dead" first, in config order
             assert status == 200 and dead.attempt_times and live.attempt_times
             assert dead.attempt_times[0] < live.attempt_times[0]
             assert body.startswith(b": keep-alive\n\n")

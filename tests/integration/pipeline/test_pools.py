@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 
 from loadtest.sim.server import SimBackendConfig, start_backends
-from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
+from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
 from tests.support.servers import free_port, gateway_config, running_gateway
 
 

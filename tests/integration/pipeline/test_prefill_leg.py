@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import orjson

@@ -50,7 +50,8 @@ async def test_a_failure_the_gateway_retried_is_not_retried_by_the_sdk(status):
         return await _always(status, b, request, body)
 
     async with ScriptedBackend(handler=answer).running() as a, ScriptedBackend(handler=answer).running() as b:
-        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}, {"name": "b", "url": b.url, "models": ["m"]}],
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]},
+                              {"name": "b", "url": b.url, "models": ["m"]}],
                              retries={"max_attempts": 3}, breaker={"failure_threshold": 0})
         async with running_gateway(cfg) as gw:
             seen: list = []

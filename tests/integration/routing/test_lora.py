@@ -46,7 +46,7 @@ def test_models_auto_in_config():
     assert (a.discover, a.static_models, b.discover, b.static_models) == (True, [], True, ["m"])
     with pytest.raises(ConfigError, match="listed twice"):
         gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["m", "m"]}])
-    with pytest.raises(ConfigError, match="kv_events.base_model must be set"):
+    with pytest.raises(ConfigError, match=r"kv_events.base_model must be set"):
         gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": "auto",
                          "kv_events": {"endpoint": "tcp://127.0.0.1:5557"}}])
     with pytest.raises(ConfigError, match="is served by no backend"):  # no backend discovers: checked
@@ -554,7 +554,7 @@ async def test_a_failed_adapter_load_is_retried_on_another_backend():
 
 
 def test_adapter_config_is_checked():
-    with pytest.raises(ConfigError, match="no backend has `lora.dynamic: true`"):
+    with pytest.raises(ConfigError, match=r"no backend has `lora.dynamic: true`"):
         gateway_config([{"name": "a", "url": "http://127.0.0.1:1", "models": ["base"]}],
                        models={"sql": {"lora": {"base": "base", "path": "/x"}}})
     with pytest.raises(ConfigError, match="base model 'nope' of adapter 'sql'"):
@@ -572,7 +572,8 @@ async def _discovery_log(caplog, base: str, level: str, served: str) -> list[str
         caplog.set_level(level, logger="gateway.engine_signals.health_checks")
         async with running_gateway(cfg) as gw:
             await wait_until(lambda: served in gw.state.fleet.backends["b0"].models())
-            return [r.getMessage() for r in caplog.records if r.name == "gateway.engine_signals.health_checks" and r.levelname == level]
+            return [r.getMessage() for r in caplog.records
+                    if r.name == "gateway.engine_signals.health_checks" and r.levelname == level]
     finally:
         for b in sims:
             await b.cleanup()
@@ -585,5 +586,5 @@ async def test_the_discovery_log_tells_listed_models_from_adapters_it_may_load(c
 
 async def test_an_adapter_whose_base_no_backend_serves_is_logged(caplog):
     said = await _discovery_log(caplog, "bsae", "WARNING", "base")
-    assert said == ["LoRA adapter sql is served by no backend: no backend that may load it lists its base "
-                    "model bsae (see models.sql.lora.base)"]
+    assert said == [("LoRA adapter sql is served by no backend: no backend that may load it lists its base "
+                     "model bsae (see models.sql.lora.base)")]

@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 import yaml
 
+from gateway.store.redis_client import redis_client
+from gateway.store.routing_state import RedisStore
 from loadtest.sim.server import SimBackendConfig, start_backends
 from routing import BackendSpec, Fleet
 from routing.prefix_index import PrefixIndex
-from gateway.store.redis_client import redis_client
-from gateway.store.routing_state import RedisStore
 from tests.support.redis_server import ValkeyProcess, frozen_redis, redis_url
 from tests.support.servers import free_port, gateway_config, running_gateway, wait_until
 
@@ -247,7 +247,7 @@ async def test_store_finds_the_master_through_sentinel(fleet, tmp_path):
         async def sentinel_knows_master() -> bool:
             try:
                 return bool(await probe.execute_command("SENTINEL", "get-master-addr-by-name", "tgmaster"))
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:  # not up yet
                 return False
 
         for _ in range(200):
@@ -280,9 +280,9 @@ async def test_store_stop_ends_the_sync_loop_even_when_a_redis_call_swallows_the
     syncs back to back here, so the cancel often lands mid-command."""
     import uuid
 
+    from gateway.store.routing_state import RedisStore
     from routing import BackendSpec, Fleet
     from routing.prefix_index import PrefixIndex
-    from gateway.store.routing_state import RedisStore
 
     fleet = Fleet([BackendSpec("a", frozenset({"m"}), "mixed", 1.0, "mixed")])
     leaked: list[asyncio.Task] = []
@@ -316,9 +316,9 @@ async def test_late_replica_learns_only_blocks_the_index_would_keep():
 
     import redis.asyncio as aioredis
 
+    from gateway.store.routing_state import RedisStore, _pack_hashes
     from routing import BackendSpec, Fleet
     from routing.prefix_index import PrefixIndex
-    from gateway.store.routing_state import RedisStore, _pack_hashes
 
     ns = uuid.uuid4().hex
     with redis_url() as url:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import httptools
@@ -211,7 +212,7 @@ class RawBackend:
             writer.close()
 
     @asynccontextmanager
-    async def running(self) -> AsyncIterator["RawBackend"]:
+    async def running(self) -> AsyncIterator[RawBackend]:
         server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         try:
@@ -642,7 +643,7 @@ async def test_a_client_that_stops_reading_then_leaves_stops_the_backend(fast):
     progress = [0]
     async with ScriptedBackend(handler=_big_stream(progress)).running() as be:
         async with gateway(cfg_for(be.url, fast)) as (gw, _):
-            reader, writer = await _slow_reader(gw.url)
+            _reader, writer = await _slow_reader(gw.url)
             writer.write(STREAM)
             await writer.drain()
             await _until_stalled(progress)
@@ -694,10 +695,11 @@ _WHOLE_FRAMINGS = {
     "chunked_with_trailer": (_answer_with(_chunked(JSON_ANSWER, trailer=b"X-Checksum: 1\r\n")), None),
     "continue_100_then_answer": (_answer_with(b"HTTP/1.1 100 Continue\r\n\r\n" + http_response(200)), None),
     "early_hints_103_then_answer": (_answer_with(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
-                                                 b"HTTP/1.1 103 Early Hints\r\nLink: </b>\r\n\r\n" + http_response(200)),
+                                                 b"HTTP/1.1 103 Early Hints\r\nLink: </b>\r\n\r\n"
+                                                 + http_response(200)),
                                     None),
-    "http_1_0_close_delimited": (_answer_with(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + JSON_ANSWER,
-                                              False), _CLOSE_DELIMITED),
+    "http_1_0_close_delimited": (_answer_with(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n"
+                                              + JSON_ANSWER, False), _CLOSE_DELIMITED),
     "http_1_1_close_delimited": (_answer_with(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                                               b"Connection: close\r\n\r\n" + JSON_ANSWER, False), _CLOSE_DELIMITED),
 }
@@ -847,8 +849,9 @@ async def test_an_event_stream_labelled_in_another_case_is_still_streamed(fast):
 
 
 @pytest.mark.fixed_bug(reason=(
-    "trailer fields are merged into the response headers (gateway/upstream/connection.py Connection.on_header writes into the dict that "
-    "is Exchange.headers), so a trailer overrides the header section: a chunked JSON answer with a "
+    "trailer fields are merged into the response headers (gateway/upstream/connection.py Connection.on_header "
+    "writes into the dict that is Exchange.headers), so a trailer overrides the header section: a chunked JSON "
+    "answer with a "
     "'Content-Type: text/html' trailer reaches the client as text/html; RFC 9110 6.5.1 forbids the merge, "
     "aiohttp.ClientSession ignores trailers"))
 async def test_a_trailer_does_not_override_the_answers_headers():
@@ -907,7 +910,7 @@ async def test_a_backend_that_sends_garbage_is_a_retried_502(garbage):
     async with RawBackend(_answer_with(garbage)).running() as rb:
         async with gateway(cfg_for(rb.url, breaker={"failure_threshold": 0})) as (gw, _):
             for raw in (FAST, STREAM):
-                got, closed = await exchange(gw.url, [raw], 1, check_close=False)
+                got, _closed = await exchange(gw.url, [raw], 1, check_close=False)
                 assert got.error is None and [d[0] for d in got.done] == [502]
                 assert orjson.loads(got.done[0][2])["error"]["code"] == "disconnected"
             assert len(rb.requests) == 6  # max_attempts (3) each
@@ -983,8 +986,8 @@ def _hang(after: bytes = b"") -> Script:
 
 
 @BOTH
-@pytest.mark.parametrize("after", [b"", b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                        b"Transfer-Encoding: chunked\r\n\r\n"], ids=["nothing", "head_only"])
+@pytest.mark.parametrize("after", [b"", (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                         b"Transfer-Encoding: chunked\r\n\r\n")], ids=["nothing", "head_only"])
 async def test_a_backend_that_never_answers_hits_the_ttft_timeout_and_is_dropped(fast, after):
     async with RawBackend(_hang(after)).running() as rb:
         cfg = cfg_for(rb.url, fast, timeouts={"ttft_s": 0.3}, retries={"max_attempts": 1})
@@ -1073,7 +1076,7 @@ async def test_a_slow_client_during_the_first_write_does_not_make_the_gateway_re
 
     async with RawBackend(script).running() as rb:
         async with gateway(cfg_for(rb.url, fast)) as (gw, server):
-            reader, writer = await _client_with_a_full_send_buffer(gw, server)
+            _reader, writer = await _client_with_a_full_send_buffer(gw, server)
             writer.write(STREAM)
             await writer.drain()
             await _until_stalled(progress)
@@ -1140,7 +1143,7 @@ async def test_a_pipelining_client_that_reads_nothing_is_not_served_without_boun
     n = 4000
     async with ScriptedBackend().running() as be:
         async with gateway(cfg_for(be.url, fast)) as (gw, server):
-            reader, writer = await _client_with_a_full_send_buffer(gw, server)
+            _reader, writer = await _client_with_a_full_send_buffer(gw, server)
             writer.write(FAST * n)
             last, still = -1, 0
             for _ in range(1000):  # until the gateway stops serving (bounded)

@@ -144,7 +144,8 @@ async def test_request_id_is_echoed_or_created(demo_gateway):
                             {"Content-Type": "application/json", "x-request-id": "abc-123"})
     assert hdrs["x-request-id"] == "abc-123" and hdrs["x-turbo-backend"] in ("s1", "s2")
     _, hdrs, _ = await _raw(demo_gateway.url, "POST", "/v1/chat/completions",
-                            orjson.dumps({"model": "demo-model", "messages": MESSAGES, "max_tokens": 1, "stream": True}),
+                            orjson.dumps({"model": "demo-model", "messages": MESSAGES, "max_tokens": 1,
+                                          "stream": True}),
                             {"Content-Type": "application/json"})
     assert len(hdrs["x-request-id"]) == 32
 

@@ -50,7 +50,7 @@ def test_shipped_config_serves_openai_sdk_stream():
         # the demo backends are a child process that goes away with the gateway
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
 

@@ -20,7 +20,6 @@ from aiohttp import web
 
 from gateway.server.app import create_app
 from gateway.server.listener import listen
-
 from tests.support.servers import AIOHTTP_MARK, ScriptedBackend, gateway_config, running_gateway, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -172,7 +171,8 @@ async def test_data_plane_errors_are_openai_shaped_and_keep_the_connection():
             codes = [orjson.loads(d[2])["error"]["code"] for d in done[:6]]
             assert codes == ["invalid_json", "invalid_json", "model_not_found", "missing_api_key", "invalid_api_key",
                              "unsupported_media_type"]
-            assert all(d[1]["server"] == "turbo-gateway" and d[1]["content-type"].startswith("application/json") for d in done)
+            assert all(d[1]["server"] == "turbo-gateway" and d[1]["content-type"].startswith("application/json")
+                       for d in done)
             assert done[3][1]["www-authenticate"] == "Bearer"
             assert done[6][1]["x-request-id"] == "mine" and not closed
             assert len(be.bodies) == 1

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gateway.server.app import STATE, create_app
 from gateway.config import load_config
+from gateway.server.app import STATE, create_app
 from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway, sse_chunk, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -292,7 +292,7 @@ async def test_breaker_opens_probes_half_open_and_closes():
                 await post(gw.url, CHAT)
             assert br.state == "open" and len(bad.attempt_times) == 2
             for _ in range(3):
-                status, headers, _ = await post(gw.url, CHAT)
+                _status, headers, _ = await post(gw.url, CHAT)
                 if br.state == "open":
                     assert headers["x-turbo-backend"] == "good"
             failing["on"] = False  # the backend recovers: a half-open probe closes the breaker
@@ -351,8 +351,8 @@ async def test_admission_queues_when_saturated_then_503_with_retry_after():
 
 
 async def test_admission_is_fair_across_keys():
-    from gateway.tenancy.admission import AdmissionControl
     from gateway.config import Admission
+    from gateway.tenancy.admission import AdmissionControl
     from routing import BackendSpec, Fleet
 
     fleet = Fleet([BackendSpec("b", frozenset({"m"}))])

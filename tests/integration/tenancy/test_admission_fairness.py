@@ -13,8 +13,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.tenancy.admission import AdmissionControl, Charge, TokenCounters
 from gateway.config import Admission
+from gateway.tenancy.admission import AdmissionControl, Charge, TokenCounters
 from routing import BackendSpec, Fleet
 from tests.support.redis_server import redis_url
 from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway, wait_until

@@ -12,9 +12,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.tenancy.limits import Limiter
 from gateway.config import ClientKey
 from gateway.errors import ClientError
+from gateway.tenancy.limits import Limiter
 from tests.support.redis_server import ValkeyProcess, frozen_redis
 from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway, sse_chunk, wait_until
 

@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -244,7 +244,7 @@ async def test_admin_filters_and_a_key_sees_only_its_own_usage():
                 assert await requests(model="m") == {("alpha", "m", h1): 2, ("beta", "m", h2): 1}
                 assert await requests(since=h2 * HOUR_S) == {("alpha", "m2", h2): 1, ("beta", "m", h2): 1}
                 assert await requests(until=h2 * HOUR_S) == {("alpha", "m", h1): 2}  # until is exclusive
-                iso = datetime.fromtimestamp(h2 * HOUR_S + 1800, timezone.utc).isoformat()
+                iso = datetime.fromtimestamp(h2 * HOUR_S + 1800, UTC).isoformat()
                 assert await requests(since=iso) == await requests(since=h2 * HOUR_S)  # rounded down to its hour
                 assert await requests(since=(h - 100) * HOUR_S, until=(h - 50) * HOUR_S) == {}
                 assert await requests(key="nobody") == {}
@@ -296,10 +296,10 @@ def test_cost_from_prices():
 def test_prices_for_an_unserved_model_are_a_config_error():
     from gateway.config import ConfigError
 
-    with pytest.raises(ConfigError, match="usage.prices: no backend serves 'gpt-x'"):
+    with pytest.raises(ConfigError, match=r"usage.prices: no backend serves 'gpt-x'"):
         gateway_config([{"name": "b", "url": "http://127.0.0.1:1", "models": ["m"]}],
                        usage={"prices": {"gpt-x": {"input": 1, "output": 2}}})
-    with pytest.raises(ConfigError, match="usage.prices.m.input"):
+    with pytest.raises(ConfigError, match=r"usage.prices.m.input"):
         gateway_config([{"name": "b", "url": "http://127.0.0.1:1", "models": ["m"]}],
                        usage={"prices": {"m": {"input": -1, "output": 2}}})
 

@@ -26,7 +26,8 @@ def _records() -> list[RequestRecord]:
         RequestRecord(0, group="a", start_s=0.0, ttft_s=0.1, itl_s=[0.02, 0.03, 0.05], e2e_s=0.2, chunks=4,
                       output_tokens=4, prompt_tokens=100, cached_tokens=50, input_tokens_expected=99),
         # no usage: output = 2 text chunks, input = the workload's expectation (80)
-        RequestRecord(1, group="a", start_s=0.5, ttft_s=0.3, itl_s=[0.1], e2e_s=0.4, chunks=2, input_tokens_expected=80),
+        RequestRecord(1, group="a", start_s=0.5, ttft_s=0.3, itl_s=[0.1], e2e_s=0.4, chunks=2,
+                      input_tokens_expected=80),
         # one output token: no TPOT (counts as 0 for goodput)
         RequestRecord(2, group="b", start_s=1.0, ttft_s=0.05, e2e_s=0.05, chunks=1, output_tokens=1, prompt_tokens=20,
                       cached_tokens=0),

@@ -19,7 +19,6 @@ import pytest
 from loadtest import precise_bench as pb
 from loadtest import replay as rp
 from loadtest.traces import TRACE_BLOCK_TOKENS, TRACES, TRACES_DIR, TraceRequest, shared_prefix_trace
-
 from tests.unit.loadtest.test_replay_oracle import sharing_trace, small_fleet
 
 
@@ -105,7 +104,7 @@ def test_shared_prefix_trace_has_one_system_prompt_per_tenant():
     assert len(systems) == 5
     questions = [tuple(r.hash_ids[2:]) for r in reqs]
     assert len(set(questions)) == 400 and all(len(q) == 2 for q in questions)
-    assert not set(h for s in systems for h in s) & set(h for q in questions for h in q)
+    assert not {h for s in systems for h in s} & {h for q in questions for h in q}
     assert all(r.input_tokens == 1624 for r in reqs)
     span = reqs[-1].arrival_s - reqs[0].arrival_s
     assert 399 / span == pytest.approx(8.0, rel=0.15)

@@ -115,7 +115,8 @@ def test_synthetic_workloads_shapes():
     assert sorted(by_group) == ["g0", "g1", "g2"] and all(len(v) == 1 for v in by_group.values())
     assert len({next(iter(v)) for v in by_group.values()}) == 3
 
-    sl = list(make_workload("short-long", {"short_input_len": 5, "long_input_len": 50, "long_fraction": 0.5}).sessions(40))
+    sl = list(make_workload("short-long", {"short_input_len": 5, "long_input_len": 50,
+                                           "long_fraction": 0.5}).sessions(40))
     assert {s.group for s in sl} == {"short", "long"}
     assert all(s.turns[0].input_tokens == (50 if s.group == "long" else 5) for s in sl)
 
@@ -139,7 +140,8 @@ def test_trace_workloads_rescale_arrivals():
 
 
 def test_request_bodies():
-    s = list(make_workload("multi-turn", {"turns": 2, "system_prompt_len": 3, "user_len": 2, "output_len": 7}).sessions(2))[0]
+    s = next(iter(make_workload("multi-turn", {"turns": 2, "system_prompt_len": 3, "user_len": 2,
+                                               "output_len": 7}).sessions(2)))
     body = build_body(ClientOptions(model="m"), s, 1, ["answer one"])
     assert body["max_tokens"] == 7 and body["ignore_eos"] is True and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}

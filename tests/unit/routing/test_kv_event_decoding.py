@@ -205,7 +205,7 @@ def test_speculative_entries_at_dispatch_are_confirmed_or_decay():
     c = core(("a", BS), speculative_s=5.0)
     ids = tokens(8)
     c.kv_event_batch("a", 0, batch([cleared()]))  # events flow: a is live
-    d, r = c.route(request(c, ids), 100.0)
+    d, _r = c.route(request(c, ids), 100.0)
     assert d.backend.name == "a" and d.evidence == "precise" and d.detail["matched_tokens"] == 0
     assert c.index.counts("a") == (0, 2)
     exact, evidence = held(c, ids, now=101.0)
@@ -292,7 +292,7 @@ def test_a_model_without_event_backends_gets_no_token_keys():
     c = core(("a", None), ("b", None))
     req = request(c, tokens(64))
     assert req.token_keys is None
-    d, r = c.route(req, 0.0)
+    d, _r = c.route(req, 0.0)
     assert d.evidence == "approximate" and c.index.engines == {}
 
 
@@ -318,7 +318,7 @@ def test_mixed_fleet_compares_exact_and_approximate_matches():
     c.index.record("b", req.block_hashes, 0.0)
     c.router._match(req, 0.0)
     assert req.exact_tokens == {"a": 0} and req.cached_tokens("b") > 0 and req.cached_tokens("a") == 0
-    d, r = c.route(req, 0.0)
+    d, _r = c.route(req, 0.0)
     assert d.backend.name == "b" and d.evidence == "approximate"
 
 

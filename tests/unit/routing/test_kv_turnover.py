@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
+from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
 from routing.core import DecisionCore
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex

@@ -223,13 +223,13 @@ def test_a_backend_without_our_traffic_whose_engine_got_faster_wins_traffic_back
             times.append(t)
         return vf.assigned, vf.reasons, times
 
-    names, reasons, times = run(True)
+    names, _reasons, times = run(True)
     slow = [n for n, t in zip(names, times) if 30.0 <= t < 80.0]
     assert slow.count("b") <= 2, slow.count("b")  # starved but for its silence probes
     after = [n for n, t in zip(names, times) if 80.0 <= t < 90.0]
     assert after.count("b") >= 10, after  # of 50, within 10 s (5 scrapes): 15 when written
     # without engine metrics, the same 10 s give it at most a probe
-    names, reasons, times = run(False)
+    names, _reasons, times = run(False)
     assert [n for n, t in zip(names, times) if 80.0 <= t < 90.0].count("b") <= 1
 
 

@@ -11,7 +11,7 @@ from collections import Counter, deque
 
 import pytest
 
-from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
+from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
 from routing.policies.cache_aware import CacheAware
 from routing.policies.power_of_two import PowerOfTwo
 from routing.policies.prefix_hash import PrefixHash

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from routing import BackendSpec, Fleet, NoBackendAvailable, RouteRequest, Router, UnknownModel, make_policy
+from routing import BackendSpec, Fleet, NoBackendAvailable, Router, RouteRequest, UnknownModel, make_policy
 
 
 def fleet(*names: str, model: str = "m", weights: dict[str, float] | None = None) -> Fleet:

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import random
 import gc
+import random
 import tracemalloc
 from collections import Counter
 
 import pytest
 
-from routing import BackendSpec, Fleet, RouteRequest, Router, make_policy
-from routing.estimate import TokenEstimator, block_hashes, canonical_prompt, chain_seed
-from routing.estimate import _chain_seed_cached
+from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
+from routing.estimate import TokenEstimator, _chain_seed_cached, block_hashes, canonical_prompt, chain_seed
 from routing.load import BackendLoad, DecayedLinearFit
 from routing.policies.estimated_ttft import EstimatedTTFT
 from routing.prefix_index import PrefixIndex
-
 
 # ---- estimation -----------------------------------------------------------------------
 
@@ -131,7 +129,7 @@ class VirtualFleet:
         self.router = Router(self.fleet, pol, block_tokens=64)
         self.est = TokenEstimator(block_tokens=64)
         self.rates = rates
-        self.busy_until = {n: 0.0 for n in rates}
+        self.busy_until = dict.fromkeys(rates, 0.0)
         self.cache: dict[str, set[int]] = {n: set() for n in rates}
         self.events: list[tuple[float, int, str, object]] = []
         self.decode_s = decode_s

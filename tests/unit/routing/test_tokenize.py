@@ -16,8 +16,16 @@ from tokenizers import Tokenizer
 
 from loadtest.sim.server import render_chat as sim_render_chat
 from routing.core import BackendSpec, DecisionCore
-from routing.tokenize import (_SEPARABLE_SPLITS, CHUNK_CHARS, MIN_SEGMENT_CHARS, OFFLOAD_CHARS, ModelTokenizer,
-                              TokenizerError, Unsupported, load_tokenizer)
+from routing.tokenize import (
+    _SEPARABLE_SPLITS,
+    CHUNK_CHARS,
+    MIN_SEGMENT_CHARS,
+    OFFLOAD_CHARS,
+    ModelTokenizer,
+    TokenizerError,
+    Unsupported,
+    load_tokenizer,
+)
 from tests.support.chat_cases import TINY, TOOLS_TEMPLATE
 
 TINY_JSON = json.loads((TINY / "tokenizer.json").read_text())
@@ -217,7 +225,8 @@ def test_every_chunk_cut_point_splits_the_encoding_exactly(name, make):
 def test_a_growing_message_encodes_only_its_last_chunk_and_the_new_text():
     tok = fresh()
     rng = random.Random(12)
-    words = "".join(rng.choice([" hello", " world", " Zürich", " 123", " 世界", ",", ".\n", "  x"]) for _ in range(6000))
+    words = "".join(rng.choice([" hello", " world", " Zürich", " 123", " 世界", ",", ".\n", "  x"])
+                    for _ in range(6000))
     first = {"messages": [{"role": "user", "content": words[:20_000]}]}
     tok.tokenization("chat", first).token_ids()
     grown = {"messages": [{"role": "user", "content": words[:22_000]}]}
@@ -244,8 +253,10 @@ def with_bos_post_processor() -> dict:
     spec["post_processor"] = {"type": "TemplateProcessing",
                               "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
                                          {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                       {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                   "tokens": ["<|endoftext|>"]}}}
     return spec
 
 
@@ -254,7 +265,8 @@ def test_completions_get_the_post_processors_bos_and_chat_does_not():
     assert tok.head == (0,) and tok.tail == ()
     got = ids(tok, "completions", {"prompt": "hello world"})
     assert got[0] == 0 and got == tok.encode("hello world", True)
-    assert ids(tok, "completions", {"prompt": "hello world", "add_special_tokens": False}) == tok.encode("hello world", False)
+    assert ids(tok, "completions", {"prompt": "hello world", "add_special_tokens": False}) \
+        == tok.encode("hello world", False)
     chat = {"messages": [{"role": "user", "content": "hello"}]}
     text = tok.render_chat(chat)
     assert ids(tok, "chat", chat) == tok.encode(text, False)  # vLLM: the template writes its own BOS
@@ -274,7 +286,8 @@ def test_token_id_prompts_pass_through_unchanged():
     assert ids(tok, "completions", {"prompt": [5, 9, 70000, 1]}) == [5, 9, 70000, 1]
     assert ids(tok, "completions", {"prompt": [[3, 4]]}) == [3, 4]
     assert ids(tok, "completions", {"prompt": ["hello"]}) == tok.encode("hello", True)
-    assert ids(tok, "completions", {"prompt": "a b c d e", "truncate_prompt_tokens": 2}) == tok.encode("a b c d e", True)[-2:]
+    assert ids(tok, "completions", {"prompt": "a b c d e", "truncate_prompt_tokens": 2}) \
+        == tok.encode("a b c d e", True)[-2:]
 
 
 @pytest.mark.parametrize("data", [
@@ -295,7 +308,8 @@ def test_completions_that_cannot_be_reproduced(data):
 def test_chatml_render_and_text_parts():
     tok = fresh()
     data = {"messages": [{"role": "system", "content": "Be kind."},
-                         {"role": "user", "content": [{"type": "text", "text": "Héllo"}, {"type": "text", "text": "世界"}]}]}
+                         {"role": "user", "content": [{"type": "text", "text": "Héllo"},
+                                                      {"type": "text", "text": "世界"}]}]}
     assert tok.render_chat(data) == ("<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHéllo\n世界<|im_end|>\n"
                                      "<|im_start|>assistant\n")
     assert tok.render_chat({**data, "add_generation_prompt": False}).endswith("世界<|im_end|>\n")
@@ -335,7 +349,8 @@ def test_tools_and_tool_calls_render_as_vllm_passes_them():
     text = tok.render_chat({
         "messages": [{"role": "user", "content": "Weather?"},
                      {"role": "assistant", "content": None, "tool_calls": [
-                         {"id": "c", "type": "function", "function": {"name": "w", "arguments": "{\"city\": \"Zürich\"}"}}]},
+                         {"id": "c", "type": "function",
+                          "function": {"name": "w", "arguments": "{\"city\": \"Zürich\"}"}}]},
                      {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "12 °C"}]}],
         "tools": [{"type": "function", "function": {"name": "w", "description": "a <b> & c"}}]})
     # tojson does not escape HTML; a tool's absent fields are null, as vLLM's pydantic dump has them;
@@ -392,7 +407,8 @@ def test_load_a_model_directory_or_a_lone_tokenizer_json(tmp_path):
     (lambda d: (d / "tokenizer.json").write_text("{not json"), "invalid JSON"),
     (lambda d: (d / "tokenizer.json").write_text('{"model": 3}'), "not a valid tokenizers tokenizer"),
     (lambda d: ((d / "tokenizer.json").write_text(json.dumps(TINY_JSON)),
-                (d / "tokenizer_config.json").write_text('{"chat_template": "{% for %}"}')), "chat template syntax error"),
+                (d / "tokenizer_config.json").write_text('{"chat_template": "{% for %}"}')),
+     "chat template syntax error"),
     (lambda d: ((d / "tokenizer.json").write_text(json.dumps(TINY_JSON)),
                 (d / "tokenizer_config.json").write_text('[1]')), "a JSON object is expected"),
 ])

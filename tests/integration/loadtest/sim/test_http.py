@@ -19,10 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import load_config, parse_config
+from loadtest.sim import tokenizer
 from loadtest.sim.__main__ import main as sim_main
 from loadtest.sim.fleet import gateway_config, load_fleet
-from loadtest.sim.server import SimBackend, SimBackendConfig, render_chat, start_backends
-from loadtest.sim import tokenizer
+from loadtest.sim.server import SimBackendConfig, render_chat, start_backends
 from tests.support.servers import running_gateway
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -95,7 +95,7 @@ async def test_chat_stream_and_completion_shapes():
             ev = await sse_events(r)
         assert ev[-1] == "[DONE]"
         assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        content = [e for e in ev[1:-2]]
+        content = list(ev[1:-2])
         assert len(content) == 5 and all(e["object"] == "chat.completion.chunk" for e in content)
         assert all(len(e["choices"][0]["delta"]["content"].split()) == 1 for e in content)
         assert [e["choices"][0]["finish_reason"] for e in content] == [None] * 4 + ["length"]
@@ -106,7 +106,8 @@ async def test_chat_stream_and_completion_shapes():
                                         "total_tokens": prompt_tokens + 5,
                                         "prompt_tokens_details": {"cached_tokens": 0}}
 
-        status, _, raw = await post(s, b.url, "/v1/completions", {"model": MODEL, "prompt": "Once upon", "max_tokens": 3})
+        status, _, raw = await post(s, b.url, "/v1/completions",
+                                    {"model": MODEL, "prompt": "Once upon", "max_tokens": 3})
         resp = orjson.loads(raw)
         assert status == 200 and resp["object"] == "text_completion"
         assert len(resp["choices"][0]["text"].split()) == 3 and resp["usage"]["completion_tokens"] == 3
@@ -361,7 +362,7 @@ async def test_fault_crash_and_restart_on_the_same_port():
             async with s.get(b.url + "/health", headers={"Connection": "close"}):
                 pass
         b.revive()
-        await until(lambda: b.up.is_set())
+        await until(b.up.is_set)
         async with s.get(b.url + "/health") as resp:
             assert resp.status == 200
         assert b.port == port and b.engine.engine_id != engine_id and not b.engine.kv.cached  # cold restart
@@ -372,7 +373,7 @@ async def test_scheduled_crash_from_the_spec():
     async with backends({"name": "a", "faults": {"crash_after_s": 0, "crash_down_s": 60}}) as (s, b):
         await until(lambda: b.crashes == 1 and not b.up.is_set())
         b.revive()
-        await until(lambda: b.up.is_set())
+        await until(b.up.is_set)
         assert (await post(s, b.url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}))[0] == 200
 
 

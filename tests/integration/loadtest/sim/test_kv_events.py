@@ -70,9 +70,9 @@ class Subscriber:
             async with session.post(url + "/reset_prefix_cache") as r:
                 assert r.status == 200
             if await self.sock.poll(50):
-                seq, batch = await self.recv()
+                seq, _batch = await self.recv()
                 while await self.sock.poll(0):  # earlier rounds' batches still in flight
-                    seq, batch = await self.recv()
+                    seq, _batch = await self.recv()
                 return seq + 1
         raise AssertionError("the SUB socket never received a batch")
 
@@ -138,7 +138,7 @@ async def events_until(sub: Subscriber, pred, limit: int = 1000) -> list[tuple[i
     holds (the last pair; bounded)."""
     out = []
     for _ in range(limit):
-        seq, (ts, events, rank) = await sub.recv()
+        seq, (_ts, events, _rank) = await sub.recv()
         for e in events:
             out.append((seq, e))
             if pred(seq, e):
@@ -289,7 +289,8 @@ async def test_events_mirror_the_prefix_cache_through_evictions_and_preemptions(
             await sub.joined(session, b.url)
             prompts = [f"Topic {i}: " + "a story about a dog, a cat and a bird in the park. " * 5 for i in range(8)]
             for rnd in range(2):
-                await asyncio.gather(*(complete(session, b.url, p, max_tokens=60) for p in prompts[rnd * 4:rnd * 4 + 4]))
+                await asyncio.gather(*(complete(session, b.url, p, max_tokens=60)
+                                       for p in prompts[rnd * 4:rnd * 4 + 4]))
             st = await stats(session, b.url)
             assert st["engine"]["num_preemptions"] > 0 and st["engine"]["kv_evictions"] > 0
             last = st["kv_events"]["next_seq"] - 1
@@ -348,7 +349,7 @@ async def test_replay_fills_the_gaps_of_dropped_batches():
             for s, payload in got:
                 if s in received:
                     assert payload == received[s]
-                ts, events, rank = msgpack.unpackb(payload)
+                _ts, events, rank = msgpack.unpackb(payload)
                 assert events and rank == 0
             # a start beyond the buffer's end gets only the end marker
             assert await replay(pub.replay_endpoint, last + 1) == []
@@ -398,7 +399,7 @@ async def test_restart_starts_the_sequence_again_with_a_cold_cache():
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             got = await replay(replay_endpoint, 0)
             assert got and got[0][0] == 0
-            ts, events, rank = msgpack.unpackb(got[0][1])
+            _ts, events, _rank = msgpack.unpackb(got[0][1])
             assert events[0]["type"] == "BlockStored" and events[0]["parent_block_hash"] is None
             assert events[0]["block_hashes"] == before[-1][1]["block_hashes"]
             # the subscriber reconnects on its own and sees the new sequence
@@ -446,7 +447,7 @@ def test_bad_kv_event_faults_and_tokenizer_are_clear_errors(tmp_path):
 
 
 async def test_a_taken_kv_event_port_is_a_clear_error():
-    async with backend() as (session, b):
+    async with backend() as (_session, b):
         taken = b.kv_publisher.endpoint
         cfg = SimBackendConfig.from_dict({"name": "second", "kv_events": {"endpoint": taken}})
         with pytest.raises(OSError, match="cannot bind the KV-event sockets"):

@@ -40,7 +40,8 @@ def test_per_backend_timeout_override():
     ({"backends": [{"name": "a", "url": "http://x", "models": ["m"]}], "timeouts": {"ttft_s": -1}},
      "`timeouts.ttft_s`"),
     ({"backends": [{"name": "a", "url": "http://x", "models": ["m"], "colour": "red"}]}, "`backends.0.colour`"),
-    ({"backends": [{"name": "a", "url": "http://x", "models": ["m"]}, {"name": "a", "url": "http://y", "models": ["m"]}]},
+    ({"backends": [{"name": "a", "url": "http://x", "models": ["m"]},
+                   {"name": "a", "url": "http://y", "models": ["m"]}]},
      "duplicate backend names: a"),
     ({"backends": [{"name": "a", "url": "http://x", "models": ["m"], "api_key_env": "TG_SURELY_UNSET_VAR"}]},
      "TG_SURELY_UNSET_VAR"),
@@ -99,7 +100,7 @@ def test_bad_model_settings_are_config_errors(models, fragment):
 
 def test_bad_tokenizer_files_are_config_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{oops")
-    with pytest.raises(ConfigError, match="tokenizer.json: invalid JSON"):
+    with pytest.raises(ConfigError, match=r"tokenizer.json: invalid JSON"):
         parse_config(_with_models({"m": {"tokenizer": str(tmp_path)}}))
     (tmp_path / "tokenizer.json").write_text((TINY_TOKENIZER / "tokenizer.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{% if %}"}')
@@ -171,7 +172,7 @@ def test_simulated_backends_wire_their_kv_events_and_tokenizer():
     own = parse_config({"backends": [{"name": "a", "models": ["m"], "simulate": sim}],
                         "models": {"m": {"tokenizer": str(TINY_TOKENIZER / "tokenizer.json")}}})
     assert own.models["m"].tokenizer == str(TINY_TOKENIZER / "tokenizer.json")
-    with pytest.raises(ConfigError, match="simulated backends 'a' and 'b' serve model 'm' with different "
+    with pytest.raises(ConfigError, match=r"simulated backends 'a' and 'b' serve model 'm' with different "
                                           "tokenizers; name the model's own in `models.m.tokenizer`"):
         parse_config({"backends": [{"name": "a", "models": ["m"], "simulate": sim},
                                    {"name": "b", "models": ["m"],

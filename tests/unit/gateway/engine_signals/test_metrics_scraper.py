@@ -59,7 +59,7 @@ def test_external_load_counts_only_fresh_samples():
     assert load.external_queued_tokens(now=2.0) == pytest.approx(3000)
     assert load.external_running(now=2.0) == 2
     assert load.kv_used_tokens(now=2.0) == pytest.approx(5000)
-    # stale: ignored
+    # stale, so ignored
     assert load.external_queued_tokens(now=7.0) == 0
     assert load.kv_used_tokens(now=7.0) == pytest.approx(1000)
 

@@ -53,7 +53,7 @@ def run_to_completion(engine: Engine, now: float = 0.0, max_steps: int = 100_000
 
 def ttft(engine: Engine, req_id: str, ids: list[int], now: float = 0.0) -> tuple[float, list]:
     engine.add_request(req_id, ids, 4, arrival_time=now)
-    t, outs, steps = run_to_completion(engine, now)
+    _t, outs, steps = run_to_completion(engine, now)
     return engine.pop_samples()["ttft_s"][0], (outs[req_id], steps)
 
 
@@ -80,7 +80,7 @@ def test_repeated_prefix_is_charged_less_prefill_than_fresh():
 def test_cached_tokens_reported_like_vllm():
     e = Engine(tiny())
     ids = prompt(64)  # exactly 4 blocks
-    _, (outs1, _) = ttft(e, "1", ids)
+    _, (_outs1, _) = ttft(e, "1", ids)
     _, (outs2, steps2) = ttft(e, "2", ids)
     # Whole-prompt hit: the last token is recomputed, so only 3 whole blocks count.
     assert outs2[0].num_cached_tokens == 48
@@ -324,7 +324,7 @@ def test_remote_prefill_uses_local_prefix_hits_first_and_does_not_block_others()
     ttft(e, "warm", shared)
     e.add_request("d", shared + prompt(200, 7000), 2, remote_prefill_tokens=520, arrival_time=0.0)
     e.add_request("other", prompt(10, 9000), 2, arrival_time=0.0)
-    dt, outs = e.step(0.0)
+    _dt, outs = e.step(0.0)
     assert [o.req_id for o in outs] == ["other"]  # runs while the KV transfer is in flight
     assert e.kv_transfer_tokens_total == 519 - 320
 
