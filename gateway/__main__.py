@@ -22,6 +22,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from gateway.config import ConfigError, load_config
 from gateway.ops.demo_fleet import DemoFleetError
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= port <= 65535:
         print(f"error: --port {port} is not a valid TCP port", file=sys.stderr)
         return 2
+    run: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
         run = uvloop.run

@@ -917,7 +917,7 @@ class GatewayConfig(_Strict):
             for pool in (c.stable_pool, c.canary_pool):
                 if not any(b.pool == pool and (b.discover or c.model in b.models) for b in self.backends):
                     raise ValueError(f"canary split for model {c.model!r}: no backend in pool {pool!r} serves it")
-        served = {m for b in self.backends for m in b.static_models}
+        served: set[str] | _AnyModel = {m for b in self.backends for m in b.static_models}
         if any(b.discover for b in self.backends):
             served = _AnyModel()
         dynamic = any(b.lora.dynamic for b in self.backends)

@@ -38,7 +38,7 @@ from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, load_
 
 log = logging.getLogger("gateway.runtime")
 
-STATE = web.AppKey("state", "GatewayState")
+STATE: web.AppKey[GatewayState] = web.AppKey("state")
 # the app's own middleware: the lean protocol does for completions what they do
 OWN_MIDDLEWARES = web.AppKey("own_middlewares", tuple)
 

@@ -123,7 +123,7 @@ def token_block_keys(token_ids: Sequence[int], block_size: int, seed: int) -> tu
     step = 4 * block_size
     raw = ids.tobytes()
     raw = raw[:len(raw) - len(raw) % step]  # full blocks only
-    out = []
+    out: list[int] = []
     append = out.append
     h = seed
     hash64 = xxhash.xxh3_64_intdigest

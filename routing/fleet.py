@@ -136,7 +136,7 @@ class BackendState:
     cooldown_until: float = 0.0
     healthy: bool = True
     remote_in_flight: int = 0  # other gateway replicas' in-flight requests (shared store)
-    load: BackendLoad = field(default=None)  # type: ignore[assignment]
+    load: BackendLoad = field(default=None)  # type: ignore[assignment]  # set in __post_init__
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     name: str = field(init=False, default="")  # spec.name, read on every routing decision

@@ -370,10 +370,11 @@ def apply_batch(index: PrefixIndex, backend: str, rank: int, batch: EventBatch, 
             if ev.parent_block_hash is None:
                 seed = chain_seed(ev.lora_name or e.base_model, cache_salt_of(ev))
             else:
-                seed = index.key_of(backend, rank, ev.parent_block_hash)
-                if seed is None:
+                parent = index.key_of(backend, rank, ev.parent_block_hash)
+                if parent is None:
                     stats.ignored += 1
                     continue
+                seed = parent
             n = len(ev.block_hashes)
             usable = token_only_blocks(ev)
             if usable < n:

@@ -182,7 +182,7 @@ class ApproxRadixTree:
             i += k
             node = upper
 
-    def touch(self, node: _Node, tenant: str) -> None:
+    def touch(self, node: _Node | None, tenant: str) -> None:
         """Restamp ``tenant`` on ``node`` and its ancestors that hold it."""
         self._tick += 1
         tick = self._tick

@@ -28,18 +28,6 @@ from gateway.store.background_sync import BackgroundSync
 log = logging.getLogger("gateway.batch")
 
 
-class BatchRuntime:
-    """What a gateway with ``batch.enabled`` holds: store, manager, gate, workers."""
-
-    def __init__(self, cfg, store, manager, gate) -> None:
-        self.cfg = cfg
-        self.store = store
-        self.manager = manager
-        self.gate = gate
-        self.consumer = None
-        self.tasks: list[asyncio.Task] = []  # the manager and the in-process consumers, while the app runs
-
-
 def setup_batch(app: web.Application, cfg) -> None:
     """Add the Files/Batches routes, the batch gate (completion requests marked
     ``x-turbo-priority: batch`` pass it: :func:`gateway.pipeline.director.handle`)
@@ -48,7 +36,7 @@ def setup_batch(app: web.Application, cfg) -> None:
     b = cfg.batch
     if not b.enabled:
         return
-    from gateway.batch.api import BATCH, add_routes
+    from gateway.batch.api import BATCH, BatchRuntime, add_routes
     from gateway.batch.batch_gate import BatchGate, GateCollector
     from gateway.batch.job_store import BatchStore
     from gateway.batch.manager import BatchManager

@@ -19,19 +19,22 @@ one (404), so nothing tells whether it exists. Records made before owners were k
 keys (the local demo, every caller ``anonymous``) every file and batch is visible, as
 before; what was created then is owned by ``anonymous``, so once keys are configured
 only a key named ``anonymous`` (if any) and the admin see it. See :func:`visible`.
+
+The app holds the batch work's :class:`BatchRuntime` under :data:`BATCH`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis.exceptions
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from gateway.batch.job_store import (
     ENDPOINTS,
@@ -47,9 +50,24 @@ from gateway.errors import ClientError, retry_later_headers
 from gateway.runtime import STATE
 from gateway.tenancy.keys import CALLER
 
+if TYPE_CHECKING:
+    from gateway.batch.worker import Consumer
+
 PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "vision", "user", "evals"})
 
-BATCH = web.AppKey("batch", "BatchRuntime")
+class BatchRuntime:
+    """What a gateway with ``batch.enabled`` holds: store, manager, gate, workers."""
+
+    def __init__(self, cfg, store, manager, gate) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.manager = manager
+        self.gate = gate
+        self.consumer: Consumer | None = None  # the in-process one, when batch.workers > 0
+        self.tasks: list[asyncio.Task] = []  # the manager and the in-process consumers, while the app runs
+
+
+BATCH = web.AppKey("batch", BatchRuntime)
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -139,6 +157,7 @@ async def create_file(request: web.Request) -> web.Response:
     tmp = store.files_dir / f".{file_id}.upload"
     try:
         while (part := await reader.next()) is not None:
+            assert isinstance(part, BodyPartReader)  # a form's fields, not a nested multipart
             if part.name == "purpose":
                 purpose = (await part.text()).strip()
             elif part.name == "file":
@@ -251,7 +270,9 @@ async def create_batch(request: web.Request) -> web.Response:
                               "owner": owner,  # the key's name (never the key): scopes /v1, shown by /admin
                               "total": 0, "completed": 0, "failed": 0})
     request.app[BATCH].manager.wake()
-    return _json(batch_object(await store.batch_fields(bid)))
+    created = await store.batch_fields(bid)
+    assert created is not None  # written just above
+    return _json(batch_object(created))
 
 
 async def _batch_or_404(request: web.Request) -> dict[str, str]:

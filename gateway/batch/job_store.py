@@ -60,7 +60,7 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import orjson
 
@@ -166,6 +166,10 @@ def parse_window(window: str) -> float | None:
     return n * units[window[-1]] if n > 0 else None
 
 
+@overload
+def _s(v: bytes | str | int | float) -> str: ...
+@overload
+def _s(v: None) -> None: ...
 def _s(v: Any) -> str | None:
     if v is None:
         return None

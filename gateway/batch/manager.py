@@ -45,7 +45,7 @@ def parse_input(raw: bytes, endpoint: str | None) -> tuple[list[tuple[int, str, 
     """Split an input file into valid lines ``(index, custom_id, url, body)`` and malformed
     ones ``(index, custom_id or None, message)``. Blank lines are skipped; ``index``
     counts the others from 0; messages name the 1-based line number."""
-    valid: list[tuple[int, str, bytes]] = []
+    valid: list[tuple[int, str, str, bytes]] = []
     bad: list[tuple[int, str | None, str]] = []
     seen: dict[str, int] = {}
     index = 0

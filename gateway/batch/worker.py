@@ -32,6 +32,7 @@ expired batch's lines are acknowledged and dropped before they are sent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -221,8 +222,8 @@ class Consumer:
                 log.warning("consumer %s: Redis error (%s); retrying", self.name, reason(e))
                 await _wait_any(stop, None, min(0.2 * 2 ** min(errors, 5), 5.0))
                 continue
-            for eid, fields in entries:
-                eid = eid.decode() if isinstance(eid, bytes) else eid
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 if stop.is_set():  # read while stopping: not started, handed back with the rest
                     unstarted.append(eid)
                     continue
@@ -230,7 +231,7 @@ class Consumer:
                     continue
                 t = asyncio.create_task(self._line(eid, fields))
                 self.held[eid] = t
-                t.add_done_callback(lambda _t, eid=eid: self._done(eid))
+                t.add_done_callback(functools.partial(self._done, eid))
 
     async def _drain(self, hurry: asyncio.Event | None) -> None:
         """Wait up to ``drain_timeout_s`` (or until ``hurry`` is set) for the lines in flight."""
@@ -286,7 +287,7 @@ class Consumer:
         if n:
             log.info("consumer %s: handed back %d unfinished lines for other consumers", self.name, n)
 
-    def _done(self, eid: str) -> None:
+    def _done(self, eid: str, _task: asyncio.Task) -> None:
         self.held.pop(eid, None)
         self.lines.pop(eid, None)
         self._slot.set()

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 import xxhash
 import zmq
@@ -94,14 +95,14 @@ class RankSubscriber:
         poller.register(monitor, zmq.POLLIN)
         # what is already queued is read without the event loop (a non-blocking read
         # each): one wake-up takes a burst of messages instead of one
-        sub_now = zmq.Socket.shadow(sub.underlying)
-        monitor_now = zmq.Socket.shadow(monitor.underlying)
+        sub_now: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        monitor_now: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
         log.info("subscribed to the KV events of %s (rank %d) at %s", self.backend, self.rank, self.endpoint)
         try:
             while True:
                 await poller.poll()
                 for _ in range(DRAIN_MAX):
-                    if monitor_now.get(zmq.EVENTS) & zmq.POLLIN:
+                    if cast(int, monitor_now.get(zmq.EVENTS)) & zmq.POLLIN:
                         parse_monitor_message(monitor_now.recv_multipart())  # only EVENT_DISCONNECTED is asked for
                         self.reconnected = True
                     try:
@@ -130,7 +131,7 @@ class RankSubscriber:
         if verdict == DUPLICATE:
             return
         restart = verdict == RESTART
-        if verify and not restart and not await self.same_run(expected - 1):
+        if verify and not restart and expected is not None and not await self.same_run(expected - 1):
             restart = True  # a new run whose sequence passed ours before we heard of it
             self.tracker.reset_to(seq)
         if restart:
@@ -156,7 +157,9 @@ class RankSubscriber:
         if self.replay_endpoint is None or self.last_digest is None:
             return False
         batches = await self.replay(seq)
-        return bool(batches) and batches[0][0] == seq and xxhash.xxh3_64_intdigest(batches[0][1]) == self.last_digest
+        if not batches:
+            return False
+        return batches[0][0] == seq and xxhash.xxh3_64_intdigest(batches[0][1]) == self.last_digest
 
     async def fill(self, start: int, live_seq: int, *, initial: bool) -> bool:
         """Replay from ``start`` and apply it. For a gap, the replay must cover

@@ -112,7 +112,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     for seconds, tokens, cached in PREFILL_COUNTERS:
         if seconds in sums and tokens in sums:
             m.prefill_s_total = sums[seconds]
-            m.prefill_tokens_total = sums[tokens] - sums.get(cached, 0.0)
+            m.prefill_tokens_total = sums[tokens] - (sums.get(cached, 0.0) if cached is not None else 0.0)
             break
     return m
 

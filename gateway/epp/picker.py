@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -357,7 +357,7 @@ async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendCl
     data plane. Envoy retries by itself, so this never raises an
     :class:`~gateway.errors.UpstreamError`; raises ``CancelledError`` when Envoy reset
     the stream."""
-    down: EppDownstream = ex.down  # type: ignore[assignment]
+    down = cast(EppDownstream, ex.down)  # the picker's streams answer through it
     stream = down.stream
     epp = state.cfg.listen.epp
     primary = client.state
@@ -418,7 +418,8 @@ def _on_response_headers(state: GatewayState, ex: director.Exchange, served: _Se
             settle.attempt_failed(state, served.backend, served.reservation, err)
             ex.attempts[-1] = (served.backend.name, ex.attempts[-1][1], err.reason)
             served.backend = other.state
-            served.reservation = state.core.reserve(ex.request, other.state, now)  # type: ignore[arg-type]
+            assert ex.request is not None  # routed before it was sent
+            served.reservation = state.core.reserve(ex.request, other.state, now)
             ex.backend = other.state.name
             ex.attempts.append((other.state.name, now, "started"))
     if status != 200:
@@ -430,8 +431,9 @@ def _on_response_headers(state: GatewayState, ex: director.Exchange, served: _Se
         settle.finish(state, ex, status)
     elif not state.cfg.listen.epp.response_body:
         settle.served(state, ex)
+    assert ex.decision is not None  # routed before it was sent
     return {BACKEND_HEADER: served.backend.name, REQUEST_ID_HEADER: ex.request_id,
-            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}  # type: ignore[arg-type]
+            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}
 
 
 def _on_response_body(state: GatewayState, ex: director.Exchange, served: _Served, chunk: bytes, end: bool) -> None:

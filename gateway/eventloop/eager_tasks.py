@@ -36,7 +36,7 @@ from typing import Any
 try:  # C-accelerated in CPython 3.11-3.13: the bookkeeping behind asyncio.current_task()
     from asyncio.tasks import _enter_task, _leave_task
 except ImportError:  # pragma: no cover - another interpreter: run the first step as a normal task does
-    _enter_task = _leave_task = None  # type: ignore[assignment]
+    _enter_task = _leave_task = None  # type: ignore[assignment]  # None: not available here
 
 
 class _Outcome:

@@ -19,6 +19,7 @@ import json
 import logging
 import subprocess
 import sys
+from typing import overload
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -50,7 +51,8 @@ def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, di
     spec = [b.simulate_spec() for b in backends if b.simulate]
     proc = subprocess.Popen([sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    line = proc.stdout.readline()  # type: ignore[union-attr]
+    assert proc.stdout is not None  # stdout=PIPE
+    line = proc.stdout.readline()
     try:
         urls = json.loads(line) if line else None
     except ValueError:
@@ -67,6 +69,10 @@ def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, di
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 
 
+@overload
+def _reachable(endpoint: str, host: str) -> str: ...
+@overload
+def _reachable(endpoint: None, host: str) -> None: ...
 def _reachable(endpoint: str | None, host: str) -> str | None:
     """A bound ZMQ address as a client reaches it: a wildcard host becomes ``host``."""
     if endpoint is None or not endpoint.startswith("tcp://"):
@@ -126,8 +132,9 @@ class DemoFleet:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None  # both PIPE
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)  # type: ignore[union-attr]
+            line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
             urls = json.loads(line) if line else None
         except (TimeoutError, ValueError):
             urls = None
@@ -135,7 +142,7 @@ class DemoFleet:
             # the child may have exited without being reaped yet: returncode says nothing
             if proc.returncode is None:
                 proc.kill()
-            err = await proc.stderr.read()  # type: ignore[union-attr]
+            err = await proc.stderr.read()
             await proc.wait()
             raise _failed(err)
         return cls(proc, urls)

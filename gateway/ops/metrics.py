@@ -13,6 +13,7 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -98,13 +99,13 @@ class RequestMetric(Collector):
         fam = self._family()
         for values, child in list(self._children.items()):
             if isinstance(child, _CounterChild):
-                fam.add_metric(values, child.value, created=child.created)
+                cast(CounterMetricFamily, fam).add_metric(values, child.value, created=child.created)
                 continue
             cumulative, buckets = 0, []
             for bound, n in zip((*self.bounds, math.inf), child.counts):
                 cumulative += n
                 buckets.append((_le(bound), cumulative))
-            fam.add_metric(values, buckets, child.sum)
+            cast(HistogramMetricFamily, fam).add_metric(values, buckets, child.sum)
             fam.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, values)), child.created))
         yield fam
 

@@ -206,10 +206,10 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
             reason = fallback_trigger(err, no_backend)
             chain = state.cfg.routing.fallbacks.get(parsed.model, ()) if reason is not None else ()
             nxt = next((f.model for f in chain if reason in f.on and f.model not in tried), None)
-            if nxt is None or not state.retry.within_budget(t0, state.loop.time()):
+            if nxt is None or reason is None or not state.retry.within_budget(t0, state.loop.time()):
                 return await settle.failed(state, ex, err, no_backend)
             m = state.metrics
-            m.child(m.fallbacks, ex.model, nxt, reason).inc()  # type: ignore[arg-type]
+            m.child(m.fallbacks, ex.model, nxt, reason).inc()
             log.info("request %s: model %s failed (%s); falling back to %s", ex.request_id, ex.model, reason, nxt)
             tried.append(nxt)
             ex.model, ex.fallback_reason = nxt, reason
@@ -286,7 +286,7 @@ async def _on_model(state: GatewayState, ex: Exchange,
     if plan.kind == "disaggregated":
         params = await prefill.run(state, ex, req)
         if params is not None:
-            ex.body = orjson.dumps({**ex.data, "kv_transfer_params": params})
+            ex.body = orjson.dumps({**(ex.data or ex.parsed.data), "kv_transfer_params": params})
             roles, remote = DECODE, True
         else:  # the prefill leg failed: a decode or mixed backend computes the prompt itself
             roles = SERVING

@@ -33,6 +33,16 @@ class ClientGone(Exception):
     """The client closed its connection while the response was being written."""
 
 
+class WriteSide(Protocol):
+    """What the SSE relay uses of a transport: a socket's, or :class:`_BodySink`."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+    def get_write_buffer_size(self) -> int: ...
+
+
 class Downstream(Protocol):
     """What the pipeline writes an answer to (see the module doc)."""
 
@@ -42,7 +52,7 @@ class Downstream(Protocol):
     keepalive: bool
 
     @property
-    def transport(self) -> asyncio.Transport | None: ...
+    def transport(self) -> WriteSide | None: ...
 
     def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None: ...
 
@@ -74,7 +84,7 @@ class AiohttpDownstream:
 
     @property
     def transport(self) -> asyncio.Transport | None:
-        return self.request.transport  # type: ignore[return-value]
+        return self.request.transport
 
     def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.response = web.Response(status=status, body=body, headers=headers)

@@ -48,7 +48,7 @@ async def run(state: GatewayState, ex: Exchange, base: RouteRequest) -> dict[str
     loop = state.loop
     policy = state.retry
     parsed = ex.parsed
-    body = _prefill_body(ex.data)
+    body = _prefill_body(ex.data or parsed.data)
     path = attempt.PATHS[parsed.endpoint]
     excluded: set[str] = set()
     started = loop.time()

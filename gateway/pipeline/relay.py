@@ -184,7 +184,7 @@ class StreamRelay:
         if idle_at is not None and now >= idle_at:
             self.up.abort(d.idle_error())
             return
-        at = min(idle_at or total_at, total_at or idle_at) if (idle_at or total_at) else None  # type: ignore[type-var]
+        at = min(idle_at or total_at, total_at or idle_at) if (idle_at or total_at) else None  # type: ignore[type-var]  # one is set
         if at is not None:
             self.timer = self.loop.call_at(at, self._arm)
 
@@ -209,7 +209,7 @@ def route_header(decision: Decision, fallback: str = "", fallback_reason: str = 
 def _answer_headers(ex: Exchange, up: Upstream, content_type: str) -> dict[str, str]:
     return {"Content-Type": up.headers.get("content-type", content_type), BACKEND_HEADER: ex.backend,
             REQUEST_ID_HEADER: ex.request_id,
-            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}  # type: ignore[arg-type]
+            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}  # type: ignore[arg-type]  # routed
 
 
 def _stream_headers(ex: Exchange, up: Upstream) -> dict[str, str]:

@@ -11,9 +11,10 @@ import asyncio
 import re
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from multidict import CIMultiDict
 
@@ -158,7 +159,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         self.write_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream protocol gets a Transport
         self.server.conns.add(self)
         self._arm_idle()
 
@@ -322,13 +323,15 @@ class DataPlaneProtocol(asyncio.Protocol):
         rid = request_id(headers)
         down = LeanDownstream(self, rid)
         arrival = self.loop.time()
+        payload: bytes | Callable[[], Awaitable[bytes]] = body
         if coding != "identity":
             raw, limit = body, server.max_body_bytes()
 
-            async def body() -> bytes:  # type: ignore[misc]
+            async def decoded() -> bytes:
                 return _decode(raw, coding, limit)
+            payload = decoded
         try:
-            await director.handle(server.state, endpoint, headers, body, down, arrival, rid)
+            await director.handle(server.state, endpoint, headers, payload, down, arrival, rid)
         except (asyncio.CancelledError, ClientGone):
             down.finished = False  # the client left: close
         finally:

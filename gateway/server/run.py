@@ -79,8 +79,9 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
         if picker is not None:
             await picker.drain()
         main = asyncio.current_task()
+        assert main is not None  # a coroutine runs in a task
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
-            loop.add_signal_handler(sig, main.cancel)  # type: ignore[union-attr]
+            loop.add_signal_handler(sig, main.cancel)
     finally:
         try:
             drain_s = app[STATE].cfg.lifecycle.drain_timeout_s

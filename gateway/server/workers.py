@@ -78,6 +78,7 @@ def run_workers(cfg, config_path: str, host: str, port: int, n: int, log_level: 
         if p.exitcode and not code:
             code = p.exitcode if p.exitcode > 0 else 0
     if demo is not None:
-        demo.stdin.close()
+        if demo.stdin is not None:
+            demo.stdin.close()
         demo.wait(10)
     return code

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway.config import Admission as AdmissionConfig
 from gateway.errors import ClientError, retry_later_headers
@@ -128,7 +128,7 @@ class _Waiter:
     key: str
     prompt_tokens: float
     weight: float
-    future: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    future: asyncio.Future[Charge]
 
 
 class AdmissionControl:

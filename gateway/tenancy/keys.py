@@ -22,7 +22,6 @@ from gateway.config import Auth, ClientKey
 from gateway.errors import ClientError, unknown_route
 
 ANONYMOUS = "anonymous"
-CALLER = web.RequestKey("caller", object)  # the authenticated Caller of a /v1/ request (aiohttp routes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +39,9 @@ class Caller:
     @property
     def weight(self) -> float:
         return self.key.weight if self.key is not None else 1.0
+
+
+CALLER = web.RequestKey("caller", Caller)  # the authenticated Caller of a /v1/ request (aiohttp routes)
 
 
 def bearer_digest(headers) -> bytes | None:

@@ -254,14 +254,14 @@ class LimiterSync(BackgroundSync):
             u.pending = {}
         svc = self.counters
         if svc is not None:
-            for k, v in svc.pending.items():
-                svc.publishing[k] = svc.publishing.get(k, 0.0) + v
+            for k, amount in svc.pending.items():
+                svc.publishing[k] = svc.publishing.get(k, 0.0) + amount
             svc.pending = {}
         try:
             pipe = client.pipeline(transaction=False)
             if svc is not None:  # first, so that the reads below keep their places from the end
-                for k, v in svc.publishing.items():
-                    pipe.hincrbyfloat(self.k_service, k, v)
+                for k, amount in svc.publishing.items():
+                    pipe.hincrbyfloat(self.k_service, k, amount)
                 pipe.expire(self.k_service, SERVICE_TTL_S)
                 pipe.hgetall(self.k_service)
             for name in names:
@@ -287,8 +287,8 @@ class LimiterSync(BackgroundSync):
                 u.publishing.pop(win, None)
                 u.add(win, v[0], v[1], True)
             if svc is not None:
-                for k, v in svc.publishing.items():
-                    svc.pending[k] = svc.pending.get(k, 0.0) + v
+                for k, amount in svc.publishing.items():
+                    svc.pending[k] = svc.pending.get(k, 0.0) + amount
                 svc.publishing = {}
             raise
         if svc is not None:

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import httptools
 
@@ -229,7 +229,7 @@ class Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream protocol gets a Transport
 
     def data_received(self, data: bytes) -> None:
         ex = self.exchange

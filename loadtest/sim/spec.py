@@ -308,10 +308,10 @@ class SimBackendConfig:
             raise ValueError(f"backend {self.name!r}: `speed` must be > 0")
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"backend {self.name!r}: `role` must be one of {ROLES}")
-        e = self.eos_after
-        if e is not None and not (isinstance(e, int) and e >= 1) and not (
-                isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) and x >= 1 for x in e)
-                and e[0] <= e[1]):
+        eos = self.eos_after
+        if eos is not None and not (isinstance(eos, int) and eos >= 1) and not (
+                isinstance(eos, list) and len(eos) == 2 and all(isinstance(x, int) and x >= 1 for x in eos)
+                and eos[0] <= eos[1]):
             raise ValueError(f"backend {self.name!r}: `eos_after` must be null, an int >= 1 or [lo, hi]")
         self.build_profile()  # ValueError for an unknown profile or bad overrides
 
