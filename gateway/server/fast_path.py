@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from multidict import CIMultiDict
 
@@ -25,7 +25,7 @@ from gateway.pipeline import director
 from gateway.pipeline.downstream import ClientGone
 
 if TYPE_CHECKING:
-    from gateway.server.listener import DataPlaneServer
+    from gateway.runtime import GatewayState
 
 _HOT = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
@@ -143,10 +143,25 @@ class LeanDownstream:
         self._write((b"%x\r\n%b\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
 
 
+class DataPlaneHost(Protocol):
+    """What a :class:`DataPlaneProtocol` needs of the server that accepted its connection
+    (:class:`gateway.server.listener.DataPlaneServer`), named here so that this module
+    does not import the listener back."""
+
+    conns: set[DataPlaneProtocol]  # the open connections, closed at shutdown
+    closing: bool  # shutting down: finish the request at hand, then close
+    aiohttp_server: Any  # makes the aiohttp protocol for a connection handed over
+
+    @property
+    def state(self) -> GatewayState: ...
+
+    def max_body_bytes(self) -> int: ...
+
+
 class DataPlaneProtocol(asyncio.Protocol):
     """One client connection (see the module doc)."""
 
-    def __init__(self, server: DataPlaneServer) -> None:
+    def __init__(self, server: DataPlaneHost) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None

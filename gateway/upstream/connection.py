@@ -1,7 +1,7 @@
 """One request and its response on one pooled keep-alive connection to a backend: the
 HTTP/1.1 client protocol (responses parsed by llhttp through ``httptools``) and the
 turns in which relayed streams' reads are handled. :mod:`gateway.upstream.client` owns the
-connections; callers see an :class:`Exchange`.
+connections (a :class:`ConnectionOwner` to them); callers see an :class:`Exchange`.
 """
 
 from __future__ import annotations
@@ -10,15 +10,12 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import httptools
 
 from gateway.errors import Disconnected, UpstreamError
 from gateway.eventloop.batched_writes import PerLoop
-
-if TYPE_CHECKING:
-    from gateway.upstream.client import UpstreamPool
 
 TURN_S = 0.001  # longest run of relayed reads between two polls of the loop (see RelayTurns)
 INLINE_PER_MS = 2  # relayed reads handled in their own callback per millisecond of loop time, before turns
@@ -205,13 +202,28 @@ class Exchange:
             conn.close()
 
 
+class ConnectionOwner(Protocol):
+    """What a :class:`Connection` needs of the pool that opened it
+    (:class:`gateway.upstream.client.UpstreamPool`), named here so that this module does
+    not import the client back."""
+
+    name: str  # the backend's, for errors
+    loop: asyncio.AbstractEventLoop
+
+    def put_back(self, conn: Connection) -> None:
+        """Keep ``conn`` for the next request (it finished a response and may be reused)."""
+
+    def forget(self, conn: Connection) -> None:
+        """Drop ``conn`` (it closed)."""
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive TCP connection to a backend, one request at a time."""
 
     __slots__ = ("pool", "loop", "transport", "parser", "exchange", "_status", "_headers", "idle_since",
                  "served", "got_bytes", "closed", "informational", "in_trailers", "pending", "turns")
 
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: ConnectionOwner) -> None:
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
