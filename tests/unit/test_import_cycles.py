@@ -1,4 +1,5 @@
-"""No import cycles among the project's modules, function-level imports included.
+"""No import cycles among the project's modules, function-level and ``TYPE_CHECKING``
+imports included.
 
 Every ``.py`` file of ``gateway``, ``routing`` and ``loadtest`` is parsed with :mod:`ast`
 (nothing is imported, so the check takes milliseconds) and every ``import x`` /
@@ -11,9 +12,12 @@ Every ``.py`` file of ``gateway``, ``routing`` and ``loadtest`` is parsed with :
   otherwise (``from gateway.server.app import STATE`` is an edge to ``gateway.server.app``);
 * relative imports are resolved against the importing module's package;
 * a package's ``__init__`` importing its own submodules is an edge like any other;
+* the body of an ``if TYPE_CHECKING:`` block counts like any other code: those imports
+  never run, but a module that needs another's type depends on it as much as one that
+  calls it, and two modules that name each other's types are one unit to read and to
+  change (:data:`COUNT_TYPE_CHECKING` switches this off);
 * imports of modules outside the project, ``from __future__`` and a module importing
-  itself are ignored, and so is the body of an ``if TYPE_CHECKING:`` block (its
-  ``else`` is not): those imports never run.
+  itself are ignored.
 
 The cycles are the strongly connected components of that graph with more than one
 module, found with Tarjan's algorithm (R. E. Tarjan, "Depth-first search and linear
@@ -36,6 +40,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "routing", "loadtest")
+# imports in ``if TYPE_CHECKING:`` bodies are edges too (see the module doc)
+COUNT_TYPE_CHECKING = True
 
 # --- the detector ---------------------------------------------------------------------------------
 
@@ -67,26 +73,27 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom node, at any depth, outside ``if TYPE_CHECKING:`` bodies."""
+def _import_nodes(tree: ast.AST, type_checking: bool):
+    """Every Import / ImportFrom node, at any depth; inside ``if TYPE_CHECKING:`` bodies
+    too when ``type_checking``."""
     todo = [tree]
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
             continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             todo.extend(node.orelse)
             continue
         todo.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(name: str, path: Path, is_package: bool, modules) -> set[str]:
+def imports_of(name: str, path: Path, is_package: bool, modules, type_checking: bool = True) -> set[str]:
     """The project modules that module ``name`` (file ``path``) imports anywhere."""
     tree = ast.parse(path.read_bytes(), filename=str(path))
     package = name if is_package else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in _import_nodes(tree):
+    for node in _import_nodes(tree, type_checking):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in modules:
@@ -112,9 +119,11 @@ def imports_of(name: str, path: Path, is_package: bool, modules) -> set[str]:
     return out
 
 
-def module_graph(root: Path, tops: tuple[str, ...] | None = None) -> dict[str, set[str]]:
+def module_graph(root: Path, tops: tuple[str, ...] | None = None, *,
+                 type_checking: bool = True) -> dict[str, set[str]]:
     modules = discover(root, tops)
-    return {name: imports_of(name, path, is_pkg, modules) for name, (path, is_pkg) in modules.items()}
+    return {name: imports_of(name, path, is_pkg, modules, type_checking)
+            for name, (path, is_pkg) in modules.items()}
 
 
 def tarjan_scc(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -215,10 +224,27 @@ def restrict(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def project_graph() -> dict[str, set[str]]:
-    return module_graph(ROOT, PACKAGES)
+    return module_graph(ROOT, PACKAGES, type_checking=COUNT_TYPE_CHECKING)
 
 
-@pytest.mark.parametrize("scope", ["gateway", "routing", "loadtest", "project"])
+# Cycles through TYPE_CHECKING imports that other branches of the reorganisation remove:
+# the request spine's (gateway.pipeline's steps and gateway.runtime importing each other
+# for Exchange and GatewayState) and routing's split (routing.fleet <-> routing.lora).
+# Drop a mark when its cycles are gone: strict xfail fails the run as soon as they are.
+_PIPELINE = "gateway.pipeline.{attempt,director,prefill,relay,settle} <-> gateway.runtime (the request spine branch)"
+_ROUTING = "routing.fleet <-> routing.lora (the routing split branch)"
+
+
+def _left_to(*owners: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(COUNT_TYPE_CHECKING, strict=True, reason="cycles left to: " + "; ".join(owners))
+
+
+@pytest.mark.parametrize("scope", [
+    pytest.param("gateway", marks=_left_to(_PIPELINE)),
+    pytest.param("routing", marks=_left_to(_ROUTING)),
+    "loadtest",
+    pytest.param("project", marks=_left_to(_PIPELINE, _ROUTING)),
+])
 def test_no_import_cycles(project_graph, scope):
     graph = project_graph if scope == "project" else restrict(project_graph, scope)
     assert graph, f"no modules found for {scope}"
@@ -247,14 +273,18 @@ def test_detector_resolution(tmp_path):
                               "if TYPE_CHECKING:\n    from pkg import a\nelse:\n    import pkg.sub\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "c.py").write_text("from __future__ import annotations\nfrom .. import b\nimport json\n")
-    assert module_graph(tmp_path, ("pkg",)) == {
+    assert module_graph(tmp_path, ("pkg",), type_checking=False) == {
         "pkg": {"pkg.a", "pkg.b"},
         "pkg.a": {"pkg.b", "pkg.sub.c"},
         "pkg.b": {"pkg.sub"},
         "pkg.sub": set(),
         "pkg.sub.c": {"pkg.b"},
     }
-    assert find_cycles(module_graph(tmp_path, ("pkg",))) == []
+    assert find_cycles(module_graph(tmp_path, ("pkg",), type_checking=False)) == []
+    # counted, the TYPE_CHECKING import closes a cycle
+    assert module_graph(tmp_path, ("pkg",))["pkg.b"] == {"pkg.a", "pkg.sub"}
+    assert find_cycles(module_graph(tmp_path, ("pkg",))) == ["pkg.a -> pkg.b -> pkg.a",
+                                                            "pkg.a -> pkg.sub.c -> pkg.b -> pkg.a"]
 
 
 def test_gateway_enters_routing_only_through_the_decision_core(project_graph):
