@@ -1,0 +1,243 @@
+"""The OpenAPI 3.1 document of the gateway's own HTTP API, served at ``GET /openapi.json``
+(:mod:`gateway.ops.admin` routes it): the OpenAI-compatible completions, the Files and
+Batches API, usage, health, metrics and the admin endpoints, with their error answers;
+and the same document without the admin endpoints, for a gateway without an admin key.
+It is data, kept apart from the handlers it describes so that they read as code.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _err(desc: str) -> dict:
+    return {"description": desc, "content": {"application/json": {"schema": _ERROR}}}
+
+
+_COMMON_ERRORS = {
+    "400": _err("malformed JSON or an invalid field"),
+    "401": _err("missing or wrong API key (when keys are configured)"),
+    "404": _err("unknown model"),
+    "413": _err("body over limits.max_body_bytes"),
+    "415": _err("not a JSON content type"),
+    "429": _err("a per-key limit; see Retry-After"),
+    "502": _err("the backends failed"),
+    "503": _err("no backend available or the fleet is saturated; see Retry-After"),
+    "504": _err("the backends timed out"),
+}
+
+_BATCH_STATUSES = ["validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired",
+                   "cancelled"]
+
+_STREAMING = {
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+}
+
+_USAGE_PARAMS = [
+    {"name": "model", "in": "query", "required": False, "description": "only this model's usage",
+     "schema": {"type": "string"}},
+    {"name": "since", "in": "query", "required": False,
+     "description": "Unix seconds or ISO 8601 (rounded down to its hour); default: 24 hours before `until`",
+     "schema": {"type": "string"}},
+    {"name": "until", "in": "query", "required": False,
+     "description": "Unix seconds or ISO 8601 (exclusive: hours that start before it); default: now",
+     "schema": {"type": "string"}},
+]
+
+OPENAPI = {
+    "openapi": "3.1.0",
+    "info": {"title": "turbo-gateway", "version": "0.1.0",
+             "description": "OpenAI-compatible gateway. Request bodies are forwarded byte for byte; only the fields "
+                            "below are validated, every other field passes through to the backend."},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                "type": "object", "required": ["message", "type"],
+                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                               "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+            "ChatCompletionRequest": {
+                "type": "object", "required": ["model", "messages"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "messages": {"type": "array", "minItems": 1, "items": {
+                                   "type": "object", "required": ["role"], "additionalProperties": True,
+                                   "properties": {"role": {"type": "string"}}}},
+                               **_STREAMING}},
+            "CompletionRequest": {
+                "type": "object", "required": ["model", "prompt"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1}]},
+                               **_STREAMING}},
+            "Model": {"type": "object", "required": ["id", "object"],
+                      "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                     "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
+            "Usage": {
+                "type": "object", "required": ["object", "since", "until", "data", "by_key_model", "totals"],
+                "description": "Usage ledger buckets (one per key, model and hour; `hour` is its start in Unix "
+                               "seconds), totals per key and model, and in all. `cost` is in the currency of "
+                               "`usage.prices` (0 for unpriced models).",
+                "properties": {"object": {"const": "usage"}, "since": {"type": "integer"},
+                               "until": {"type": "integer"},
+                               "data": {"type": "array", "items": {"type": "object"}},
+                               "by_key_model": {"type": "array", "items": {"type": "object"}},
+                               "totals": {"type": "object", "properties": {
+                                   "requests": {"type": "integer"}, "prompt_tokens": {"type": "integer"},
+                                   "cached_prompt_tokens": {"type": "integer"},
+                                   "completion_tokens": {"type": "integer"}, "errors": {"type": "integer"},
+                                   "total_tokens": {"type": "integer"}, "cost": {"type": "number"}}}}},
+            "AdminBatch": {
+                "type": "object", "required": ["id", "object", "status", "request_counts"],
+                "additionalProperties": True,
+                "description": "The OpenAI batch object plus `owner`, the name of the key that created it",
+                "properties": {
+                    "id": {"type": "string"}, "object": {"const": "batch"},
+                    "status": {"enum": _BATCH_STATUSES},
+                    "request_counts": {"type": "object", "properties": {
+                        "total": {"type": "integer"}, "completed": {"type": "integer"},
+                        "failed": {"type": "integer"}}},
+                    "owner": {"type": ["string", "null"]},
+                    "progress": {"type": "object", "description": "GET /admin/batches/{batch_id} only",
+                                 "properties": {"results_recorded": {"type": "integer"},
+                                                "in_flight": {"type": "integer"},
+                                                "enqueued": {"type": "integer"},
+                                                "to_enqueue": {"type": ["integer", "null"]},
+                                                "closing": {"type": ["string", "null"]}}},
+                    "queue": {"type": "object", "description": "GET /admin/batches/{batch_id} only: the line "
+                                                               "queue all batches share",
+                              "properties": {"length": {"type": "integer"}, "pending": {"type": "integer"},
+                                             "lag": {"type": ["integer", "null"]},
+                                             "consumers": {"type": "array", "items": {
+                                                 "type": "object", "properties": {
+                                                     "name": {"type": "string"}, "pending": {"type": "integer"},
+                                                     "idle_ms": {"type": "integer"}}}}}}}},
+        },
+    },
+    "security": [{"bearer": []}],
+    "paths": {
+        "/v1/chat/completions": {"post": {
+            "operationId": "createChatCompletion",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
+            "responses": {"200": {"description": "a chat completion (JSON) or a stream (text/event-stream)"},
+                          **_COMMON_ERRORS}}},
+        "/v1/completions": {"post": {
+            "operationId": "createCompletion",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
+            "responses": {"200": {"description": "a completion (JSON) or a stream (text/event-stream)"},
+                          **_COMMON_ERRORS}}},
+        "/v1/models": {"get": {"operationId": "listModels", "responses": {
+            "200": {"description": "the served models", "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"object": {"const": "list"}, "data": {
+                    "type": "array", "items": {"$ref": "#/components/schemas/Model"}}}}}}},
+            "401": _COMMON_ERRORS["401"]}}},
+        "/v1/models/{model}": {"get": {
+            "operationId": "retrieveModel",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "one model", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Model"}}}},
+                "401": _COMMON_ERRORS["401"], "404": _COMMON_ERRORS["404"]}}},
+        "/health": {"get": {"operationId": "health", "security": [],
+                            "responses": {"200": {"description": "the process serves"}}}},
+        "/ready": {"get": {"operationId": "ready", "security": [],
+                           "responses": {"200": {"description": "a backend passed its health check"},
+                                         "503": {"description": "no healthy backend"}}}},
+        "/metrics": {"get": {"operationId": "metrics", "security": [],
+                             "responses": {"200": {"description": "Prometheus text format"}}}},
+        "/openapi.json": {"get": {"operationId": "openapi", "security": [],
+                                  "responses": {"200": {"description": "this document"}}}},
+        "/admin/backends": {"get": {"operationId": "adminBackends", "responses": {
+            "200": {"description": "backend status"}, "401": _COMMON_ERRORS["401"],
+            "404": _err("admin endpoints are off (no admin key configured)")}}},
+        "/admin/backends/{name}/drain": {"post": {
+            "operationId": "adminDrain",
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the backend takes no new requests"},
+                          "401": _COMMON_ERRORS["401"], "404": _err("unknown backend, or admin off")}}},
+        "/admin/backends/{name}/undrain": {"post": {
+            "operationId": "adminUndrain",
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the backend takes requests again"},
+                          "401": _COMMON_ERRORS["401"], "404": _err("unknown backend, or admin off")}}},
+        "/admin/reload": {"post": {"operationId": "adminReload", "responses": {
+            "200": {"description": "reloaded"}, "400": _err("the new config was rejected; the old one stays"),
+            "401": _COMMON_ERRORS["401"], "404": _err("admin endpoints are off"),
+            "409": _err("not started from a config file")}}},
+        "/admin/usage": {"get": {
+            "operationId": "adminUsage",
+            "parameters": _USAGE_PARAMS + [{"name": "key", "in": "query", "required": False,
+                                            "description": "only this key name's usage", "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "every key's usage", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Usage"}}}},
+                "400": _err("a bad since or until"), "401": _COMMON_ERRORS["401"],
+                "404": _err("admin endpoints are off"), "503": _err("the usage ledger's Redis is unreachable")}}},
+        "/v1/usage": {"get": {
+            "operationId": "ownUsage",
+            "parameters": _USAGE_PARAMS,
+            "responses": {"200": {"description": "the calling key's own usage", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Usage"}}}},
+                "400": _err("a bad since or until"), "401": _COMMON_ERRORS["401"],
+                "403": _err("`key` names another key"), "503": _err("the usage ledger's Redis is unreachable")}}},
+        "/admin/batches": {"get": {
+            "operationId": "adminListBatches",
+            "parameters": [
+                {"name": "status", "in": "query", "required": False,
+                 "description": "only batches in these statuses (repeat it, or separate with commas)",
+                 "schema": {"type": "string"}},
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 20}},
+                {"name": "after", "in": "query", "required": False,
+                 "description": "a batch id: the page starts after it", "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "every caller's batches, newest first", "content": {"application/json": {
+                    "schema": {"type": "object", "properties": {
+                        "object": {"const": "list"},
+                        "data": {"type": "array", "items": {"$ref": "#/components/schemas/AdminBatch"}},
+                        "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
+                        "has_more": {"type": "boolean"}}}}}},
+                "400": _err("a bad status, limit or after"), "401": _COMMON_ERRORS["401"],
+                "404": _err("admin endpoints are off, or the batch API is not enabled")}}},
+        "/admin/batches/{batch_id}": {"get": {
+            "operationId": "adminRetrieveBatch",
+            "parameters": [{"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "the batch with its progress and the queue's consumers",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AdminBatch"}}}},
+                "401": _COMMON_ERRORS["401"],
+                "404": _err("unknown batch, admin endpoints off, or the batch API not enabled")}}},
+        "/admin/batches/{batch_id}/cancel": {"post": {
+            "operationId": "adminCancelBatch",
+            "parameters": [{"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "cancelling (or already cancelled), whoever owns it",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AdminBatch"}}}},
+                "401": _COMMON_ERRORS["401"],
+                "404": _err("unknown batch, admin endpoints off, or the batch API not enabled"),
+                "409": _err("the batch is finalizing or finished (batch_not_cancellable)")}}},
+    },
+}
+OPENAPI_BYTES = orjson.dumps(OPENAPI)
+
+
+def _without_admin(doc: dict) -> dict:
+    """``doc`` without the ``/admin/`` paths and the schemas only they use."""
+    paths = {p: v for p, v in doc["paths"].items() if not p.startswith("/admin/")}
+    schemas = doc["components"]["schemas"]
+    keep: set[str] = set()
+    text = orjson.dumps(paths).decode()
+    while True:
+        more = {n for n in schemas if n not in keep and f"#/components/schemas/{n}" in text}
+        if not more:
+            break
+        keep |= more
+        text = orjson.dumps([schemas[n] for n in more]).decode()
+    return {**doc, "paths": paths,
+            "components": {**doc["components"], "schemas": {n: v for n, v in schemas.items() if n in keep}}}
+
+
+OPENAPI_NO_ADMIN_BYTES = orjson.dumps(_without_admin(OPENAPI))
