@@ -3,23 +3,21 @@ gateways can live in one test process).
 
 Names follow Prometheus conventions (base units: seconds, tokens) under the
 ``turbo_gateway_`` prefix. Per-backend gauges are read from the fleet at scrape time,
-so the request path pays nothing for them.
+so the request path pays nothing for them; its own counters and histograms are
+:mod:`gateway.ops.request_metrics`'.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from bisect import bisect_left
-from collections.abc import Iterator, Sequence
-from typing import cast
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
 
+from gateway.ops.request_metrics import Counter, Histogram
 from routing.core import Fleet, PrefixIndex
 
 # TTFT and end-to-end buckets span a cached short prompt (ms) to a long prefill under
@@ -27,104 +25,6 @@ from routing.core import Fleet, PrefixIndex
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
-
-
-class _CounterChild:
-    __slots__ = ("value", "created")
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self.created = time.time()
-
-    def inc(self, amount: float = 1.0) -> None:
-        """Add ``amount`` (>= 0; raises ``ValueError`` otherwise, as prometheus_client does)."""
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        self.value += amount
-
-
-class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum", "created")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
-        self.sum = 0.0
-        self.created = time.time()
-
-    def observe(self, value: float) -> None:
-        """Count ``value`` (seconds) in the first bucket whose upper bound is >= it."""
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-
-class RequestMetric(Collector):
-    """A labelled counter or histogram of the request path, exposed exactly as
-    ``prometheus_client.Counter`` / ``Histogram`` are (``NAME_total`` and ``NAME_created``;
-    ``NAME_bucket``, ``NAME_count``, ``NAME_sum`` and ``NAME_created``), but kept as plain
-    floats updated by the event-loop thread, which is also the only one that renders them.
-
-    Why not prometheus_client's own: its ``inc`` takes a lock and three Python calls, and
-    its ``observe`` walks the bucket list in Python, and the request path makes a dozen
-    updates per request. ``labels(*values)`` returns the child (``inc(amount)`` or
-    ``observe(seconds)``); raises ``ValueError`` on a wrong number of label values.
-    """
-
-    def __init__(self, kind: str, name: str, documentation: str, labelnames: Sequence[str],
-                 registry: CollectorRegistry, buckets: Sequence[float] = ()) -> None:
-        self.kind, self.name, self.documentation = kind, name, documentation
-        self.labelnames = tuple(labelnames)
-        self.bounds = tuple(float(b) for b in buckets if b != math.inf)
-        self._children: dict[tuple[str, ...], _CounterChild | _HistogramChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _CounterChild | _HistogramChild:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: expected {len(self.labelnames)} label values, got {len(values)}")
-        values = tuple(str(v) for v in values)
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = _CounterChild() if self.kind == "counter" else _HistogramChild(self.bounds)
-        return child
-
-    def describe(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
-        yield self._family()
-
-    def _family(self) -> CounterMetricFamily | HistogramMetricFamily:
-        if self.kind == "counter":
-            return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
-    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
-        fam = self._family()
-        for values, child in list(self._children.items()):
-            if isinstance(child, _CounterChild):
-                cast(CounterMetricFamily, fam).add_metric(values, child.value, created=child.created)
-                continue
-            cumulative, buckets = 0, []
-            for bound, n in zip((*self.bounds, math.inf), child.counts):
-                cumulative += n
-                buckets.append((_le(bound), cumulative))
-            cast(HistogramMetricFamily, fam).add_metric(values, buckets, child.sum)
-            fam.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, values)), child.created))
-        yield fam
-
-
-def _le(bound: float) -> str:
-    """A bucket bound as prometheus_client writes it (``0.005``, ``1.0``, ``+Inf``)."""
-    return "+Inf" if bound == math.inf else repr(float(bound))
-
-
-def Counter(name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> RequestMetric:
-    """A labelled request-path counter registered in ``registry`` (see :class:`RequestMetric`)."""
-    return RequestMetric("counter", name, documentation, labelnames, registry)
-
-
-def Histogram(name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
-              registry: CollectorRegistry) -> RequestMetric:
-    """A labelled request-path histogram with upper bounds ``buckets`` (seconds; +Inf is
-    added) registered in ``registry`` (see :class:`RequestMetric`)."""
-    return RequestMetric("histogram", name, documentation, labelnames, registry, buckets)
 
 
 class _FleetCollector(Collector):

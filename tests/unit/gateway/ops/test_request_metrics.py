@@ -1,4 +1,4 @@
-"""The request path's counters and histograms (gateway.ops.metrics.RequestMetric) render
+"""The request path's counters and histograms (gateway.ops.request_metrics.RequestMetric) render
 exactly as prometheus_client's own Counter and Histogram do."""
 
 import re
