@@ -10,7 +10,7 @@ turn, the receiver wakes once for several (the measurements: docs/results/cpu_pr
 What goes through here: whole responses (``LeanDownstream.respond``), the close that
 may follow them, and the request of a non-streamed completion to its backend. What
 does not: anything of a stream before its first token (the TTFT), and the relay (whose
-writes already go out back to back in :class:`gateway.upstream.connection.RelayTurns`).
+writes already go out back to back in :class:`gateway.upstream.relay_turns.RelayTurns`).
 
 Order: a transport's queued writes and its queued close go out in the order queued;
 ``flush()`` sends everything queued at once (before a connection changes hands).

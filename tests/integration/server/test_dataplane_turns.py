@@ -2,7 +2,7 @@
 
 - a stream whose status, headers and first event arrive in one read is answered from
   inside that read (``UpstreamPool.request(on_ready=...)``, ``Proxy._open_stream``);
-- relayed reads wait for their turn (``gateway.upstream.connection.RelayTurns``) and still reach
+- relayed reads wait for their turn (``gateway.upstream.relay_turns.RelayTurns``) and still reach
   the client byte-exact and in order, also when the backend closes right after;
 - the listening socket accepts every queued connection, not one per loop turn.
 
