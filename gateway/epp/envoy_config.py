@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 from gateway.config import GatewayConfig, load_config
-from gateway.epp.picker import COMPLETION_PATHS, DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE, UPSTREAM_ADDRESS
+from gateway.epp.ext_proc import COMPLETION_PATHS, DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE, UPSTREAM_ADDRESS
 from gateway.upstream.client import endpoint_of
 
 _T = "type.googleapis.com/envoy.extensions"

@@ -30,6 +30,9 @@ A subset hint (filter metadata ``envoy.lb.subset_hint`` /
 ``x-gateway-destination-endpoint-subset``, a list of ``ip:port``) limits the choice to
 those endpoints. The gRPC health service reports ``liveness``, ``readiness`` and the
 ext_proc service name.
+
+The protocol's names and message helpers are :mod:`gateway.epp.ext_proc`; what the
+response phase's messages teach, and its settlement, :mod:`gateway.epp.response_phase`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ import logging
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -48,92 +50,28 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
-from gateway.errors import (
-    BACKEND_HEADER,
-    REQUEST_ID_HEADER,
-    SHOULD_RETRY_HEADER,
-    ClientError,
-    ProxyRetried,
-    error_body,
-    request_id,
+from gateway.epp.ext_proc import (
+    COMPLETION_PATHS,
+    DESTINATION,
+    HEADERS_UNCHANGED,
+    LB_NAMESPACE,
+    SERVICE,
+    UNCHANGED,
+    header_option,
+    headers_of,
+    subset_hint,
 )
+from gateway.epp.response_phase import Served, on_response_body, on_response_headers, settle_end
+from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, error_body, request_id
 from gateway.pipeline import director, settle
 from gateway.pipeline.downstream import ClientGone
-from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole_usage
-from routing.core import BackendState, Reservation
+from routing.core import Reservation
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
     from gateway.upstream.client import BackendClient
 
 log = logging.getLogger("gateway.epp.picker")
-
-SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-DESTINATION = "x-gateway-destination-endpoint"
-SERVED = "x-gateway-destination-endpoint-served"
-SUBSET = "x-gateway-destination-endpoint-subset"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-UPSTREAM_ADDRESS = "upstream.address"  # the ext_proc response attribute naming the endpoint that answered
-COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_MAX_WHOLE_BYTES = 4 * 1024 * 1024  # a whole answer's bytes kept to read its usage
-
-
-def _headers(msg: Any) -> CIMultiDict:
-    out: CIMultiDict = CIMultiDict()
-    for h in msg.headers.headers:
-        out.add(h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
-    return out
-
-
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-
-
-def _struct_str(s: Any, *path: str) -> str | None:
-    """The string at ``path`` in a ``google.protobuf.Struct`` map, or ``None``."""
-    for i, key in enumerate(path):
-        if key not in s.fields:
-            return None
-        v = s.fields[key]
-        if i == len(path) - 1:
-            if v.HasField("string_value"):
-                return v.string_value
-            if v.HasField("list_value"):
-                return ",".join(x.string_value for x in v.list_value.values if x.HasField("string_value"))
-            return None
-        if not v.HasField("struct_value"):
-            return None
-        s = v.struct_value
-    return None
-
-
-def subset_hint(msg: Any) -> list[str] | None:
-    """The endpoints of the request's subset hint (``None`` when it has none)."""
-    md = msg.metadata_context.filter_metadata
-    if SUBSET_NAMESPACE not in md:
-        return None
-    value = _struct_str(md[SUBSET_NAMESPACE], SUBSET)
-    if value is None:
-        return None
-    return [e.strip() for e in value.split(",") if e.strip()]
-
-
-def served_endpoint(msg: Any) -> str | None:
-    """The endpoint that answered, from a response-phase message: the metadata the
-    protocol names, else Envoy's ``upstream.address`` attribute."""
-    md = msg.metadata_context.filter_metadata
-    if LB_NAMESPACE in md:
-        value = _struct_str(md[LB_NAMESPACE], SERVED)
-        if value:
-            return value
-    for attrs in msg.attributes.values():
-        value = _struct_str(attrs, UPSTREAM_ADDRESS)
-        if value:
-            return value
-    return None
-
 
 class EppDownstream:
     """The :class:`~gateway.pipeline.downstream.Downstream` of a request picked for
@@ -195,7 +133,7 @@ class EppStream:
         body = bytearray()
         self.body_read = True
         if not self.duplex:  # Envoy sends the buffered body once its headers are answered
-            await self.context.write(_HEADERS_UNCHANGED)
+            await self.context.write(HEADERS_UNCHANGED)
         while True:
             msg = await self.read()
             if msg is None:
@@ -218,7 +156,7 @@ class EppStream:
         if first is None or first.WhichOneof("request") != "request_headers":
             return
         arrival = state.loop.time()
-        self.headers = headers = _headers(first.request_headers)
+        self.headers = headers = headers_of(first.request_headers)
         rid = request_id(headers)
         if first.HasField("protocol_config"):
             mode = first.protocol_config.request_body_mode
@@ -277,8 +215,8 @@ class EppStream:
 
     async def immediate(self, status: int, body: bytes, headers: dict[str, str], rid: str) -> None:
         """Answer the client from here (Envoy sends no request upstream)."""
-        mutation = pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers.items()] +
-                                     [_header(REQUEST_ID_HEADER, rid)])
+        mutation = pb.HeaderMutation(set_headers=[header_option(k, v) for k, v in headers.items()] +
+                                     [header_option(REQUEST_ID_HEADER, rid)])
         await self.context.write(pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status), headers=mutation, body=body)))
 
@@ -289,9 +227,9 @@ class EppStream:
         body (when it had one)."""
         md = struct_pb2.Struct()
         md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = ",".join(endpoints)
-        sets = [_header(DESTINATION, endpoints[0])] + [_header(k, v) for k, v in set_headers.items()]
+        sets = [header_option(DESTINATION, endpoints[0])] + [header_option(k, v) for k, v in set_headers.items()]
         if self.body_read:
-            sets.append(_header("content-length", str(len(body))))
+            sets.append(header_option("content-length", str(len(body))))
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets, remove_headers=list(remove)),
                                    clear_route_cache=True)
         if not self.body_read:
@@ -315,37 +253,13 @@ class EppStream:
         stream, and the picker ends its side without waiting for that close."""
         kind = msg.WhichOneof("request")
         if kind == "response_headers":
-            mutation = pb.HeaderMutation(set_headers=[_header(k, v) for k, v in response_headers.items()])
+            mutation = pb.HeaderMutation(set_headers=[header_option(k, v) for k, v in response_headers.items()])
             await self.context.write(pb.ProcessingResponse(
                 response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))))
             return False
-        if (ack := _UNCHANGED.get(kind)) is not None:
+        if (ack := UNCHANGED.get(kind)) is not None:
             await self.context.write(ack)
         return kind == "response_trailers" or (kind == "response_body" and msg.response_body.end_of_stream)
-
-
-# The answers that let a message go on unchanged, built once: they never vary, and each
-# would otherwise be constructed per message (per response chunk with response bodies on).
-_UNCHANGED = {
-    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
-    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
-    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
-}
-_HEADERS_UNCHANGED = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-
-
-class _Served:
-    """Where a handed-off request stands in its response phase."""
-
-    __slots__ = ("backend", "reservation", "status", "scan", "whole", "settled")
-
-    def __init__(self, backend: BackendState, reservation: Reservation) -> None:
-        self.backend = backend
-        self.reservation = reservation
-        self.status = 0
-        self.scan: StreamScan | None = None
-        self.whole: bytearray | None = None
-        self.settled = False
 
 
 async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendClient,
@@ -372,101 +286,33 @@ async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendCl
     remove = () if client.auth_header else ("authorization",)  # the caller's key is not the backend's
     await stream.forward(endpoints, sets, ex.body, remove)
     down.started = True
-    served = _Served(primary, reservation)
+    served = Served(primary, reservation)
     try:
         while (msg := await stream.read()) is not None:
             kind = msg.WhichOneof("request")
             extra: dict[str, str] = {}
             if kind == "response_headers":
-                extra = _on_response_headers(state, ex, served, msg)
+                extra = on_response_headers(state, ex, served, msg)
             elif kind == "response_body" and not served.settled:
-                _on_response_body(state, ex, served, msg.response_body.body, msg.response_body.end_of_stream)
+                on_response_body(state, ex, served, msg.response_body.body, msg.response_body.end_of_stream)
             if await stream.acknowledge(msg, extra):
                 break
         if not served.settled:  # Envoy closed its side before the body's end
             if served.status == 200 and not epp.response_body:
-                _settle_end(state, ex, served)  # without body processing, that is how a response ends
+                settle_end(state, ex, served)  # without body processing, that is how a response ends
             else:
                 served.settled = True
                 settle.client_left(state, ex, served.backend.name)
     except asyncio.CancelledError:
         if not served.settled:
             if served.status == 200 and not epp.response_body:
-                _settle_end(state, ex, served)  # without body processing, a reset is how a response ends
+                settle_end(state, ex, served)  # without body processing, a reset is how a response ends
             else:
                 served.settled = True
                 settle.client_left(state, ex, served.backend.name)
         raise
     finally:
         served.reservation.release(state.loop.time())
-
-
-def _on_response_headers(state: GatewayState, ex: director.Exchange, served: _Served, msg: Any) -> dict[str, str]:
-    """The response's head: who served it, its status. Returns the headers added to
-    the client's answer."""
-    status_text = next((h.raw_value.decode() if h.raw_value else h.value
-                        for h in msg.response_headers.headers.headers if h.key == ":status"), "0")
-    served.status = status = int(status_text) if status_text.isdigit() else 0
-    now = state.loop.time()
-    endpoint = served_endpoint(msg)
-    client = state.clients.get(served.backend.name)
-    if endpoint and client is not None and endpoint != client.endpoint:
-        other = next((c for c in state.clients.values() if c.endpoint == endpoint), None)
-        if other is not None:  # Envoy retried elsewhere: the chosen backend failed before answering
-            err = ProxyRetried(served.backend.name, f"backend {served.backend.name} failed; Envoy retried on "
-                                                    f"{other.state.name}")
-            settle.attempt_failed(state, served.backend, served.reservation, err)
-            ex.attempts[-1] = (served.backend.name, ex.attempts[-1][1], err.reason)
-            served.backend = other.state
-            assert ex.request is not None  # routed before it was sent
-            served.reservation = state.core.reserve(ex.request, other.state, now)
-            ex.backend = other.state.name
-            ex.attempts.append((other.state.name, now, "started"))
-    if status != 200:
-        served.settled = True
-        served.reservation.outcome(status < 500 and status != 0, now)
-        served.reservation.release(now)
-        if status >= 500 or status == 0:
-            state.metrics.child(state.metrics.upstream_errors, served.backend.name, "backend_status").inc()
-        settle.finish(state, ex, status)
-    elif not state.cfg.listen.epp.response_body:
-        settle.served(state, ex)
-    assert ex.decision is not None  # routed before it was sent
-    return {BACKEND_HEADER: served.backend.name, REQUEST_ID_HEADER: ex.request_id,
-            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}
-
-
-def _on_response_body(state: GatewayState, ex: director.Exchange, served: _Served, chunk: bytes, end: bool) -> None:
-    """A chunk of a 200 response's body: the first token of a stream, its events and
-    ``usage``; a whole answer's bytes."""
-    if ex.parsed.stream:
-        if served.scan is None:
-            if not chunk and not end:
-                return
-            settle.first_byte(state, ex, served.reservation, state.loop.time())
-            served.scan = ex.scan = StreamScan()
-        served.scan.feed(chunk)
-    else:
-        if served.whole is None:
-            served.whole = bytearray()
-        if len(served.whole) + len(chunk) <= _MAX_WHOLE_BYTES:
-            served.whole += chunk
-    if end:
-        _settle_end(state, ex, served)
-
-
-def _settle_end(state: GatewayState, ex: director.Exchange, served: _Served) -> None:
-    """A 200 response ended: settle it with what its body showed (nothing, without
-    body processing)."""
-    served.settled = True
-    if served.scan is not None:
-        settle.completed(state, ex, served.reservation, served.scan.usage, served.scan.content_events)
-    else:
-        if ex.served is None:
-            settle.first_byte(state, ex, None, state.loop.time())
-        usage = whole_usage(bytes(served.whole)) if served.whole else None
-        settle.completed(state, ex, served.reservation, usage, 0, whole=True)
-    settle.finish(state, ex, 200)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):

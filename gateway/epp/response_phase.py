@@ -1,0 +1,105 @@
+"""The response phase of a request the endpoint picker handed to Envoy
+(:func:`gateway.epp.picker.hand_off` reads the messages): what Envoy's response
+messages tell about the attempt, and the settlement they lead to. The served endpoint
+tells whether Envoy retried elsewhere (the chosen backend then failed: its breaker
+hears it and the reservation moves to the one that served); the status settles
+failures; with ``listen.epp.response_body`` the body gives the first token's time and
+the final ``usage``. A response is settled once (:attr:`Served.settled`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gateway.epp.ext_proc import served_endpoint
+from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, ProxyRetried
+from gateway.pipeline import director, settle
+from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole_usage
+from routing.core import BackendState, Reservation
+
+if TYPE_CHECKING:
+    from gateway.runtime import GatewayState
+
+MAX_WHOLE_BYTES = 4 * 1024 * 1024  # a whole answer's bytes kept to read its usage
+
+
+class Served:
+    """Where a handed-off request stands in its response phase."""
+
+    __slots__ = ("backend", "reservation", "status", "scan", "whole", "settled")
+
+    def __init__(self, backend: BackendState, reservation: Reservation) -> None:
+        self.backend = backend
+        self.reservation = reservation
+        self.status = 0
+        self.scan: StreamScan | None = None
+        self.whole: bytearray | None = None
+        self.settled = False
+
+
+def on_response_headers(state: GatewayState, ex: director.Exchange, served: Served, msg: Any) -> dict[str, str]:
+    """The response's head: who served it, its status. Returns the headers added to
+    the client's answer."""
+    status_text = next((h.raw_value.decode() if h.raw_value else h.value
+                        for h in msg.response_headers.headers.headers if h.key == ":status"), "0")
+    served.status = status = int(status_text) if status_text.isdigit() else 0
+    now = state.loop.time()
+    endpoint = served_endpoint(msg)
+    client = state.clients.get(served.backend.name)
+    if endpoint and client is not None and endpoint != client.endpoint:
+        other = next((c for c in state.clients.values() if c.endpoint == endpoint), None)
+        if other is not None:  # Envoy retried elsewhere: the chosen backend failed before answering
+            err = ProxyRetried(served.backend.name, f"backend {served.backend.name} failed; Envoy retried on "
+                                                    f"{other.state.name}")
+            settle.attempt_failed(state, served.backend, served.reservation, err)
+            ex.attempts[-1] = (served.backend.name, ex.attempts[-1][1], err.reason)
+            served.backend = other.state
+            assert ex.request is not None  # routed before it was sent
+            served.reservation = state.core.reserve(ex.request, other.state, now)
+            ex.backend = other.state.name
+            ex.attempts.append((other.state.name, now, "started"))
+    if status != 200:
+        served.settled = True
+        served.reservation.outcome(status < 500 and status != 0, now)
+        served.reservation.release(now)
+        if status >= 500 or status == 0:
+            state.metrics.child(state.metrics.upstream_errors, served.backend.name, "backend_status").inc()
+        settle.finish(state, ex, status)
+    elif not state.cfg.listen.epp.response_body:
+        settle.served(state, ex)
+    assert ex.decision is not None  # routed before it was sent
+    return {BACKEND_HEADER: served.backend.name, REQUEST_ID_HEADER: ex.request_id,
+            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}
+
+
+def on_response_body(state: GatewayState, ex: director.Exchange, served: Served, chunk: bytes, end: bool) -> None:
+    """A chunk of a 200 response's body: the first token of a stream, its events and
+    ``usage``; a whole answer's bytes."""
+    if ex.parsed.stream:
+        if served.scan is None:
+            if not chunk and not end:
+                return
+            settle.first_byte(state, ex, served.reservation, state.loop.time())
+            served.scan = ex.scan = StreamScan()
+        served.scan.feed(chunk)
+    else:
+        if served.whole is None:
+            served.whole = bytearray()
+        if len(served.whole) + len(chunk) <= MAX_WHOLE_BYTES:
+            served.whole += chunk
+    if end:
+        settle_end(state, ex, served)
+
+
+def settle_end(state: GatewayState, ex: director.Exchange, served: Served) -> None:
+    """A 200 response ended: settle it with what its body showed (nothing, without
+    body processing)."""
+    served.settled = True
+    if served.scan is not None:
+        settle.completed(state, ex, served.reservation, served.scan.usage, served.scan.content_events)
+    else:
+        if ex.served is None:
+            settle.first_byte(state, ex, None, state.loop.time())
+        usage = whole_usage(bytes(served.whole)) if served.whole else None
+        settle.completed(state, ex, served.reservation, usage, 0, whole=True)
+    settle.finish(state, ex, 200)
