@@ -7,7 +7,9 @@ that drain it through the gateway's routing at a lower priority.
 | :mod:`~gateway.batch.api` | ``/v1/files`` and ``/v1/batches`` handlers |
 | :mod:`~gateway.batch.manager` | the life cycle: validate + enqueue, finalize, expire, cancel |
 | :mod:`~gateway.batch.batch_gate` | the batch priority class (interactive TTFT SLO, maximum share) |
-| :mod:`~gateway.batch.worker` | consumers (``XREADGROUP``/``XAUTOCLAIM``), retries, senders |
+| :mod:`~gateway.batch.worker` | consumers (``XREADGROUP``/``XAUTOCLAIM``), retries |
+| :mod:`~gateway.batch.senders` | how a consumer sends a line: over HTTP, or in process |
+| :mod:`~gateway.batch.output_lines` | the lines of output and error files, and their ``usage`` |
 | :mod:`~gateway.batch.cli` | ``python -m gateway.batch`` (consumers) and ``... run`` (local mode) |
 
 :func:`setup_batch` is the only thing the app calls.
@@ -54,7 +56,8 @@ def setup_batch(app: web.Application, cfg) -> None:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     from gateway.batch.api import BATCH
-    from gateway.batch.worker import Consumer, LocalSender
+    from gateway.batch.senders import LocalSender
+    from gateway.batch.worker import Consumer
 
     rt = app[BATCH]
     tasks = rt.tasks

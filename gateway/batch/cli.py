@@ -41,7 +41,8 @@ log = logging.getLogger("gateway.batch")
 
 def _consumer_main(argv: list[str]) -> int:
     from gateway.batch.job_store import BatchStore
-    from gateway.batch.worker import Consumer, HttpSender
+    from gateway.batch.senders import HttpSender
+    from gateway.batch.worker import Consumer
     from gateway.config import ConfigError, load_config
 
     ap = argparse.ArgumentParser(
@@ -185,7 +186,9 @@ def _run_main(argv: list[str]) -> int:
 
 async def run_local(raw: bytes, args: argparse.Namespace) -> int:
     from gateway.batch.manager import parse_input
-    from gateway.batch.worker import HttpSender, output_line, run_with_retries
+    from gateway.batch.output_lines import output_line
+    from gateway.batch.senders import HttpSender
+    from gateway.batch.worker import run_with_retries
     from gateway.pipeline.retry import RetryPolicy
 
     out_path = Path(args.output)

@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from gateway.batch.job_store import ENDPOINTS, FINAL, BatchStore
-from gateway.batch.worker import output_line
+from gateway.batch.output_lines import output_line
 from gateway.errors import reason
 from gateway.store.background_sync import BackgroundSync, raise_if_cancel_swallowed
 

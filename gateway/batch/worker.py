@@ -9,16 +9,9 @@ live consumer. A consumer told to stop takes no new line, gives the lines in fli
 another consumer takes them at once rather than after the visibility timeout. Why
 streams, and how exactly-once output follows: :mod:`gateway.batch.job_store`.
 
-Each line is sent by a *sender*: :class:`HttpSender` posts it to a gateway with
-``x-turbo-priority: batch`` (``python -m gateway.batch`` on any machine);
-:class:`LocalSender` hands it to this gateway's own proxy (in-process workers). Both
-pass the same admission gate (:mod:`gateway.batch.batch_gate`). The usage ledger
-(:mod:`gateway.tenancy.usage_ledger`) counts a line sent by :class:`LocalSender` under its batch's
-owner, and one posted by :class:`HttpSender` under the key the consumer authenticates
-with (the gateway knows no other caller).
-
-A line's result is recorded with its ``usage`` (:func:`line_usage`), which the batch
-object sums exactly once per line, as OpenAI's batch ``usage`` does.
+Each line is sent by a *sender* (:mod:`gateway.batch.senders`). A line's result is
+recorded with its ``usage`` (:func:`gateway.batch.output_lines.line_usage`), which the
+batch object sums exactly once per line, as OpenAI's batch ``usage`` does.
 
 Per line: up to ``max_attempts`` attempts of at most ``request_timeout_s`` each,
 full-jitter exponential backoff between them (:class:`gateway.pipeline.retry.RetryPolicy`);
@@ -44,11 +37,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.batch.batch_gate import DEFERRED_CODE, PRIORITY_HEADER
+from gateway.batch.batch_gate import DEFERRED_CODE
 from gateway.batch.job_store import GROUP, BatchStore
+from gateway.batch.output_lines import line_usage, output_line
 from gateway.config import Batch
 from gateway.errors import reason
-from gateway.pipeline import director
 from gateway.pipeline.retry import RetryPolicy
 from gateway.store.background_sync import raise_if_cancel_swallowed
 from gateway.tenancy.keys import ANONYMOUS
@@ -57,55 +50,6 @@ log = logging.getLogger("gateway.batch")
 
 RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
 _STATUS_TTL_S = 0.25
-Answer = tuple[int, dict[str, str], bytes]
-
-
-class HttpSender:
-    """Posts lines to a gateway (``base_url`` without ``/v1``)."""
-
-    def __init__(self, base_url: str, timeout_s: float, *, priority: bool = True, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.headers = {"Content-Type": "application/json"}
-        if priority:
-            self.headers[PRIORITY_HEADER] = "batch"
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
-        self.session: aiohttp.ClientSession | None = None
-
-    async def send(self, url: str, body: bytes, request_id: str, key_name: str | None = None) -> Answer:
-        """POST the line; ``key_name`` is ignored (the gateway counts the consumer's key)."""
-        if self.session is None:
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        async with self.session.post(self.base_url + url, data=body, timeout=self.timeout,
-                                     headers={**self.headers, "x-request-id": request_id}) as resp:
-            data = await resp.read()
-            return resp.status, dict(resp.headers), data
-
-    async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-
-
-class LocalSender:
-    """Sends lines through this gateway's own gate and pipeline (no HTTP hop)."""
-
-    def __init__(self, state, gate, timeout_s: float) -> None:
-        self.state = state
-        self.gate = gate
-        self.timeout_s = timeout_s
-
-    async def send(self, url: str, body: bytes, request_id: str, key_name: str | None = None) -> Answer:
-        """Serve the line in process, its usage counted under ``key_name`` (the batch's
-        owner; ``anonymous`` when ``None``)."""
-        endpoint = "chat" if url == "/v1/chat/completions" else "completions"
-        async with asyncio.timeout(self.timeout_s):
-            return await director.collect(self.state, endpoint, body, request_id, key_name or ANONYMOUS)
-
-    async def close(self) -> None:
-        return None
 
 
 def _error_code(body: bytes) -> str | None:
@@ -114,34 +58,6 @@ def _error_code(body: bytes) -> str | None:
         return obj["error"].get("code") if isinstance(obj, dict) and isinstance(obj.get("error"), dict) else None
     except (orjson.JSONDecodeError, AttributeError, TypeError):
         return None
-
-
-def output_line(custom_id: str | None, status: int | None, request_id: str | None, body: Any,
-                error: dict[str, Any] | None) -> bytes:
-    """One line of an OpenAI batch output or error file."""
-    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
-    return orjson.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
-                         "error": error})
-
-
-def line_usage(line: bytes) -> tuple[int, int, int, int]:
-    """(input, cached input, output, reasoning) tokens of an output line whose response
-    body carries an OpenAI ``usage`` (``prompt_tokens``, ``prompt_tokens_details.
-    cached_tokens``, ``completion_tokens``, ``completion_tokens_details.
-    reasoning_tokens``); zeros for what it lacks."""
-    try:
-        usage = orjson.loads(line)["response"]["body"]["usage"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return 0, 0, 0, 0
-    if not isinstance(usage, dict):
-        return 0, 0, 0, 0
-
-    def n(obj: Any, name: str) -> int:
-        v = obj.get(name) if isinstance(obj, dict) else None
-        return v if isinstance(v, int) and v > 0 else 0
-
-    return (n(usage, "prompt_tokens"), n(usage.get("prompt_tokens_details"), "cached_tokens"),
-            n(usage, "completion_tokens"), n(usage.get("completion_tokens_details"), "reasoning_tokens"))
 
 
 def consumer_name() -> str:
