@@ -1,5 +1,8 @@
 """Batch job state and the line queue in Redis; file contents on disk.
 
+Past 400 lines on purpose: the key layout, the Lua scripts and the store's methods that
+run them are one design, explained below, and change together.
+
 Why Redis Streams with a consumer group (rather than lists or sorted sets)
 --------------------------------------------------------------------------
 Every input line is one stream entry (``XADD``). Consumers on any machine read with
