@@ -21,6 +21,7 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -410,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     cmd = {"run": cmd_run, "compare": cmd_compare, "overhead": cmd_overhead}[args.cmd]
+    runner: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
         runner = uvloop.run

@@ -147,6 +147,7 @@ async def _phase(name: str, http: aiohttp.ClientSession, url: str, cfg_path: Pat
     elapsed = time.perf_counter() - t0
     after = (await _batch_counts(http, url, bid))["request_counts"]["completed"] if bid else 0
     if consumer is not None:
+        assert bid is not None  # the consumer drains that batch
         async with http.post(f"{url}/v1/batches/{bid}/cancel") as r:
             await r.read()
         consumer.send_signal(signal.SIGTERM)

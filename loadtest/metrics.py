@@ -151,7 +151,7 @@ def meets_slo(r: RequestRecord, slo_ms: dict[str, float]) -> bool:
     if not r.ok:
         return False
     values = {"ttft": r.ttft_s if r.ttft_s is not None else r.e2e_s, "tpot": r.tpot_s or 0.0, "e2el": r.e2e_s}
-    return all(values[k] is not None and values[k] * 1000.0 <= v for k, v in slo_ms.items())
+    return all((x := values[k]) is not None and x * 1000.0 <= v for k, v in slo_ms.items())
 
 
 def _stats(prefix: str, xs_s: list[float], percentiles: Iterable[float]) -> dict[str, float]:

@@ -48,7 +48,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import yaml
@@ -469,7 +469,7 @@ class _Conn(asyncio.Protocol):
         self.tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream protocol gets a Transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -1059,6 +1059,7 @@ def print_tables(args, results: dict[str, dict[str, Any]], calibration: list[dic
                   f"| {fmt(r['other_cores'])} | {fmt(r['machine_busy_cores'])} of {r['ncores']} "
                   f"| {fmt(r['gateway_cpu_s_per_1k'], '{:.3f}')} | {r['error_text']}{note} |")
         for mode, ratio in workers.get("ratio", {}).items():
+            assert ncores is not None  # every workers run records its cores
             r2 = next(r for r in runs if r.get("state") == mode and r["workers"] == 2)
             left = (r2.get("backend_cores") or 0) + (r2.get("wrk_cores") or 0) + (r2.get("valkey_cores") or 0)
             other = r2.get("other_cores") or 0

@@ -158,8 +158,9 @@ async def _drive(urls: list[str], n: int, concurrency: int, stream: bool, tokens
             out.first_error = out.first_error or f"batch timed out after {timeout_s} s"
             out.errors += n - out.requests - out.errors
         out.wall_s = time.perf_counter() - t0
-        if c0 is not None and out.wall_s > 0:
-            out.core0_busy = (_core0_cpu() - c0) / out.wall_s
+        c1 = _core0_cpu()
+        if c0 is not None and c1 is not None and out.wall_s > 0:
+            out.core0_busy = (c1 - c0) / out.wall_s
         k1 = core_busy(PROXY_CORE)
         if k0 is not None and k1 is not None and out.wall_s > 0:
             out.core1_other = max(0.0, (k1 - k0) - (_proxy_cpu(proxy_pid) - p0)) / out.wall_s
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     client_cpus = {CLIENT_CORE} if pinned else None
     proxy_cpus = {PROXY_CORE} if pinned else None
     if pinned:
-        os.sched_setaffinity(0, client_cpus)  # the load generator; the backends inherit it
+        os.sched_setaffinity(0, {CLIENT_CORE})  # the load generator; the backends inherit it
 
     proxies = all_proxies()
     if args.targets:
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 c0 = procs.tree_cpu_seconds(proc.pid) if proc else None
                 b = _run(_drive(urls, args.requests, 64, stream, tokens, args.batch_timeout,
                                 proxy_pid=proc.pid if proc else None))
-                cpu = procs.tree_cpu_seconds(proc.pid) - c0 if proc else None
+                cpu = procs.tree_cpu_seconds(proc.pid) - c0 if proc and c0 is not None else None
                 by = cpu_split(proc.pid if proc else None, by0, b.requests)
                 s1 = _served(zero_urls)
                 split = [y - x for x, y in zip(s0, s1)]

@@ -43,6 +43,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from loadtest.replay import (
     APPROXIMATE,
@@ -100,12 +101,14 @@ def direct_clients_trace(args: argparse.Namespace, rate: float, fleet: list[Flee
                                   args.question_len, args.output_len, rate * (1 - share), args.seed)
     direct = shared_prefix_trace(args.direct_tenants, n_direct, args.system_prompt_len, args.question_len,
                                  args.output_len, rate * share, args.seed + DIRECT_SEED_OFFSET)
-    offset = max(h for r in gateway for h in r.hash_ids)  # type: ignore[union-attr]
+    offset = max(h for r in gateway for h in r.hash_ids or ())  # these traces are made of blocks
     sys_blocks = args.system_prompt_len // TRACE_BLOCK_TOKENS
     for r in direct:
-        tenant = (r.hash_ids[0] - 1) // sys_blocks  # type: ignore[index]
+        hash_ids = r.hash_ids
+        assert hash_ids is not None  # likewise
+        tenant = (hash_ids[0] - 1) // sys_blocks
         r.direct_backend = fleet[tenant % len(fleet)].name
-        r.hash_ids = [h + offset for h in r.hash_ids]  # type: ignore[union-attr]
+        r.hash_ids = [h + offset for h in hash_ids]
     return sorted(gateway + direct, key=lambda r: r.arrival_s)
 
 
@@ -130,6 +133,7 @@ def http_request(name: str, r: TraceRequest, i: int, system_blocks: int) -> tupl
     a conversation-trace request as one user message (the prompt words of
     :func:`loadtest.traces.trace_prompt_text`)."""
     if name in (SHARED_PREFIX, DIRECT_CLIENTS):
+        assert r.hash_ids is not None  # these traces are made of blocks
         system = "".join(block_words(h) for h in r.hash_ids[:system_blocks])
         question = trace_prompt_text(TraceRequest(0.0, r.input_tokens - system_blocks * TRACE_BLOCK_TOKENS, 1,
                                                   r.hash_ids[system_blocks:]), i)
@@ -181,7 +185,7 @@ def _job(job: tuple) -> tuple[tuple, dict]:
         evidence, spec = MODES[kind]
         recs = replay(reqs, "estimated_ttft", fleet, seed=args.seed, evidence=evidence,
                       speculative_s=args.speculative_s if spec is None else spec, cpu=cpu)
-    s = summarize(recs, args.ttft_slo, args.tpot_slo)
+    s: dict[str, Any] = summarize(recs, args.ttft_slo, args.tpot_slo)
     gateway_requests = sum(1 for r in recs if not r.direct)
     s.update({k: v / gateway_requests * 1e6 for k, v in cpu.items()})
     if gateway_requests < len(recs):

@@ -157,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"label": label, **r}
             if args.callgrind:
                 instr = {part: _child(checkout, path, part, 1, True)[1] for part in ("load", "kv", "all")}
-                if None not in instr.values():
-                    row["kv_instr"] = (instr["kv"] - instr["load"]) / n
-                    row["route_instr"] = (instr["all"] - instr["kv"]) / n
+                load, kv, whole = instr["load"], instr["kv"], instr["all"]
+                if load is not None and kv is not None and whole is not None:
+                    row["kv_instr"] = (kv - load) / n
+                    row["route_instr"] = (whole - kv) / n
             rows.append(row)
     title = args.workload + (f" at {args.rate:g} req/s" if args.workload == "shared_prefix" else "")
     print(f"\n## The router alone on the precise replay of {title} ({n} requests), per request\n")

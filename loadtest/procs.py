@@ -194,6 +194,7 @@ def start_zero(output_tokens: int = 16, timeout_s: float = 30.0, ttft_ms: float 
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
     import selectors
 
+    assert proc.stdout is not None  # started with stdout=PIPE
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     try:

@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loadtest.sim.engine import Engine, prompt_block_hashes
 from loadtest.sim.kv_event_publisher import encode_batch
@@ -65,7 +66,7 @@ from loadtest.traces import (  # noqa: F401
     scale_time,
 )
 from routing import POLICIES, BackendSpec, BackendState, NoBackendAvailable, RouteRequest
-from routing.core import DecisionCore
+from routing.core import DecisionCore, Reservation
 from routing.estimate import TokenEstimator
 from routing.load import RemoteLoad
 from routing.policies.base import Decision
@@ -159,7 +160,7 @@ class OracleTTFT(EstimatedTTFT):
             f = self.truth(b.name)
             if f > 0:
                 matched[b.name] = f * per_block
-        request.matched_blocks = matched  # type: ignore[assignment]  (fractional blocks: exact tokens)
+        request.matched_blocks = matched  # type: ignore[assignment]  # fractional blocks: exact tokens
         decision = super().choose(request, candidates)
         decision.policy = ORACLE
         return decision
@@ -273,7 +274,7 @@ def make_policy_seeded(name: str, rng: random.Random):
         takes_rng = "rng" in inspect.signature(cls).parameters
     except (TypeError, ValueError):
         takes_rng = False
-    return cls(rng=rng) if takes_rng else cls()
+    return cls(rng=rng) if takes_rng else cls()  # type: ignore[call-arg]  # rng: when its signature has it
 
 
 Watch = Callable[[str, float, dict[str, Engine]], None]
@@ -335,9 +336,9 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         raise KeyError(f"unknown replay policy {policy!r}; known: {', '.join(REPLAY_POLICIES)}")
     if evidence not in EVIDENCE:
         raise ValueError(f"unknown evidence {evidence!r}; known: {', '.join(EVIDENCE)}")
-    unknown = {r.direct_backend for r in reqs} - {None} - {m.name for m in fleet}
+    unknown = {r.direct_backend for r in reqs if r.direct_backend is not None} - {m.name for m in fleet}
     if unknown:
-        raise ValueError(f"direct_backend {', '.join(sorted(unknown))} not in the fleet "  # type: ignore[arg-type]
+        raise ValueError(f"direct_backend {', '.join(sorted(unknown))} not in the fleet "
                          f"({', '.join(m.name for m in fleet)})")
     oracle = policy == ORACLE
     precise = evidence == PRECISE
@@ -350,14 +351,14 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     # computed; the current request's engine block hashes, per block size.
     pending_blocks: dict[str, collections.Counter[int]] = {m.name: collections.Counter() for m in fleet}
     req_blocks: dict[int, tuple[str, list[int]]] = {}
-    current: dict[str, object] = {"hashes": {}, "tokens": 1}
+    current: dict[str, Any] = {"hashes": {}, "tokens": 1}  # {"hashes": {block size: hashes}, "tokens": n}
 
     def truth(name: str) -> float:
         if name in down:
             return 0.0
         eng = engines[name]
-        hashes: list[int] = current["hashes"][eng.block_size]  # type: ignore[index]
-        n_max = (current["tokens"] - 1) // eng.block_size  # type: ignore[operator]
+        hashes: list[int] = current["hashes"][eng.block_size]
+        n_max = (current["tokens"] - 1) // eng.block_size
         pend = pending_blocks[name]
         n = 0
         while True:
@@ -367,7 +368,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             if m == n:
                 break
             n = m
-        return n * eng.block_size / current["tokens"]  # type: ignore[operator]
+        return n * eng.block_size / current["tokens"]
 
     def make_gateway(k: int) -> tuple[DecisionCore, TokenEstimator]:
         specs = [BackendSpec(m.name, frozenset({"m"}),
@@ -383,16 +384,16 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     gateways = [make_gateway(k) for k in range(replicas)]
     busy = {m.name: False for m in fleet}
     records: list[Record] = [Record(r.arrival_s, direct=r.direct_backend is not None) for r in reqs]
-    reservations: dict[str, tuple[object, TokenEstimator]] = {}
+    reservations: dict[str, tuple[Reservation, TokenEstimator]] = {}
     excluded: dict[int, set[str]] = {}
     retry_rng = random.Random(seed)
-    events: list[tuple[float, int, str, object]] = []
+    events: list[tuple[float, int, str, Any]] = []  # the payload's type follows the kind
     # (visible at, seq, from, backend, hashes)
     blocks_in_flight: list[tuple[float, int, int, str, tuple[int, ...]]] = []
     seq = 0
     pending = len(reqs)
 
-    def push(t: float, kind: str, payload: object) -> None:
+    def push(t: float, kind: str, payload: Any) -> None:
         nonlocal seq
         seq += 1
         heapq.heappush(events, (t, seq, kind, payload))
@@ -506,9 +507,11 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         """Request ``i`` from a client outside the gateway: straight to its engine."""
         nonlocal pending
         r, rec = reqs[i], records[i]
+        name = r.direct_backend
+        assert name is not None  # dispatch() sends only those here
         tokens, _ = request_tokens_and_text(r, i)
-        rec.backend, rec.prompt_tokens, rec.output_tokens = r.direct_backend, len(tokens), r.output_tokens
-        error = "connection refused" if r.direct_backend in down else submit(i, r.direct_backend, tokens, t)
+        rec.backend, rec.prompt_tokens, rec.output_tokens = name, len(tokens), r.output_tokens
+        error = "connection refused" if name in down else submit(i, name, tokens, t)
         if error is not None:
             rec.error = error
             pending -= 1
@@ -578,8 +581,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             if records[i].backend != name:
                 continue
             del reservations[rid]
-            res.outcome(False, t)  # type: ignore[attr-defined]
-            res.release(t)  # type: ignore[attr-defined]
+            res.outcome(False, t)
+            res.release(t)
             fail(i, t, name, "backend restarted mid-stream", retry=True)
         for i, rec in enumerate(records):  # direct clients' requests in flight there are lost
             if rec.direct and rec.backend == name and rec.end is None and rec.error is None:
@@ -632,9 +635,9 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             if pending:
                 push(t + SCRAPE_INTERVAL_S, "scrape", None)
         elif kind == "arrival":
-            dispatch(payload, t)  # type: ignore[arg-type]
+            dispatch(payload, t)
         elif kind == "step":
-            name, eng, outs, kv = payload  # type: ignore[misc]
+            name, eng, outs, kv = payload
             if engines[name] is not eng:
                 continue  # the engine restarted during this step: its outputs never arrive
             if kv:
@@ -643,39 +646,41 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             for out in outs:
                 i = int(out.req_id[1:])
                 rec = records[i]
-                res, estimator = reservations.get(out.req_id, (None, None))  # None: a direct client's request
+                routed = reservations.get(out.req_id)  # None: a direct client's request
                 if out.new_token_ids:
                     if rec.first_token is None:
                         rec.first_token = t
                         rec.cached_tokens = out.num_cached_tokens
-                        if res is not None:
-                            res.first_token(t)  # type: ignore[attr-defined]
+                        if routed is not None:
+                            routed[0].first_token(t)
                         forget_pending(i)
                     rec.generated += len(out.new_token_ids)
                 if out.finished:
                     rec.end = t
                     pending -= 1
                     forget_pending(i)
-                    if res is not None:
-                        res.outcome(True, t)  # type: ignore[attr-defined]
-                        res.release(t, rec.generated)  # type: ignore[attr-defined]
+                    if routed is not None:
+                        res, estimator = routed
+                        res.outcome(True, t)
+                        res.release(t, rec.generated)
                         del reservations[out.req_id]
-                        estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN,  # type: ignore[union-attr]
+                        estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN,
                                                 rec.prompt_tokens, rec.generated)
             spent["route_s"] += clock() - c0
             start_step(name, t)
         elif kind == "restart_start":
-            restart(payload, t)  # type: ignore[arg-type]
+            restart(payload, t)
         elif kind == "restart_end":
-            back_up(payload, t)  # type: ignore[arg-type]
+            back_up(payload, t)
         elif kind == "slow_start":
-            eng = engines[payload]  # type: ignore[index]
-            slow_speed[payload] = eng.speed  # type: ignore[index]
-            eng.speed = eng.speed / scenario.slowdown  # type: ignore[union-attr]
+            assert scenario is not None  # only a scenario pushes it
+            eng = engines[payload]
+            slow_speed[payload] = eng.speed
+            eng.speed = eng.speed / scenario.slowdown
             if watch:
                 watch("slow_start", t, engines)
         elif kind == "slow_end":
-            engines[payload].speed = slow_speed.pop(payload)  # type: ignore[index]
+            engines[payload].speed = slow_speed.pop(payload)
             if watch:
                 watch("slow_end", t, engines)
         elif kind == "gateway_restart_start":
@@ -696,7 +701,7 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float,
-              cold_from: float = -math.inf, direct: bool = False) -> dict[str, float]:
+              cold_from: float = -math.inf, direct: bool = False) -> dict[str, Any]:
     """TTFT / TPOT / e2e statistics (vLLM benchmark definitions: TPOT = (e2e - TTFT) /
     (output tokens - 1)), throughput, goodput at the SLO, prefix hit ratio, imbalance,
     and (not floats) ``share``: per backend, the fraction of requests it served last,
@@ -708,19 +713,20 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float,
     records = [r for r in records if r.direct == direct]
     if not records:
         raise ValueError(f"no {'direct clients' if direct else 'gateway'} requests to summarize")
-    done = [r for r in records if r.end is not None and r.first_token is not None]
-    ttft = [r.first_token - r.arrival for r in done]
-    tpot = [(r.end - r.first_token) / (r.generated - 1) for r in done if r.generated > 1]
-    e2e = [r.end - r.arrival for r in done]
-    span = max(r.end for r in done) - min(r.arrival for r in records) if done else float("nan")
-    good = sum(1 for r in done if r.first_token - r.arrival <= ttft_slo_s and
-               (r.generated <= 1 or (r.end - r.first_token) / (r.generated - 1) <= tpot_slo_s))
+    # the completed ones, with their first token's and their end's times
+    done = [(r, r.first_token, r.end) for r in records if r.end is not None and r.first_token is not None]
+    ttft = [first - r.arrival for r, first, _ in done]
+    tpot = [(end - first) / (r.generated - 1) for r, first, end in done if r.generated > 1]
+    e2e = [end - r.arrival for r, _, end in done]
+    span = max(end for _, _, end in done) - min(r.arrival for r in records) if done else float("nan")
+    good = sum(1 for r, first, end in done if first - r.arrival <= ttft_slo_s and
+               (r.generated <= 1 or (end - first) / (r.generated - 1) <= tpot_slo_s))
     by_backend: dict[str, int] = {}
     count: dict[str, int] = {}
     for r in records:
         by_backend[r.backend] = by_backend.get(r.backend, 0) + r.prompt_tokens - r.cached_tokens
         count[r.backend] = count.get(r.backend, 0) + 1
-    prompt = sum(r.prompt_tokens for r in done)
+    prompt = sum(r.prompt_tokens for r, _, _ in done)
     first = sorted((r for r in records if r.arrival >= cold_from), key=lambda r: r.arrival)[:COLD_START_REQUESTS]
     first_ttft = [r.first_token - r.arrival for r in first if r.end is not None and r.first_token is not None]
     cold_start = {"requests": len(first), "ttft_mean_s": statistics.fmean(first_ttft) if first_ttft else float("nan"),
@@ -733,13 +739,13 @@ def summarize(records: list[Record], ttft_slo_s: float, tpot_slo_s: float,
         "ttft_p99_s": _pct(ttft, 99),
         "tpot_mean_s": statistics.fmean(tpot) if tpot else float("nan"), "tpot_p99_s": _pct(tpot, 99),
         "e2e_mean_s": statistics.fmean(e2e) if e2e else float("nan"), "e2e_p99_s": _pct(e2e, 99),
-        "throughput_tok_s": sum(r.generated for r in done) / span, "request_rate": len(done) / span,
+        "throughput_tok_s": sum(r.generated for r, _, _ in done) / span, "request_rate": len(done) / span,
         "goodput_req_s": good / span, "slo_attainment": good / len(records),
-        "hit_ratio": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
-        "predicted_hit_ratio": sum(r.predicted_cached for r in done) / prompt if prompt else 0.0,
+        "hit_ratio": sum(r.cached_tokens for r, _, _ in done) / prompt if prompt else 0.0,
+        "predicted_hit_ratio": sum(r.predicted_cached for r, _, _ in done) / prompt if prompt else 0.0,
         "prefill_imbalance": max(by_backend.values()) / statistics.fmean(by_backend.values()),
-        "share": {k: v / len(records) for k, v in sorted(count.items())},  # type: ignore[dict-item]
-        "cold_start": cold_start,  # type: ignore[dict-item]
+        "share": {k: v / len(records) for k, v in sorted(count.items())},
+        "cold_start": cold_start,
     }
 
 
@@ -799,7 +805,7 @@ def _job(args: tuple) -> tuple[str, str, dict, float]:
     cold_from = scenario.start if scenario is not None and scenario.kind == "gateway_restart" else -math.inf
     summary = summarize(recs, ttft_slo, tpot_slo, cold_from)
     if scenario is not None:
-        summary["phases"] = scenario_phases(recs, scenario)  # type: ignore[assignment]
+        summary["phases"] = scenario_phases(recs, scenario)
     return trace, policy, summary, time.process_time() - t0
 
 
@@ -929,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((tr, CEILING, n, scale))
         for p in policies:
             jobs.append((tr, p, n, scale))
-    work = []
+    work: list[tuple] = []
     for tr, p, n, scale in jobs:
         if p == "unloaded":  # round robin at 1/20 of the load, no scenario: the unloaded reference
             work.append((tr, "round_robin", n // 4, scale * 20, fleet_names, args.ttft_slo, args.tpot_slo, args.seed,
@@ -962,6 +968,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = scale_time(load_trace(tr, block["requests"]), block["time_scale"])
             scenario = make_scenario(scen[0], reqs, fleet, backend=scen[1], at=scen[2], duration_s=scen[3],
                                      slowdown=scen[4])
+            assert scenario is not None  # scen names one
             block["scenario"] = dataclasses.asdict(scenario)
             print(f"scenario {scenario.kind}: {scenario.describe()}")
         if rr and unloaded:
@@ -975,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
         cold = "after the gateway restart" if scen and scen[0] == "gateway_restart" else "of the run"
         print(f"\nthe first {COLD_START_REQUESTS} requests {cold} (cold start), share per backend and mean TTFT:\n")
         print(format_cold_start_table(list(pol.items()), backends))
-        if scen:
+        if scen and scenario is not None:
             print(f"\nrequests by arrival before / during / after the {scenario.kind} window:\n")
             print(format_phase_table(list(pol.items()), scenario))
         print("\ncpu s per row: " + ", ".join(f"{p} {s['cpu_s']:.1f}" for p, s in pol.items()))

@@ -41,10 +41,11 @@ def _stats(ttft: list[float], tpot: list[float], e2e: list[float]) -> dict[str, 
 def offline(n: int, scale: float, max_input: int) -> dict[str, float]:
     reqs = rp.scale_time(rp.load_trace("mooncake_conversation", n, max_input_tokens=max_input), scale)
     fleet = [dataclasses.replace(m, name=f"sim-{i}") for i, m in enumerate(rp.make_fleet(FLEET))]
-    recs = [r for r in rp.replay(reqs, "estimated_ttft", fleet) if r.end is not None and r.first_token is not None]
-    return _stats([r.first_token - r.arrival for r in recs],
-                  [(r.end - r.first_token) / (r.generated - 1) for r in recs if r.generated > 1],
-                  [r.end - r.arrival for r in recs])
+    done = [(r.arrival, r.first_token, r.end, r.generated) for r in rp.replay(reqs, "estimated_ttft", fleet)
+            if r.end is not None and r.first_token is not None]
+    return _stats([first - arrival for arrival, first, _, _ in done],
+                  [(end - first) / (n - 1) for _, first, end, n in done if n > 1],
+                  [end - arrival for arrival, _, end, _ in done])
 
 
 def realtime(n: int, scale: float, max_input: int) -> dict[str, float]:

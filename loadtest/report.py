@@ -89,7 +89,7 @@ def machine_context(argv: list[str] | None = None) -> dict[str, Any]:
     """Where and how the benchmark ran: machine (platform, CPU model and count,
     memory), Python, library versions, GPU (``nvidia-smi``), the client checkout's
     commit, the command line and the UTC start time."""
-    libs = {}
+    libs: dict[str, str | None] = {}
     for name in LIBRARIES:
         try:
             libs[name] = importlib.metadata.version(name)
@@ -363,9 +363,9 @@ def make_plots(doc: dict[str, Any], out_dir: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         backends = sorted({b for s in ln["backend_samples"] for b in s["backends"]})
         for b in backends:
-            pts = [(s["t_s"], s["backends"][b].get("in_flight", 0.0)) for s in ln["backend_samples"]
+            steps = [(s["t_s"], s["backends"][b].get("in_flight", 0.0)) for s in ln["backend_samples"]
                    if b in s["backends"]]
-            ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=b)
+            ax.step([p[0] for p in steps], [p[1] for p in steps], where="post", label=b)
         ax.set_xlabel("time since run start (s)")
         ax.set_ylabel("requests in flight (turbo_gateway_backend_in_flight)")
         ax.set_title(f"Per-backend load: {ln['target']['label']} @ {run['label']}")

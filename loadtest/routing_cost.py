@@ -252,7 +252,7 @@ def part_tokenize(path: str | None = None) -> None:
                                turns)):
         cells = []
         for cache in (0, 1 << 21):
-            runs = []
+            runs: list[float] = []
             for _ in range(3):
                 tok = load_tokenizer(path, cache_tokens=cache + len(runs) * (cache > 0))  # a fresh, empty cache
                 runs.append(_tokenize_us(tok, reqs)[0])

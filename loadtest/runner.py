@@ -381,9 +381,9 @@ async def run_load(targets: list[Target], workloads: list[Workload], load: LoadS
                 await run.phase(list(range(len(lanes))), None)
             else:
                 while not all(run.exhausted) and time.perf_counter() < run.send_deadline:
-                    for lane in range(len(lanes)):
-                        if not run.exhausted[lane] and time.perf_counter() < run.send_deadline:
-                            await run.phase([lane], batch_size)
+                    for i in range(len(lanes)):
+                        if not run.exhausted[i] and time.perf_counter() < run.send_deadline:
+                            await run.phase([i], batch_size)
         finally:
             stop.set()
             await asyncio.gather(*samplers, return_exceptions=True)

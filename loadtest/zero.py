@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
@@ -46,7 +48,7 @@ def make_app(default_tokens: int = 16, ttft_s: float = 0.0, itl_s: float = 0.0) 
             loop = asyncio.get_running_loop()
             fut = tick["fut"] = loop.create_future()
             tick["at"] = at = max(loop.time(), tick["at"] + itl_s)
-            loop.call_at(at, lambda f: f.done() or f.set_result(None), fut)
+            loop.call_at(at, _resolve, fut)
         await fut
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -117,6 +119,11 @@ def make_app(default_tokens: int = 16, ttft_s: float = 0.0, itl_s: float = 0.0) 
     return app
 
 
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def _serve(port: int, tokens: int, exit_on_eof: bool, ttft_s: float = 0.0, itl_s: float = 0.0) -> None:
     runner = web.AppRunner(make_app(tokens, ttft_s, itl_s), access_log=None)
     await runner.setup()
@@ -129,8 +136,9 @@ async def _serve(port: int, tokens: int, exit_on_eof: bool, ttft_s: float = 0.0,
         loop.add_signal_handler(sig, stop.set)
 
     def watch() -> None:
+        stdin = cast(io.BufferedReader, sys.stdin.buffer)
         try:
-            while sys.stdin.buffer.read1(4096):
+            while stdin.read1(4096):
                 pass
         except (OSError, ValueError):
             pass
@@ -150,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--itl-ms", type=float, default=0.0, help="wait this long between tokens")
     ap.add_argument("--exit-on-stdin-eof", action="store_true", help="exit when standard input closes")
     args = ap.parse_args(argv)
+    run: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
         run = uvloop.run

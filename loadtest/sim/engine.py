@@ -332,7 +332,7 @@ class Request:
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        self.last_token_time = 0.0  # read only once first_token_time is set
 
 
 def _evict(lru: collections.OrderedDict[str, None], size: int, keep: set[str]) -> None:
@@ -619,7 +619,7 @@ class Engine:
             while waiting and budget > 0 and len(running) < max_seqs:
                 req = waiting[0]
                 if req.lora is not None and req.lora not in batch_loras:
-                    if len(batch_loras) >= self.max_loras:  # type: ignore[operator]
+                    if len(batch_loras) >= self.max_loras:  # type: ignore[operator]  # set: add_request checked
                         skipped.append(waiting.popleft())  # no adapter slot: waits (vLLM skips it)
                         continue
                     batch_loras.add(req.lora)
@@ -655,7 +655,9 @@ class Engine:
                     req.num_registered = len(hit)
                     req.num_computed = computed
                 if need > 0:
-                    req.blocks.extend(kv.allocate(need))
+                    fresh_blocks = kv.allocate(need)
+                    assert fresh_blocks is not None  # checked against num_free above
+                    req.blocks.extend(fresh_blocks)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = computed + remote
                 if req.first_scheduled_time is None:
@@ -743,6 +745,7 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = t_end
                 samples["ttft_s"].append(t_end - req.arrival_time)
+                assert req.first_scheduled_time is not None  # set when it was scheduled
                 prefill_s = t_end - req.first_scheduled_time
                 samples["prefill_s"].append(prefill_s)
                 self.prefill_s_total += prefill_s
@@ -1020,7 +1023,7 @@ class AsyncEngineRunner:
         the stream (``async with`` or ``close()``) or consume it to the end; closing it
         early aborts the request (its KV blocks are freed at once).
         """
-        if self._task is None:
+        if self._task is None or self._wake is None:
             raise RuntimeError("runner not started")
         loop = asyncio.get_running_loop()
         self.engine.add_request(req_id, prompt_token_ids, max_tokens,
@@ -1048,6 +1051,7 @@ class AsyncEngineRunner:
         loop = asyncio.get_running_loop()
         engine = self.engine
         wake = self._wake
+        assert wake is not None  # made by start() before this task
         queues = self._queues
         perf = time.perf_counter
         catchup = self.max_catchup_s

@@ -195,7 +195,7 @@ class KVEventPublisher:
         ctx = zmq.asyncio.Context.instance()
         # A plain (blocking-API) socket: a PUB send never waits (past the high-water
         # mark ZMQ drops), so publishing needs no await.
-        pub = ctx.socket(zmq.PUB, socket_class=zmq.Socket)
+        pub = ctx.socket(zmq.PUB, socket_class=zmq.Socket)  # type: ignore[arg-type]  # pyzmq types only async ones
         pub.setsockopt(zmq.LINGER, 0)
         try:
             pub.bind(self.endpoint)
@@ -262,11 +262,13 @@ class KVEventPublisher:
         if self.drop_rate and self._rng.random() < self.drop_rate:
             self.dropped += 1
             return
+        assert self._pub is not None  # publish() checked
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self.published += 1
 
     async def _serve_replay(self) -> None:
         rep = self._replay
+        assert rep is not None  # started with the replay socket
         while True:
             frames = await rep.recv_multipart()
             await self._running.wait()

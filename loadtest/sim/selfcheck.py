@@ -42,7 +42,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -136,7 +138,7 @@ class Load:
                     last = now
                     n += 1
         self.tokens += n
-        if n > 1:
+        if n > 1 and first is not None and last is not None:
             self.gaps.setdefault(backend, []).append((last - first) / (n - 1))
 
     async def monitor(self, deadline: float) -> None:
@@ -171,6 +173,7 @@ async def run(args) -> dict:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     try:
+        assert proc.stdout is not None  # stdout=PIPE
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
         urls = json.loads(line)
         roles = {b.sim.name: b.sim.role for b in fleet.backends}
@@ -277,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.streams <= 500 or not 1 <= args.duration <= 120:
         ap.error("--streams must be in 1..500 and --duration in 1..120")
+    runner: Callable[[Coroutine[Any, Any, dict]], dict]
     try:
         import uvloop
         runner = uvloop.run

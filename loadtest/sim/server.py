@@ -56,7 +56,7 @@ import itertools
 import random
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from aiohttp import web
@@ -65,7 +65,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loadtest.sim import tokenizer
 from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, _Stat
-from loadtest.sim.spec import FaultConfig, KVEventsConfig, SimBackendConfig
+from loadtest.sim.spec import FaultConfig, KVEventsConfig, LoraConfig, SimBackendConfig
+
+if TYPE_CHECKING:
+    from loadtest.sim.kv_event_publisher import KVEventPublisher
 
 # --- prompt rendering -----------------------------------------------------------------
 
@@ -301,7 +304,7 @@ class _EngineCollector:
             rs.add_metric(lv + [reason], e.request_success.get(reason, 0))
         yield rs
         # The emulator's own health and extras.
-        lc = b.cfg.lora
+        lc = b.lora
         if lc is not None:
             run, wait = e.lora_in_use()
             li = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
@@ -404,7 +407,7 @@ class SimBackend:
         self.cfg = cfg
         self.profile = cfg.build_profile()
         self.role = cfg.role or self.profile.role
-        self.faults: FaultConfig = cfg.faults  # type: ignore[assignment]
+        self.faults = cast(FaultConfig, cfg.faults)  # the spec normalised its dict form
         self.faults_injected: dict[str, int] = {}
         self.crashes = 0
         self.http_requests = 0
@@ -412,8 +415,9 @@ class SimBackend:
         self._rng = random.Random(self.faults.seed)
         self.tok: tokenizer.Tokenizer = (tokenizer.HFTokenizer(cfg.tokenizer) if cfg.tokenizer
                                          else tokenizer.EMULATOR)
-        self.kv_events: KVEventsConfig | None = cfg.kv_events  # type: ignore[assignment]
-        self.kv_publisher = None
+        self.kv_events = cast(KVEventsConfig | None, cfg.kv_events)  # likewise
+        self.lora = cast(LoraConfig | None, cfg.lora)  # likewise
+        self.kv_publisher: KVEventPublisher | None = None
         self._kv_addresses: tuple[str, str | None] | None = None
         self._new_engine()
         self.app_runner: web.AppRunner | None = None
@@ -432,7 +436,7 @@ class SimBackend:
                              kv_events=self.kv_events is not None, tok=self.tok)
         self.runner = AsyncEngineRunner(self.engine, on_step=self._publish_kv_events)
         self.metrics = _Metrics(self)
-        lc = self.cfg.lora
+        lc = self.lora
         # Registered adapters (what /v1/models lists) and their ids: the spec's, as a
         # restart reloads them. An id is vLLM's lora_int_id: 1, 2, ... in load order,
         # counted by the server (vllm/entrypoints/openai/models/serving.py).
@@ -441,7 +445,8 @@ class SimBackend:
         for a in (lc.adapters if lc is not None else ()):
             self._register_lora(a)
         if lc is not None:
-            self.engine.enable_lora(lc.max_lora, lc.max_cpu_loras, lc.load_s, lc.swap_s)
+            self.engine.enable_lora(lc.max_lora, lc.max_cpu_loras if lc.max_cpu_loras is not None else lc.max_lora,
+                                    lc.load_s, lc.swap_s)
 
     def _register_lora(self, name: str) -> int:
         """Adapter ``name``'s id, registering it with the next one if it is new."""
@@ -555,7 +560,9 @@ class SimBackend:
         self.crashes += 1
         self.up.clear()
         await self.site.stop()
-        for proto in list(self.app_runner.server.connections):
+        server = self.app_runner.server
+        assert server is not None  # set up before the site started
+        for proto in list(server.connections):
             tr = proto.transport
             if tr is None:
                 continue
@@ -588,11 +595,12 @@ class SimBackend:
             self._crash_task.cancel()
             self._crash_task = None
         f = self.faults
-        if f.crash_after_s is None:
+        after_s = f.crash_after_s
+        if after_s is None:
             return
 
         async def loop() -> None:
-            await asyncio.sleep(f.crash_after_s)
+            await asyncio.sleep(after_s)
             while True:
                 await self.crash(f.crash_down_s)
                 if f.crash_every_s is None:
@@ -620,7 +628,7 @@ class SimBackend:
 
     async def _lora_name(self, request: web.Request) -> str:
         """The ``lora_name`` of a LoRA admin body; raises :class:`BadRequest`."""
-        if self.cfg.lora is None:
+        if self.lora is None:
             raise BadRequest("LoRA is not enabled on this server", status=404)
         try:
             data = orjson.loads(await request.read())
@@ -640,7 +648,8 @@ class SimBackend:
                 raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         except BadRequest as e:
             return error_response(e.status, str(e), param=e.param, etype=e.etype)
-        lc = self.cfg.lora
+        lc = self.lora
+        assert lc is not None  # _lora_name answered 404 otherwise
         await asyncio.sleep(lc.load_s / self.cfg.speed)
         self._register_lora(name)
         self.engine.preload_lora(name)
@@ -772,7 +781,7 @@ class SimBackend:
         lora: str | None = None
         lora_id: int | None = None
         if model not in self.cfg.models:
-            lc = self.cfg.lora
+            lc = self.lora
             if isinstance(model, str) and model and (model in self.lora_adapters or (lc is not None and lc.dynamic)):
                 lora_id = self._register_lora(model)  # a resolver registers it; the engine reads it
                 lora = model
