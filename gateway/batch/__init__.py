@@ -5,6 +5,7 @@ that drain it through the gateway's routing at a lower priority.
 |---|---|
 | :mod:`~gateway.batch.job_store` | Redis keys and scripts (why Streams, how exactly-once output), files on disk |
 | :mod:`~gateway.batch.api` | ``/v1/files`` and ``/v1/batches`` handlers |
+| :mod:`~gateway.batch.batch_runtime` | what the app holds for batch work, and its key |
 | :mod:`~gateway.batch.manager` | the life cycle: validate + enqueue, finalize, expire, cancel |
 | :mod:`~gateway.batch.batch_gate` | the batch priority class (interactive TTFT SLO, maximum share) |
 | :mod:`~gateway.batch.worker` | consumers (``XREADGROUP``/``XAUTOCLAIM``), retries |
@@ -38,8 +39,9 @@ def setup_batch(app: web.Application, cfg) -> None:
     b = cfg.batch
     if not b.enabled:
         return
-    from gateway.batch.api import BATCH, BatchRuntime, add_routes
+    from gateway.batch.api import add_routes
     from gateway.batch.batch_gate import BatchGate, GateCollector
+    from gateway.batch.batch_runtime import BATCH, BatchRuntime
     from gateway.batch.job_store import BatchStore
     from gateway.batch.manager import BatchManager
 
@@ -55,7 +57,7 @@ def setup_batch(app: web.Application, cfg) -> None:
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    from gateway.batch.api import BATCH
+    from gateway.batch.batch_runtime import BATCH
     from gateway.batch.senders import LocalSender
     from gateway.batch.worker import Consumer
 

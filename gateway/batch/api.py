@@ -19,23 +19,21 @@ one (404), so nothing tells whether it exists. Records made before owners were k
 keys (the local demo, every caller ``anonymous``) every file and batch is visible, as
 before; what was created then is owned by ``anonymous``, so once keys are configured
 only a key named ``anonymous`` (if any) and the admin see it. See :func:`visible`.
-
-The app holds the batch work's :class:`BatchRuntime` under :data:`BATCH`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import redis.exceptions
 from aiohttp import BodyPartReader, web
 
+from gateway.batch.batch_runtime import BATCH
 from gateway.batch.job_store import (
     ENDPOINTS,
     FINAL,
@@ -50,24 +48,8 @@ from gateway.errors import ClientError, retry_later_headers
 from gateway.runtime import STATE
 from gateway.tenancy.keys import CALLER
 
-if TYPE_CHECKING:
-    from gateway.batch.worker import Consumer
-
 PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "vision", "user", "evals"})
 
-class BatchRuntime:
-    """What a gateway with ``batch.enabled`` holds: store, manager, gate, workers."""
-
-    def __init__(self, cfg, store, manager, gate) -> None:
-        self.cfg = cfg
-        self.store = store
-        self.manager = manager
-        self.gate = gate
-        self.consumer: Consumer | None = None  # the in-process one, when batch.workers > 0
-        self.tasks: list[asyncio.Task] = []  # the manager and the in-process consumers, while the app runs
-
-
-BATCH = web.AppKey("batch", BatchRuntime)
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:

@@ -121,7 +121,7 @@ async def _reload(request: web.Request) -> web.Response:
 def _batch_runtime(request: web.Request):
     """Admin check first (404 when admin is off, 401 without the key), then the batch
     runtime (404 ``batch_disabled`` without ``batch.enabled``)."""
-    from gateway.batch.api import BATCH
+    from gateway.batch.batch_runtime import BATCH
 
     check_admin(request, _state(request).admin_digest)
     if BATCH not in request.app:

@@ -219,7 +219,7 @@ def degraded(app: web.Application) -> dict[str, str]:
     """Features that cannot work now though completions can, each with the reason:
     ``batch`` (the Files and Batches API's Redis unreachable) and ``shared_state``
     (``state.url`` unreachable: this replica routes on its own view)."""
-    from gateway.batch.api import BATCH
+    from gateway.batch.batch_runtime import BATCH
 
     out: dict[str, str] = {}
     state = app[STATE]
