@@ -14,7 +14,6 @@ and the timeouts its deadline was armed with); the retry policy reads ``retryabl
 from __future__ import annotations
 
 import math
-import random
 
 import orjson
 from aiohttp import web
@@ -25,7 +24,6 @@ BACKEND_HEADER = "x-turbo-backend"
 # otherwise: "false" where the gateway has retried already (or retrying cannot help),
 # "true" with the wait where a retry by the client is the right thing
 SHOULD_RETRY_HEADER = "x-should-retry"
-_ids = random.Random()  # request ids: unique, not secret (uuid4's os.urandom is a syscall per request)
 
 
 def retry_later_headers(wait_s: float) -> dict[str, str]:
@@ -41,10 +39,6 @@ def reason(e: BaseException) -> str:
     text = str(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
-
-def request_id(headers) -> str:
-    """The caller's ``x-request-id``, or a new 32-hex-digit id."""
-    return headers.get(REQUEST_ID_HEADER) or "%032x" % _ids.getrandbits(128)
 
 _TYPES = {
     400: "invalid_request_error",

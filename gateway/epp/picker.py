@@ -62,7 +62,8 @@ from gateway.epp.ext_proc import (
     subset_hint,
 )
 from gateway.epp.response_phase import Served, on_response_body, on_response_headers, settle_end
-from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, error_body, request_id
+from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, error_body
+from gateway.request_ids import request_id, upstream_id
 from gateway.pipeline import director, settle
 from gateway.pipeline.downstream import ClientGone
 from routing.core import Reservation
@@ -208,7 +209,7 @@ class EppStream:
             return await self.immediate(*ClientError(503, "No backend is available.",
                                                      code="no_backend_available").answer(rid), rid)
         client = min(ready, key=lambda c: c.state.in_flight)
-        await self.forward([client.endpoint], {REQUEST_ID_HEADER: rid}, body)
+        await self.forward([client.endpoint], {REQUEST_ID_HEADER: upstream_id(rid)}, body)
         while (msg := await self.read()) is not None:
             if await self.acknowledge(msg, {}):
                 break
@@ -280,7 +281,7 @@ async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendCl
     others = [c for b in state.core.alternatives(req, primary, state.loop.time(), epp.fallback_endpoints)
               if (c := state.clients.get(b.name)) is not None and c.auth_header == client.auth_header]
     endpoints = [client.endpoint] + [c.endpoint for c in others]
-    sets = {REQUEST_ID_HEADER: ex.request_id}
+    sets = {REQUEST_ID_HEADER: upstream_id(ex.request_id)}
     if client.auth_header:
         sets["authorization"] = client.auth_header
     remove = () if client.auth_header else ("authorization",)  # the caller's key is not the backend's

@@ -27,6 +27,7 @@ from gateway.errors import (
 from gateway.pipeline import engine_errors, relay, settle
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.retry import parse_retry_after
+from gateway.request_ids import upstream_id
 from gateway.upstream.client import BackendClient, header_value
 from gateway.upstream.connection import Exchange as Upstream
 from routing.core import Reservation
@@ -93,8 +94,10 @@ async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:
 
 
 def _request_headers(client: BackendClient, request_id: str, stream: bool) -> bytes:
+    """The attempt's own header lines: its own id (:func:`gateway.request_ids.upstream_id`,
+    never the caller's as it is) and the backend's key, if any."""
     return (_STREAM_HEADERS if stream else _JSON_HEADERS) + b"%s: %s\r\n%s" % (
-        REQUEST_ID_HEADER.encode(), header_value(request_id), client.auth_line)
+        REQUEST_ID_HEADER.encode(), header_value(upstream_id(request_id)), client.auth_line)
 
 
 async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservation: Reservation) -> None:

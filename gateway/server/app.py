@@ -18,11 +18,12 @@ from aiohttp import web
 
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
-from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, request_id, unknown_route
+from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, unknown_route
 from gateway.ops import access_log
 from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.ops.config_reload import watch_config
 from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
+from gateway.request_ids import request_id
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.pipeline.openai_request import model_card, models_list, read_body

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from multidict import CIMultiDict
 
-from gateway.errors import REQUEST_ID_HEADER, ClientError, request_id
+from gateway.errors import REQUEST_ID_HEADER, ClientError
 from gateway.eventloop import eager_tasks
 from gateway.eventloop.batched_writes import Sends
+from gateway.request_ids import request_id
 from gateway.pipeline import director
 from gateway.pipeline.downstream import ClientGone
 
