@@ -504,11 +504,26 @@ class StateStore(_Strict):
         return v
 
 
+ENGINE_FIELDS = ("kv_transfer_params", "priority", "bootstrap_host", "bootstrap_port", "bootstrap_room", "rid",
+                 "request_id")
+
+
 class Limits(_Strict):
     """Limits on what a request may carry."""
 
     max_body_bytes: int = Field(
         32 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413.")
+    engine_fields: list[str] = Field(
+        list(ENGINE_FIELDS),
+        description="Body fields that steer an engine and only the gateway may set (a KV connector's peer, "
+        "the engine's queue priority, SGLang's bootstrap server, the engine's own request id). A request "
+        "carrying one is refused or stripped (`engine_fields_action`) on every path, unless its key was "
+        "granted that field (`auth.keys[].engine_fields`). The gateway's own disaggregated serving still "
+        "sets `kv_transfer_params` itself.")
+    engine_fields_action: Literal["refuse", "strip"] = Field(
+        "refuse", description="What a request carrying a field of `engine_fields` gets: `refuse`, a 400 "
+        "`unsupported_parameter` naming the field; `strip`, the field is removed and the rest served (the "
+        "body is then re-serialized).")
 
 
 class Batch(_Strict):
@@ -664,6 +679,9 @@ class ClientKey(_Strict):
         1.0, gt=0, le=1000, description="Fair share within its priority when the fleet is saturated "
         "(`admission.fairness: tokens`): the key's served tokens count divided by its weight, so a key of "
         "weight 2 gets twice the tokens of a key of weight 1 while both wait.")
+    engine_fields: list[str] = Field(
+        [], description="Fields of `limits.engine_fields` this key may set itself (an internal orchestrator "
+        "that sets `priority`, say); the others stay refused or stripped.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ClientKey:

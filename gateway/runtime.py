@@ -168,7 +168,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     for backend in core.fleet.backends.values():
         backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)
     state.retry = RetryPolicy.from_config(cfg.retries)
-    state.keyring = KeyRing(cfg.auth)
+    state.keyring = KeyRing(cfg.auth, cfg.limits)
     state.limiter.configure(cfg.auth.keys)
     state.usage.configure(cfg.usage.retention_days, cfg.usage.max_buffered_buckets)
     state.admin_digest = cfg.admin.digest()

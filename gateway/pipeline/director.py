@@ -114,7 +114,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         check_json_content_type(headers.get("Content-Type"))
         if not isinstance(body, bytes):
             body = await body()
-        parsed = await off_loop(len(body), parse_body, endpoint, body)
+        parsed = await off_loop(len(body), parse_body, endpoint, body, caller.held_back, state.keyring.strip)
         check_model(state, parsed.model)
         if state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch":
             kv = await state.batch_gate.enter(parsed)
@@ -166,7 +166,9 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
     owner). Returns the answer's status, headers and body."""
     down = CollectDownstream()
     try:
-        parsed = parse_completion_request(endpoint, body, parse_json_object(body))
+        owner = state.keyring.named(key_name)
+        parsed = parse_completion_request(endpoint, body, parse_json_object(body), owner.held_back,
+                                          state.keyring.strip)
         check_model(state, parsed.model)
         gate = state.batch_gate
         if gate is None:

@@ -104,10 +104,11 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-def parse_body(endpoint: str, body: bytes) -> ParsedRequest:
+def parse_body(endpoint: str, body: bytes, held: frozenset[str] = frozenset(), strip: bool = False) -> ParsedRequest:
     """``body`` parsed and validated as a completion request for ``endpoint``
-    (:func:`parse_json_object`, :func:`parse_completion_request`)."""
-    return parse_completion_request(endpoint, body, parse_json_object(body))
+    (:func:`parse_json_object`, :func:`parse_completion_request`, ``held`` and
+    ``strip`` as there)."""
+    return parse_completion_request(endpoint, body, parse_json_object(body), held, strip)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -139,11 +140,31 @@ def _check_optional_int(data: dict[str, Any], field: str, minimum: int) -> int |
     return v
 
 
-def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any]) -> ParsedRequest:
-    """Validate the fields the gateway reads. ``endpoint`` is ``chat`` or ``completions``.
+def hold_back(body: bytes, data: dict[str, Any], held: frozenset[str], strip: bool) -> tuple[bytes, dict[str, Any]]:
+    """The request ``body`` (parsed: ``data``) without the engine-control fields in
+    ``held`` (``limits.engine_fields`` less the caller's grants): unchanged when it
+    carries none (one pass over its top-level keys), else with them removed when
+    ``strip``. Raises :class:`ClientError` 400 naming the first such field otherwise."""
+    if held.isdisjoint(data):
+        return body, data
+    found = [k for k in data if k in held]
+    if not strip:
+        raise ClientError(400, f"`{found[0]}` steers the engine and only the gateway may set it; remove it from the "
+                               "request.", param=found[0], code="unsupported_parameter")
+    data = {k: v for k, v in data.items() if k not in held}
+    return orjson.dumps(data), data
+
+
+def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any],
+                             held: frozenset[str] = frozenset(), strip: bool = False) -> ParsedRequest:
+    """Validate the fields the gateway reads. ``endpoint`` is ``chat`` or ``completions``;
+    ``held`` and ``strip``: the engine-control fields the caller may not set, and what
+    to do with them (:func:`hold_back`).
 
     Raises :class:`ClientError` 400 naming the offending field.
     """
+    if held:
+        body, data = hold_back(body, data, held, strip)
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise ClientError(400, "`model` is required and must be a non-empty string.", param="model",

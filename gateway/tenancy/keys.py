@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from gateway.config import Auth, ClientKey
+from gateway.config import ENGINE_FIELDS, Auth, ClientKey, Limits
 from gateway.errors import ClientError, unknown_route
 
 ANONYMOUS = "anonymous"
@@ -31,6 +31,7 @@ class Caller:
 
     name: str
     key: ClientKey | None = None
+    held_back: frozenset[str] = frozenset()  # body fields this caller may not set (limits.engine_fields)
 
     @property
     def priority(self) -> int:
@@ -60,9 +61,19 @@ def bearer_digest(headers) -> bytes | None:
 class KeyRing:
     """The configured client keys, by digest."""
 
-    def __init__(self, cfg: Auth) -> None:
+    def __init__(self, cfg: Auth, limits: Limits | None = None) -> None:
+        held = frozenset(limits.engine_fields if limits is not None else ENGINE_FIELDS)
         self.by_digest: dict[bytes, ClientKey] = {k.digest(): k for k in cfg.keys}
-        self.anonymous = Caller(ANONYMOUS)
+        # digest -> (that digest, its caller), built once: a request allocates nothing here
+        self.callers: dict[bytes, tuple[bytes, Caller]] = {d: (d, Caller(k.name, k, held - set(k.engine_fields)))
+                                                           for d, k in self.by_digest.items()}
+        self.by_name: dict[str, Caller] = {c.name: c for _, c in self.callers.values()}
+        self.anonymous = Caller(ANONYMOUS, None, held)
+        self.strip = limits is not None and limits.engine_fields_action == "strip"
+
+    def named(self, name: str) -> Caller:
+        """The caller of key ``name`` (a batch's owner); anonymous when no key has it."""
+        return self.by_name.get(name, self.anonymous)
 
     @property
     def enabled(self) -> bool:
@@ -78,11 +89,11 @@ class KeyRing:
         if digest is None:
             raise ClientError(401, "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",
                               code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
-        key = self.by_digest.get(digest)
-        if key is None or not hmac.compare_digest(digest, key.digest()):
+        found = self.callers.get(digest)
+        if found is None or not hmac.compare_digest(digest, found[0]):
             raise ClientError(401, "Incorrect API key provided.", code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
-        return Caller(key.name, key)
+        return found[1]
 
 
 def check_admin(request: web.Request, admin_digest: bytes | None) -> None:
