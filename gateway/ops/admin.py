@@ -44,7 +44,6 @@ from gateway.runtime import STATE
 from gateway.server.openapi import OPENAPI_BYTES, OPENAPI_NO_ADMIN_BYTES
 from gateway.tenancy.keys import CALLER, check_admin
 
-_COMPLETIONS = frozenset({"/v1/chat/completions", "/v1/completions"})  # the pipeline authenticates these
 
 
 def _state(request: web.Request):
@@ -53,12 +52,22 @@ def _state(request: web.Request):
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Authenticate ``/v1/*`` callers (a 401 is raised as a :class:`ClientError`, which
-    the outer middleware turns into an OpenAI error). Also turns a request body that
-    cannot be read as its ``Content-Encoding`` says (found by tests/integration/server/test_fuzz.py: it was
-    a 500) into a 400."""
-    if request.path.startswith("/v1/") and not (request.method == "POST" and request.path in _COMPLETIONS):
-        request[CALLER] = _state(request).keyring.authenticate(request.headers)
+    """Authenticate ``/v1/*`` callers on the head, before any of the body is read: a
+    request without a valid key gets a 401 (an OpenAI error, from the outer
+    middleware) and, when it has a body, the connection is closed after it, the body
+    never read. Also turns a request body that cannot be read as its
+    ``Content-Encoding`` says (found by
+    tests/integration/server/test_fuzz.py: it was a 500) into a 400."""
+    if request.path.startswith("/v1/"):
+        try:
+            request[CALLER] = _state(request).keyring.authenticate(request.headers)
+        except ClientError as e:
+            resp = e.response()
+            if request.can_read_body:
+                # no lingering read of the body aiohttp would otherwise discard for up to 10 s
+                request.protocol._lingering_time = 0.0  # type: ignore[attr-defined]
+                resp.force_close()
+            return resp
     try:
         return await handler(request)
     except UNREADABLE_BODY as e:

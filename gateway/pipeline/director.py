@@ -52,7 +52,7 @@ from gateway.pipeline.openai_request import (
 )
 from gateway.pipeline.relay import KeepAlives, StreamScan, close_comment
 from gateway.pipeline.settle import ServedMetrics
-from gateway.tenancy.keys import ANONYMOUS
+from gateway.tenancy.keys import ANONYMOUS, Caller
 from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, RouteRequest, UnknownModel
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Exchange:
 
 async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes | Callable[[], Awaitable[bytes]],
                  down: Downstream, arrival: float, request_id: str, *, send: Send = attempt.run,
-                 subset: frozenset[str] | None = None) -> None:
+                 subset: frozenset[str] | None = None, caller: Caller | None = None) -> None:
     """Serve one completion request (``endpoint``: ``chat`` or ``completions``) whose
     head was read: ``headers`` (case-insensitive mapping), ``body`` the body bytes or a
     coroutine function reading them (raising :class:`ClientError` 400/413). Admit it
@@ -106,11 +106,13 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
     made by ``send`` (the gateway's own :func:`~gateway.pipeline.attempt.run`, or the
     endpoint picker's hand-off to Envoy) on a backend in ``subset`` (names; ``None``:
     any). The answer, or the OpenAI error, goes to
-    ``down``. Raises ``CancelledError`` when the client left."""
+    ``down``. ``caller``: who the stack found the request is from when it
+    authenticated it on the head already. Raises ``CancelledError`` when the client left."""
     gate = kv = permit = charge = None
     ex: Exchange
     try:
-        caller = state.keyring.authenticate(headers)
+        if caller is None:
+            caller = state.keyring.authenticate(headers)
         check_json_content_type(headers.get("Content-Type"))
         if not isinstance(body, bytes):
             body = await body()

@@ -28,6 +28,7 @@ from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
+from gateway.tenancy.keys import CALLER
 
 log = logging.getLogger("gateway")
 
@@ -183,7 +184,8 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         return read_body(request, max_bytes)
 
     down = AiohttpDownstream(request)
-    await director.handle(state, endpoint, request.headers, body, down, arrival, request[REQUEST_ID])
+    await director.handle(state, endpoint, request.headers, body, down, arrival, request[REQUEST_ID],
+                          caller=request.get(CALLER))  # type: ignore[arg-type]
     return down.response or web.Response(status=499)
 
 

@@ -27,6 +27,7 @@ from gateway.pipeline.downstream import ClientGone
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
+    from gateway.tenancy.keys import Caller
 
 _HOT = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
@@ -173,6 +174,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.write_paused = False
+        self.caller: Caller | None = None  # who sent the request whose head is buffered, once its key was checked
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream protocol gets a Transport
@@ -265,6 +267,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         length = -1
         keep_alive = True
         coding = "identity"
+        authorization = None
         seen: set[str] = set()
         for line in lines[1:]:
             name, _, value = line.partition(":")
@@ -274,6 +277,8 @@ class DataPlaneProtocol(asyncio.Protocol):
                 if lname in seen:
                     return self._hand_over()
                 seen.add(lname)
+                if lname == "authorization":
+                    authorization = value
             if lname == "content-length":
                 # more than 18 digits: aiohttp answers it (int() refuses over 4,300 digits)
                 if not value.isdigit() or not value.isascii() or len(value) > 18:
@@ -294,14 +299,21 @@ class DataPlaneProtocol(asyncio.Protocol):
             pairs.append((name, value))
         if length < 0 or length > self.server.max_body_bytes() or "host" not in seen:
             return self._hand_over()
+        caller = self.caller  # the key is checked on the head, once, before any of the body is waited for
+        if caller is None:
+            try:
+                caller = self.caller = self.server.state.keyring.authenticate_value(authorization)
+            except ClientError as e:
+                return self._refuse(e, pairs)
         need = end + 4 + length
         if n < need:
             return
         body = bytes(buf[end + 4:need])
         del buf[:need]
+        self.caller = None
         self.keep_alive = keep_alive
         loop = self.loop
-        serve = self._serve(_HOT[path], CIMultiDict(pairs), body, coding)
+        serve = self._serve(_HOT[path], CIMultiDict(pairs), body, coding, caller)
         if _STREAM_TRUE.search(body) is not None:
             # a stream's first step (parse, route, send upstream) runs now, in this read's
             # callback, not after every other callback of this loop turn (gateway/eventloop/eager_tasks.py):
@@ -313,6 +325,19 @@ class DataPlaneProtocol(asyncio.Protocol):
             run_first_step()
         else:
             self.task = loop.create_task(serve)
+
+    def _refuse(self, err: ClientError, pairs: list[tuple[str, str]]) -> None:
+        """Answer a request refused on its head (``err``: no valid key) and close the
+        connection: its body is never read, nor kept."""
+        self.buf.clear()
+        self.keep_alive = False
+        down = LeanDownstream(self, request_id(CIMultiDict(pairs)))
+        down.respond(*err.answer(down.request_id))
+        t = self.transport
+        assert t is not None
+        Sends.of(self.loop).close(t)  # after the answer, queued for this turn
+        self.transport = None  # bytes that still arrive are not looked at
+        self.server.conns.discard(self)
 
     def _hand_over(self) -> None:
         """Give the connection, with the bytes read so far, to aiohttp."""
@@ -334,7 +359,8 @@ class DataPlaneProtocol(asyncio.Protocol):
         if data:
             handler.data_received(data)
 
-    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: str = "identity") -> None:
+    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: str = "identity",
+                     caller: Caller | None = None) -> None:
         server = self.server
         rid = request_id(headers)
         down = LeanDownstream(self, rid)
@@ -347,7 +373,7 @@ class DataPlaneProtocol(asyncio.Protocol):
                 return _decode(raw, coding, limit)
             payload = decoded
         try:
-            await director.handle(server.state, endpoint, headers, payload, down, arrival, rid)
+            await director.handle(server.state, endpoint, headers, payload, down, arrival, rid, caller=caller)
         except (asyncio.CancelledError, ClientGone):
             down.finished = False  # the client left: close
         finally:

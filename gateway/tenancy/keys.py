@@ -48,7 +48,10 @@ CALLER = web.RequestKey("caller", Caller)  # the authenticated Caller of a /v1/ 
 def bearer_digest(headers) -> bytes | None:
     """SHA-256 of the bearer token in ``headers`` (a case-insensitive mapping), or
     ``None`` when the header is absent or not a bearer token."""
-    header = headers.get("Authorization")
+    return _digest(headers.get("Authorization"))
+
+
+def _digest(header: str | None) -> bytes | None:
     if not header:
         return None
     scheme, _, token = header.strip().partition(" ")
@@ -85,7 +88,14 @@ class KeyRing:
         carries none or an unknown one."""
         if not self.by_digest:
             return self.anonymous
-        digest = bearer_digest(headers)
+        return self.authenticate_value(headers.get("Authorization"))
+
+    def authenticate_value(self, authorization: str | None) -> Caller:
+        """:meth:`authenticate` given the ``Authorization`` header's value (``None``:
+        absent), for a head not yet made a mapping."""
+        if not self.by_digest:
+            return self.anonymous
+        digest = _digest(authorization)
         if digest is None:
             raise ClientError(401, "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",
                               code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
