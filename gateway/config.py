@@ -373,6 +373,24 @@ class EndpointPicker(_Strict):
     fallback_endpoints: int = Field(
         2, ge=0, le=16, description="Endpoints listed after the chosen one, soonest estimated TTFT first, "
         "for Envoy to retry on when the chosen one fails before answering.")
+    pass_through_paths: list[str] = Field(
+        [], description="Paths besides the ones the picker serves (the completions, `GET /v1/models`, "
+        "`/health`, `/ready`) that Envoy may pass on to a backend, e.g. `/tokenize`: each request is still "
+        "authenticated, counted against its key's request rate and held to `limits.engine_fields`, and "
+        "goes to the ready backend with the fewest requests in flight with the backend's own key. Every "
+        "other path is refused with 404 `unknown_route`. Paths are matched after normalisation "
+        "(percent-decoding, `//`, a trailing `/`), so give them in that form.")
+
+    @field_validator("pass_through_paths")
+    @classmethod
+    def _canonical_paths(cls, v: list[str]) -> list[str]:
+        from gateway.paths import canonical_path
+
+        for p in v:
+            if canonical_path(p) != p or p == "/":
+                raise ValueError(f"{p!r} is not a normalised path (give it as {canonical_path(p)!r})"
+                                 if p != "/" else "'/' would pass every path on")
+        return v
 
 
 class Listen(_Strict):

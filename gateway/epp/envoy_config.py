@@ -12,6 +12,11 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   the ``upstream.address`` attribute with the response headers) then the router; on
   paths other than the completions' the response phase is skipped (a per-route
   processing mode: the picker follows only a completion's response);
+- routes for what the gateway serves and nothing else: the completions, ``/health``,
+  ``/ready`` and ``/v1/models`` (answered by the picker), ``listen.epp.pass_through_paths``;
+  any other path is Envoy's own 404 with an OpenAI error body, the picker not asked. The
+  path is normalised first (``normalize_path``, ``merge_slashes``, escaped slashes
+  decoded), as the picker normalises it (:mod:`gateway.paths`);
 - the pool: one static cluster with every backend's ``ip:port``, chosen by the
   ``envoy.load_balancing_policies.override_host`` policy from the picker's dynamic
   metadata ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the chosen endpoint, then
@@ -32,16 +37,22 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import sys
 from typing import Any
 
 import yaml
 
 from gateway.config import GatewayConfig, load_config
-from gateway.epp.ext_proc import COMPLETION_PATHS, DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE, UPSTREAM_ADDRESS
+from gateway.epp.ext_proc import (ANSWERED_PATHS, COMPLETION_PATHS, DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE,
+                                UPSTREAM_ADDRESS)
+from gateway.errors import error_body
 from gateway.upstream.client import endpoint_of
 
 _T = "type.googleapis.com/envoy.extensions"
+_NOT_FOUND = error_body("Unknown route: this gateway does not serve this path behind Envoy "
+                        "(listen.epp.pass_through_paths lists the paths it passes on).", 404,
+                        code="unknown_route").decode()
 
 
 def _address(hostport: str) -> dict[str, Any]:
@@ -111,10 +122,30 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
     others = {"envoy.filters.http.ext_proc": {
         "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute",
         "overrides": {"processing_mode": {**mode, "response_header_mode": "SKIP", "response_body_mode": "NONE"}}}}
-    routes = [{"match": {"path": path}, "route": copy.deepcopy(route)} for path in COMPLETION_PATHS]
-    routes.append({"match": {"prefix": "/"}, "route": route, "typed_per_filter_config": others})
+    # only what the gateway serves is routed (each path also with a trailing "/", which
+    # the picker matches the same): the completions; what the picker answers itself; the
+    # operator's pass-through paths. Anything else is Envoy's own 404, the picker not asked.
+    def served(path: str, per_route: dict[str, Any] | None, prefix: bool = False) -> dict[str, Any]:
+        regex = re.escape(path) + ("/.+" if prefix else "/?")
+        r = {"match": {"safe_regex": {"regex": regex}}, "route": copy.deepcopy(route)}
+        if per_route is not None:
+            r["typed_per_filter_config"] = per_route
+        return r
+
+    routes = [served(path, None) for path in COMPLETION_PATHS]
+    routes += [served(path, others) for path in (*ANSWERED_PATHS, *pe.pass_through_paths)]
+    routes.append(served("/v1/models", others, prefix=True))
+    routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": _NOT_FOUND}},
+                   "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+                       "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}},
+                   "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]})
     hcm = {"@type": f"{_T}.filters.network.http_connection_manager.v3.HttpConnectionManager",
            "stat_prefix": "inference", "stream_idle_timeout": "0s",
+           # the path is normalised before routing and before the picker sees it, as the
+           # picker and the gateway's own stacks normalise it (gateway/paths.py)
+           "normalize_path": True, "merge_slashes": True,
+           "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
            "preserve_external_request_id": True,  # the caller's x-request-id, as the gateway keeps it
            "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
            "http_filters": [ext_proc, router]}

@@ -20,6 +20,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 UPSTREAM_ADDRESS = "upstream.address"  # the ext_proc response attribute naming the endpoint that answered
 COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ANSWERED_PATHS = ("/health", "/ready", "/v1/models")  # answered by the picker itself (and /v1/models/{id})
+# headers that carry the caller's credentials: never passed on to a backend
+CALLER_CREDENTIALS = ("authorization", "x-api-key", "cookie", "proxy-authorization")
 
 
 def headers_of(msg: Any) -> CIMultiDict:

@@ -42,6 +42,7 @@ import logging
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
+import orjson
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -51,6 +52,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
 from gateway.epp.ext_proc import (
+    CALLER_CREDENTIALS,
     COMPLETION_PATHS,
     DESTINATION,
     HEADERS_UNCHANGED,
@@ -64,7 +66,9 @@ from gateway.epp.ext_proc import (
 from gateway.epp.response_phase import Served, on_response_body, on_response_headers, settle_end
 from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, error_body
 from gateway.request_ids import request_id, upstream_id
+from gateway.paths import canonical_path
 from gateway.pipeline import director, settle
+from gateway.pipeline.openai_request import hold_back, model_card, models_list
 from gateway.pipeline.downstream import ClientGone
 from routing.core import Reservation
 
@@ -109,7 +113,7 @@ class EppDownstream:
 class EppStream:
     """One ext_proc stream: one HTTP request through Envoy."""
 
-    __slots__ = ("state", "context", "headers", "subset", "duplex", "body_read")
+    __slots__ = ("state", "context", "headers", "subset", "duplex", "body_read", "path")
 
     def __init__(self, state: GatewayState, context: grpc.aio.ServicerContext) -> None:
         self.state = state
@@ -122,6 +126,7 @@ class EppStream:
         # sends the whole body, whose answer carries the destination.
         self.duplex = True
         self.body_read = False  # the request's body was read (and must be answered)
+        self.path: str | None = None  # the canonical target the backend gets, when the request's differs
 
     async def read(self) -> Any:
         """The next message from Envoy, or ``None`` when Envoy closed its side."""
@@ -170,10 +175,13 @@ class EppStream:
             self.duplex = mode == ProcessingMode.FULL_DUPLEX_STREAMED
         self.subset = subset_hint(first)
         headers[REQUEST_ID_HEADER] = rid
-        path = headers.get(":path", "").split("?", 1)[0]
+        target = headers.get(":path", "")
+        path = canonical_path(target)
+        if path != target.split("?", 1)[0]:  # the backend gets the path that was matched
+            self.path = path + (target[target.index("?"):] if "?" in target else "")
         endpoint = COMPLETION_PATHS.get(path)
         if endpoint is None or headers.get(":method") != "POST":
-            return await self._other(first, rid)
+            return await self._other(first, rid, headers.get(":method", ""), path)
         down = EppDownstream(self)
         max_bytes = state.cfg.limits.max_body_bytes
         body: bytes | Any = b""
@@ -191,15 +199,41 @@ class EppStream:
         wanted = set(self.subset)
         return frozenset(c.state.name for c in self.state.clients.values() if c.endpoint in wanted)
 
-    async def _other(self, first: Any, rid: str) -> None:
-        """A request that is not a completion (``/v1/models``, a health probe...):
-        to the ready backend with the fewest requests in flight, nothing reserved."""
-        body = b""
-        if not first.request_headers.end_of_stream:
-            try:
-                body = await self.read_body(self.state.cfg.limits.max_body_bytes)
-            except ClientError as e:
-                return await self.immediate(*e.answer(rid), rid)
+    async def _other(self, first: Any, rid: str, method: str, path: str) -> None:
+        """A request that is not a completion: ``GET /health`` and ``/ready`` and the
+        model list are answered here, as the gateway's own data plane answers them;
+        a path of ``listen.epp.pass_through_paths`` is authenticated (and its JSON
+        body held to ``limits.engine_fields``), then goes to the ready backend with
+        the fewest requests in flight, nothing reserved; any other path is refused
+        (404, or 401 first under ``/v1/`` without a valid key), its body unread."""
+        state = self.state
+        try:
+            if method == "GET" and path in ("/health", "/ready"):
+                return await self._probe(path, rid)
+            caller = state.keyring.authenticate(self.headers) if path.startswith("/v1/") else None
+            if method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
+                return await self._models(path[len("/v1/models/"):], rid)
+            if path not in state.cfg.listen.epp.pass_through_paths:
+                raise ClientError(404, f"Unknown route {method} {path}: this gateway does not serve it behind "
+                                       "Envoy (listen.epp.pass_through_paths lists the paths it passes on).",
+                                  code="unknown_route")
+            if caller is None:
+                caller = state.keyring.authenticate(self.headers)
+            permit = state.limiter.acquire(caller.key, 0.0)  # counts against the key's request rate
+            permit.release(dispatched=True)
+            body = b""
+            if not first.request_headers.end_of_stream:
+                body = await self.read_body(state.cfg.limits.max_body_bytes)
+                if caller.held_back and body.lstrip()[:1] == b"{":
+                    try:
+                        data = orjson.loads(body)
+                    except orjson.JSONDecodeError:
+                        data = None
+                    if isinstance(data, dict):
+                        body, _ = hold_back(body, data, caller.held_back, state.keyring.strip)
+        except ClientError as e:
+            return await self.immediate(*e.answer(rid), rid)
+        log.info("endpoint picker: pass-through %s %s for key %s (request %s)", method, path, caller.name, rid)
         names = self._subset_names()
         now = self.state.loop.time()
         ready = [c for c in self.state.clients.values()
@@ -209,10 +243,37 @@ class EppStream:
             return await self.immediate(*ClientError(503, "No backend is available.",
                                                      code="no_backend_available").answer(rid), rid)
         client = min(ready, key=lambda c: c.state.in_flight)
-        await self.forward([client.endpoint], {REQUEST_ID_HEADER: upstream_id(rid)}, body)
+        sets = {REQUEST_ID_HEADER: upstream_id(rid)}
+        if client.auth_header:
+            sets["authorization"] = client.auth_header
+        await self.forward([client.endpoint], sets, body)
         while (msg := await self.read()) is not None:
             if await self.acknowledge(msg, {}):
                 break
+
+    async def _probe(self, path: str, rid: str) -> None:
+        """``GET /health`` and ``GET /ready``, answered as the gateway's own data plane does."""
+        state = self.state
+        if path == "/health":
+            return await self.immediate(200, b'{"status":"ok"}', {"Content-Type": "application/json"}, rid)
+        up = sorted(b.name for b in state.fleet.backends.values() if b.healthy)
+        ready = state.health is not None and state.health.ready()
+        body = orjson.dumps({"status": "ready" if ready else "not ready", "healthy_backends": up})
+        await self.immediate(200 if ready else 503, body, {"Content-Type": "application/json"}, rid)
+
+    async def _models(self, name: str, rid: str) -> None:
+        """``GET /v1/models`` (``name`` empty) or ``GET /v1/models/{name}``: the fleet's
+        models, as the gateway's own data plane lists them."""
+        state = self.state
+        fleet = state.fleet
+        if not name:
+            obj = models_list([fleet.describe(m) for m in fleet.models()], state.created)
+        elif name in fleet.by_model:
+            obj = model_card(fleet.describe(name), state.created)
+        else:
+            raise ClientError(404, f"The model `{name}` does not exist or is not served by this gateway.",
+                              param="model", code="model_not_found")
+        await self.immediate(200, orjson.dumps(obj), {"Content-Type": "application/json"}, rid)
 
     async def immediate(self, status: int, body: bytes, headers: dict[str, str], rid: str) -> None:
         """Answer the client from here (Envoy sends no request upstream)."""
@@ -221,17 +282,21 @@ class EppStream:
         await self.context.write(pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status), headers=mutation, body=body)))
 
-    async def forward(self, endpoints: list[str], set_headers: dict[str, str], body: bytes,
-                      remove: tuple[str, ...] = ()) -> None:
+    async def forward(self, endpoints: list[str], set_headers: dict[str, str], body: bytes) -> None:
         """Send the request on to ``endpoints[0]`` (the rest: Envoy's retry order),
         with the destination and ``set_headers`` among its headers and ``body`` as its
-        body (when it had one)."""
+        body (when it had one). The caller's credentials (:data:`CALLER_CREDENTIALS`)
+        are removed unless ``set_headers`` gives the backend's own; the path is the
+        one that was matched."""
         md = struct_pb2.Struct()
         md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = ",".join(endpoints)
         sets = [header_option(DESTINATION, endpoints[0])] + [header_option(k, v) for k, v in set_headers.items()]
+        if self.path is not None:
+            sets.append(header_option(":path", self.path))
         if self.body_read:
             sets.append(header_option("content-length", str(len(body))))
-        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets, remove_headers=list(remove)),
+        remove = [h for h in CALLER_CREDENTIALS if h not in set_headers]
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets, remove_headers=remove),
                                    clear_route_cache=True)
         if not self.body_read:
             await self.context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
@@ -282,10 +347,9 @@ async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendCl
               if (c := state.clients.get(b.name)) is not None and c.auth_header == client.auth_header]
     endpoints = [client.endpoint] + [c.endpoint for c in others]
     sets = {REQUEST_ID_HEADER: upstream_id(ex.request_id)}
-    if client.auth_header:
+    if client.auth_header:  # the backend's own key; the caller's never goes on
         sets["authorization"] = client.auth_header
-    remove = () if client.auth_header else ("authorization",)  # the caller's key is not the backend's
-    await stream.forward(endpoints, sets, ex.body, remove)
+    await stream.forward(endpoints, sets, ex.body)
     down.started = True
     served = Served(primary, reservation)
     try:

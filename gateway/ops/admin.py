@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 import orjson
 from aiohttp import web
 
+from gateway.paths import CANONICAL_PATH
 from gateway.errors import ClientError, retry_later_headers
 from gateway.pipeline.openai_request import UNREADABLE_BODY, unreadable_body
 from gateway.runtime import STATE
@@ -58,7 +59,7 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     never read. Also turns a request body that cannot be read as its
     ``Content-Encoding`` says (found by
     tests/integration/server/test_fuzz.py: it was a 500) into a 400."""
-    if request.path.startswith("/v1/"):
+    if request.get(CANONICAL_PATH, request.path).startswith("/v1/"):
         try:
             request[CALLER] = _state(request).keyring.authenticate(request.headers)
         except ClientError as e:

@@ -26,6 +26,7 @@ from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sourc
 from gateway.request_ids import request_id
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
+from gateway.paths import canonical_routing
 from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
 from gateway.tenancy.keys import CALLER
@@ -56,6 +57,7 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     """
     app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[_middleware, auth_middleware])
     app[OWN_MIDDLEWARES] = tuple(app.middlewares)
+    canonical_routing(app)  # routes match the normalised path, as every stack matches it (gateway/paths.py)
     app[STATE] = build_state(cfg, config_path, _version())
     app.cleanup_ctx.append(_lifecycle(backend_urls or {}))
     app.on_response_prepare.append(_server_header)

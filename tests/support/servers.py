@@ -55,6 +55,7 @@ class ScriptedBackend:
     attempt_times: list[float] = field(default_factory=list)
     bodies: list[bytes] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # of the requests to other paths than the completions'
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
 
@@ -72,12 +73,18 @@ class ScriptedBackend:
             self.disconnected.set()
             raise
 
+    async def _other(self, request: web.Request) -> web.Response:
+        self.headers.append(dict(request.headers))
+        self.paths.append(request.path)
+        return web.Response(text="ok")
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[ScriptedBackend]:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_get("/health", _ok)
+        app.router.add_get("/version", self._other)  # an engine path the gateway does not serve itself
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -313,9 +313,10 @@ async def test_without_response_body_processing_the_reservation_lasts_the_stream
 
 async def test_only_completions_send_their_response_phase_to_the_picker():
     a = ScriptedBackend()
-    async with a.running(), picker_stack(gateway_config([{"name": "a", "url": a.url, "models": ["m"]}])) as stack, \
-            aiohttp.ClientSession() as s:
-        async with s.get(stack.url + "/health") as r:  # not a completion: picked in its request phase
+    async with a.running(), picker_stack(gateway_config([{"name": "a", "url": a.url, "models": ["m"]}],
+                                                        listen={"epp": {"pass_through_paths": ["/version"]}})) \
+            as stack, aiohttp.ClientSession() as s:
+        async with s.get(stack.url + "/version") as r:  # passed through: picked in its request phase
             assert r.status == 200 and await r.text() == "ok"
         stats = await stack.envoy.stats("http.inference.ext_proc")
         assert stats["http.inference.ext_proc.stream_msgs_sent"] == 1  # its headers, and nothing of the response
