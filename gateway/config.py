@@ -406,6 +406,27 @@ class Listen(_Strict):
     epp: EndpointPicker = Field(
         EndpointPicker(), description="Also serve as the endpoint picker behind Envoy (gRPC ext_proc); "
         "`/metrics` and the admin API stay on HTTP.")
+    head_timeout_s: PositiveSeconds = Field(
+        10.0, description="A request head (request line and headers) must arrive whole within this long of "
+        "its first byte (of the connection's opening, for its first request); else the connection is "
+        "closed. Both server stacks.")
+    body_timeout_s: PositiveSeconds = Field(
+        10.0, description="A request body gets this long, plus its length at `body_min_bytes_per_s`, to "
+        "arrive whole once its head did; else the connection is closed. Both server stacks.")
+    body_min_bytes_per_s: int = Field(
+        16384, gt=0, description="The slowest body upload accepted on average (see `body_timeout_s`): at the "
+        "default, a 1 MiB body gets 10 + 64 s.")
+    keepalive_timeout_s: PositiveSeconds = Field(
+        75.0, description="An idle keep-alive connection (no request in flight or arriving) is closed after "
+        "this long. Both server stacks.")
+    max_connections: int = Field(
+        8192, ge=1, description="Client connections this process holds open at once (also bounded by 3/4 of "
+        "its open-file limit). A connection accepted past it closes the one idle longest (no request in "
+        "flight), or itself when every one is busy, so trickling clients cannot stop accepting.")
+    max_connections_per_address: int = Field(
+        1024, ge=1, description="Client connections one client IP address holds open at once in this process; "
+        "past it the same rule as `max_connections`, among that address's connections. Behind a proxy or "
+        "NAT that shares one address, raise it to `max_connections`.")
 
 
 class CanarySplit(_Strict):

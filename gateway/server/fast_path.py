@@ -50,7 +50,6 @@ _HANDED_OVER = {"transfer-encoding", "expect", "upgrade"}
 # request body codings decoded here (zlib); others (br, several codings) go to aiohttp
 _CODINGS = {"identity", "gzip", "x-gzip", "deflate"}
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default: a connection with no request started for this long is closed
 
 
 class _Date:
@@ -172,40 +171,67 @@ class DataPlaneProtocol(asyncio.Protocol):
         self.keep_alive = True
         self.paused = False
         self.idle_timer: asyncio.TimerHandle | None = None
-        self.idle_since = 0.0
+        self.due = 0.0  # loop time by which the connection must have a request in flight, else it is closed
         self.write_paused = False
         self.caller: Caller | None = None  # who sent the request whose head is buffered, once its key was checked
+        self.addr = ""  # the client's IP address
+        self.handed: Any = None  # the aiohttp protocol serving the connection, once handed over
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream protocol gets a Transport
+        peer = transport.get_extra_info("peername")
+        self.addr = peer[0] if isinstance(peer, tuple) else ""
+        if not self.server.admit(self):  # over the connection caps, with none to give way
+            self.transport = None
+            transport.close()
+            return
         self.server.conns.add(self)
-        self._arm_idle()
+        self._arm(self.server.head_timeout_s)
+        if not self.server.lean:
+            self._hand_over()
 
-    def _arm_idle(self) -> None:
-        """Close the connection unless a request starts (fully arrives) within
-        :data:`KEEPALIVE_TIMEOUT_S`: idle keep-alive and slowly trickling heads alike.
-        One timer per connection, re-armed lazily when it fires."""
+    def _arm(self, within_s: float) -> None:
+        """Close the connection unless a request is in flight ``within_s`` from now:
+        the deadline of a head (``listen.head_timeout_s``), a body (``body_timeout_s``
+        and ``body_min_bytes_per_s``) or an idle keep-alive (``keepalive_timeout_s``).
+        One timer per connection, re-armed lazily when it fires: moving the deadline is
+        one assignment."""
         loop = self.loop
-        self.idle_since = loop.time()
+        self.due = loop.time() + within_s
         if self.idle_timer is None:
-            self.idle_timer = loop.call_at(self.idle_since + KEEPALIVE_TIMEOUT_S, self._idle_check)
+            self.idle_timer = loop.call_at(self.due, self._idle_check)
 
     def _idle_check(self) -> None:
         self.idle_timer = None
         if self.transport is None:
             return
         if self.task is not None:  # busy: look again a full period after it is idle again
-            self.idle_timer = self.loop.call_later(KEEPALIVE_TIMEOUT_S, self._idle_check)
+            self.idle_timer = self.loop.call_later(self.server.keepalive_timeout_s, self._idle_check)
             return
-        due = self.idle_since + KEEPALIVE_TIMEOUT_S
-        if self.loop.time() >= due:
+        if self.loop.time() >= self.due:
             self.transport.close()
         else:
-            self.idle_timer = self.loop.call_at(due, self._idle_check)
+            self.idle_timer = self.loop.call_at(self.due, self._idle_check)
+
+    def busy(self) -> bool:
+        """Whether a request is being served on the connection (on either stack): its
+        head and body arrived. A connection still sending its head or body is not."""
+        if self.handed is not None:
+            handler = self.handed.handler
+            req = handler._current_request if handler._request_in_progress else None
+            return req is not None and req.content.is_eof()
+        return self.task is not None
+
+    def close(self) -> None:
+        """Close the connection now (given way to a newer one at the connection caps)."""
+        t = self.transport if self.handed is None else self.handed.transport
+        if t is not None:
+            t.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.server.conns.discard(self)
+        self.server.release(self)
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
@@ -221,10 +247,14 @@ class DataPlaneProtocol(asyncio.Protocol):
             self._next()
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
         if self.task is None:
+            if not self.buf:  # a request's first bytes: its head is due within listen.head_timeout_s
+                self.due = self.loop.time() + self.server.head_timeout_s
+            self.buf += data
             self._next()
-        elif len(self.buf) > _MAX_BUFFERED_BYTES and not self.paused and self.transport is not None:
+            return
+        self.buf += data
+        if len(self.buf) > _MAX_BUFFERED_BYTES and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
 
@@ -305,6 +335,9 @@ class DataPlaneProtocol(asyncio.Protocol):
                 caller = self.caller = self.server.state.keyring.authenticate_value(authorization)
             except ClientError as e:
                 return self._refuse(e, pairs)
+            if n < end + 4 + length:  # the body is due at listen.body_min_bytes_per_s, after a grace
+                server = self.server
+                self.due = self.loop.time() + server.body_timeout_s + length / server.body_min_bytes_per_s
         need = end + 4 + length
         if n < need:
             return
@@ -338,6 +371,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         Sends.of(self.loop).close(t)  # after the answer, queued for this turn
         self.transport = None  # bytes that still arrive are not looked at
         self.server.conns.discard(self)
+        self.server.release(self)
 
     def _hand_over(self) -> None:
         """Give the connection, with the bytes read so far, to aiohttp."""
@@ -352,7 +386,8 @@ class DataPlaneProtocol(asyncio.Protocol):
         self.transport = None
         data = bytes(self.buf)
         self.buf.clear()
-        transport.set_protocol(handler)
+        self.handed = watched = HandedOver(self, handler, transport, self.due if data else None)
+        transport.set_protocol(watched)
         handler.connection_made(transport)
         if self.paused:
             transport.resume_reading()
@@ -390,8 +425,47 @@ class DataPlaneProtocol(asyncio.Protocol):
         if self.paused:
             self.paused = False
             t.resume_reading()
-        self._arm_idle()
+        self._arm(self.server.keepalive_timeout_s)
         self._next()
+
+
+class HandedOver(asyncio.Protocol):
+    """A connection handed to aiohttp: its ``RequestHandler`` (``handler``) serves it,
+    and this protocol, between the transport and the handler, keeps the time a head
+    started arriving while no request was in flight (``head_due``), which
+    :meth:`gateway.server.listener.DataPlaneServer.sweep` holds to
+    ``listen.head_timeout_s``; aiohttp keeps its own idle timeout
+    (``listen.keepalive_timeout_s``)."""
+
+    __slots__ = ("body_due", "count", "handler", "head_due", "owner", "transport")
+
+    def __init__(self, owner: DataPlaneProtocol, handler: Any, transport: asyncio.Transport,
+                 head_due: float | None) -> None:
+        self.owner = owner
+        self.handler = handler
+        self.transport: asyncio.Transport | None = transport
+        self.head_due = head_due  # loop time by which the head that is arriving must be whole
+        self.count = 0  # the handler's requests seen started
+        self.body_due: float | None = None  # loop time by which the in-flight request's body must be whole
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_due is None and not self.handler._request_in_progress:
+            self.head_due = self.owner.loop.time() + self.owner.server.head_timeout_s
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.handler.connection_lost(exc)
+        self.owner.server.release(self.owner)
 
 
 def _decode(body: bytes, coding: str, limit: int) -> bytes:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import socket
 from typing import Any
 
@@ -48,15 +49,89 @@ class DataPlaneServer:
     cleans the runner up (aiohttp drains its own requests in the same way).
     """
 
-    def __init__(self, app: web.Application, runner: web.AppRunner) -> None:
+    def __init__(self, app: web.Application, runner: web.AppRunner, lean: bool = True) -> None:
         self.app = app
         self.runner = runner
         self.aiohttp_server: Any = runner.server
+        self.lean = lean  # False: every connection goes to aiohttp at once (listen.fast_path: false)
         self.conns: set[DataPlaneProtocol] = set()
         self.closing = False
         self._socks: list[socket.socket] = []  # the listening sockets (one per resolved address)
         self._accepting: set[asyncio.Task] = set()
         self._accept_errors_logged_at = -1e9
+        lc = app[STATE].cfg.listen
+        self.head_timeout_s = lc.head_timeout_s
+        self.body_timeout_s = lc.body_timeout_s
+        self.body_min_bytes_per_s = lc.body_min_bytes_per_s
+        self.keepalive_timeout_s = lc.keepalive_timeout_s
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = min(lc.max_connections, soft * 3 // 4) if soft > 0 else lc.max_connections
+        self.max_per_address = min(lc.max_connections_per_address, self.max_connections)
+        # every open client connection, by address, oldest first (both stacks)
+        self.open: dict[str, dict[DataPlaneProtocol, None]] = {}
+        self.open_count = 0
+        self._sweeper: asyncio.Task | None = None
+
+    def admit(self, conn: DataPlaneProtocol) -> bool:
+        """Count a new connection against ``listen.max_connections`` and
+        ``max_connections_per_address``; at a cap, close the oldest connection with no
+        request in flight (of that address, or of any) to make room. Returns whether
+        ``conn`` may stay (False: every connection it would replace is busy)."""
+        mine = self.open.get(conn.addr)
+        if mine is not None and len(mine) >= self.max_per_address and not self._give_way(mine):
+            return False
+        if self.open_count >= self.max_connections and not any(self._give_way(c) for c in list(self.open.values())):
+            return False
+        if mine is None:
+            mine = self.open[conn.addr] = {}
+        mine[conn] = None
+        self.open_count += 1
+        return True
+
+    def _give_way(self, conns: dict[DataPlaneProtocol, None]) -> bool:
+        for c in conns:
+            if not c.busy():
+                self.release(c)
+                c.close()
+                return True
+        return False
+
+    def release(self, conn: DataPlaneProtocol) -> None:
+        """``conn`` closed (or is closing): it no longer counts against the caps."""
+        mine = self.open.get(conn.addr)
+        if mine is not None and mine.pop(conn, 0) is None:
+            self.open_count -= 1
+            if not mine:
+                del self.open[conn.addr]
+
+    async def _sweep(self) -> None:
+        """Once a second, close the connections handed to aiohttp whose head or body
+        is late (``listen.head_timeout_s``, ``body_timeout_s``, ``body_min_bytes_per_s``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(1.0)
+            now = loop.time()
+            for conns in list(self.open.values()):
+                for c in list(conns):
+                    h = c.handed
+                    if h is not None and h.transport is not None:
+                        self._check_handed(h, now)
+
+    def _check_handed(self, h: Any, now: float) -> None:
+        handler = h.handler
+        count = handler._request_count  # aiohttp's RequestHandler keeps no public state
+        if handler._request_in_progress or count != h.count:
+            if count != h.count:  # a request started since the last look: its head was whole
+                h.count, h.head_due, h.body_due = count, None, None
+            req = handler._current_request
+            if req is not None and not req.content.is_eof():
+                if h.body_due is None:
+                    h.body_due = now + self.body_timeout_s + (req.content_length or 0) / self.body_min_bytes_per_s
+                elif now >= h.body_due:
+                    h.transport.close()
+            return
+        if h.head_due is not None and now >= h.head_due:
+            h.transport.close()
 
     @property
     def state(self) -> GatewayState:
@@ -79,6 +154,7 @@ class DataPlaneServer:
         except BaseException:
             self._close_listeners()
             raise
+        self._sweeper = asyncio.create_task(self._sweep())
 
     def _accept(self, sock: socket.socket) -> None:
         """Accept every connection waiting on ``sock`` (up to :data:`_ACCEPT_BATCH`).
@@ -146,6 +222,8 @@ class DataPlaneServer:
         close idle connections, then clean the aiohttp runner up."""
         self.closing = True
         self._close_listeners()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         Sends.of(asyncio.get_running_loop()).flush()  # answers queued this turn, before any close below
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -160,26 +238,7 @@ class DataPlaneServer:
         await self.runner.cleanup()
 
 
-class _AiohttpOnly:
-    """The same start/shutdown surface over a plain aiohttp ``TCPSite`` (``listen.fast_path: false``)."""
-
-    def __init__(self, runner: web.AppRunner) -> None:
-        self.runner = runner
-
-    async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 1024) -> None:
-        await web.TCPSite(self.runner, host, port, backlog=backlog, reuse_port=reuse_port or None).start()
-
-    @property
-    def addresses(self) -> list[Any]:
-        return list(self.runner.addresses)
-
-    async def shutdown(self, timeout_s: float) -> None:
-        self.runner._shutdown_timeout = timeout_s  # private, but aiohttp reads it in cleanup()
-        await self.runner.cleanup()
-
-
-async def listen(app: web.Application, host: str, port: int, *,
-                 reuse_port: bool = False) -> DataPlaneServer | _AiohttpOnly:
+async def listen(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> DataPlaneServer:
     """Set the app up and listen on ``host:port`` (port 0: any free port, see
     ``.addresses``); with ``listen.fast_path`` (the default) through
     :class:`DataPlaneServer`. Stop it with ``await server.shutdown(drain_timeout_s)``.
@@ -194,9 +253,12 @@ async def listen(app: web.Application, host: str, port: int, *,
                          f"middleware it would bypass ({', '.join(getattr(m, '__qualname__', repr(m)) for m in extra)})"
                          "; set listen.fast_path: false to serve every request through aiohttp")
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.lifecycle.drain_timeout_s)
+                           shutdown_timeout=cfg.lifecycle.drain_timeout_s,
+                           keepalive_timeout=cfg.listen.keepalive_timeout_s)
     await runner.setup()
-    server: DataPlaneServer | _AiohttpOnly = DataPlaneServer(app, runner) if fast else _AiohttpOnly(runner)
+    # without the lean protocol every connection is handed to aiohttp at once, under the
+    # same caps and deadlines
+    server = DataPlaneServer(app, runner, lean=fast)
     try:
         await server.start(host, port, reuse_port=reuse_port)
     except BaseException:
