@@ -63,7 +63,7 @@ def request_id(headers) -> str:
     rid = headers.get(REQUEST_ID_HEADER)
     if rid and _VALID.fullmatch(rid) is not None:
         return rid
-    return new_id()
+    return _hex(16)
 
 
 def upstream_id(request_id: str) -> str:

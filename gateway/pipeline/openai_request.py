@@ -163,7 +163,7 @@ def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any],
 
     Raises :class:`ClientError` 400 naming the offending field.
     """
-    if held:
+    if held and not held.isdisjoint(data):
         body, data = hold_back(body, data, held, strip)
     model = data.get("model")
     if not isinstance(model, str) or not model:

@@ -54,6 +54,7 @@ class DataPlaneServer:
         self.runner = runner
         self.aiohttp_server: Any = runner.server
         self.lean = lean  # False: every connection goes to aiohttp at once (listen.fast_path: false)
+        self.gateway: GatewayState = app[STATE]  # the app's state, for the lean protocol's per-request reads
         self.conns: set[DataPlaneProtocol] = set()
         self.closing = False
         self._socks: list[socket.socket] = []  # the listening sockets (one per resolved address)
