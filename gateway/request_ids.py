@@ -23,7 +23,11 @@ from __future__ import annotations
 import os
 import re
 
+from aiohttp import web
+
 from gateway.errors import REQUEST_ID_HEADER
+
+REQUEST_ID = web.RequestKey("request_id", str)  # the request's id, on an aiohttp request
 
 MAX_CHARS = 128
 _VALID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_CHARS}}}")

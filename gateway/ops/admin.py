@@ -38,7 +38,9 @@ from datetime import UTC, datetime
 import orjson
 from aiohttp import web
 
+from gateway.ops import access_log
 from gateway.paths import CANONICAL_PATH
+from gateway.request_ids import REQUEST_ID
 from gateway.errors import ClientError, retry_later_headers
 from gateway.pipeline.openai_request import UNREADABLE_BODY, unreadable_body
 from gateway.runtime import STATE
@@ -51,6 +53,9 @@ def _state(request: web.Request):
     return request.app[STATE]
 
 
+_COMPLETIONS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Authenticate ``/v1/*`` callers on the head, before any of the body is read: a
@@ -59,11 +64,14 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     never read. Also turns a request body that cannot be read as its
     ``Content-Encoding`` says (found by
     tests/integration/server/test_fuzz.py: it was a 500) into a 400."""
-    if request.get(CANONICAL_PATH, request.path).startswith("/v1/"):
+    path = request.get(CANONICAL_PATH, request.path)
+    if path.startswith("/v1/"):
         try:
             request[CALLER] = _state(request).keyring.authenticate(request.headers)
         except ClientError as e:
             resp = e.response()
+            if request.method == "POST" and path in _COMPLETIONS:
+                access_log.refused(request[REQUEST_ID], _COMPLETIONS[path], e.status, e.code)
             if request.can_read_body:
                 # no lingering read of the body aiohttp would otherwise discard for up to 10 s
                 request.protocol._lingering_time = 0.0  # type: ignore[attr-defined]

@@ -23,17 +23,16 @@ from gateway.ops import access_log
 from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.ops.config_reload import watch_config
 from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
-from gateway.request_ids import request_id
+from gateway.request_ids import REQUEST_ID, request_id
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
-from gateway.paths import canonical_routing
+from gateway.paths import CANONICAL_PATH, canonical_routing
 from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
 from gateway.tenancy.keys import CALLER
 
 log = logging.getLogger("gateway")
 
-REQUEST_ID = web.RequestKey("request_id", str)
 COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
@@ -166,7 +165,8 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error on %s %s (request %s)", request.method, request.path, rid)
         resp = error_response("The gateway hit an internal error.", 500, code="internal_error")
-    if request.method != "POST" or request.path not in COMPLETION_PATHS:  # a completion's is written when settled
+    # a completion's line is written when it is settled, or refused on its head (the auth middleware)
+    if request.method != "POST" or request.get(CANONICAL_PATH, request.path) not in COMPLETION_PATHS:
         access_log.route(rid, request.method, request.path, resp.status)
     return _with_id(resp, rid)
 

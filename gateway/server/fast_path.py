@@ -22,6 +22,7 @@ from gateway.errors import REQUEST_ID_HEADER, ClientError
 from gateway.eventloop import eager_tasks
 from gateway.eventloop.batched_writes import Sends
 from gateway.request_ids import request_id
+from gateway.ops import access_log
 from gateway.pipeline import director
 from gateway.pipeline.downstream import ClientGone
 
@@ -336,7 +337,7 @@ class DataPlaneProtocol(asyncio.Protocol):
                 caller = self.caller = keyring.authenticate_value(authorization) if keyring.by_digest \
                     else keyring.anonymous
             except ClientError as e:
-                return self._refuse(e, pairs)
+                return self._refuse(e, pairs, _HOT[path])
             if n < end + 4 + length:  # the body is due at listen.body_min_bytes_per_s, after a grace
                 server = self.server
                 self.due = self.loop.time() + server.body_timeout_s + length / server.body_min_bytes_per_s
@@ -361,13 +362,14 @@ class DataPlaneProtocol(asyncio.Protocol):
         else:
             self.task = loop.create_task(serve)
 
-    def _refuse(self, err: ClientError, pairs: list[tuple[str, str]]) -> None:
+    def _refuse(self, err: ClientError, pairs: list[tuple[str, str]], endpoint: str) -> None:
         """Answer a request refused on its head (``err``: no valid key) and close the
         connection: its body is never read, nor kept."""
         self.buf.clear()
         self.keep_alive = False
         down = LeanDownstream(self, request_id(CIMultiDict(pairs)))
         down.respond(*err.answer(down.request_id))
+        access_log.refused(down.request_id, endpoint, err.status, err.code)
         t = self.transport
         assert t is not None
         Sends.of(self.loop).close(t)  # after the answer, queued for this turn
