@@ -11,6 +11,7 @@ engine sees exactly what was matched.
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
@@ -46,7 +47,7 @@ def canonical_routing(app: web.Application) -> None:
     router = app.router
     resolve = router.resolve
 
-    async def canonical_resolve(request: web.Request):  # type: ignore[no-untyped-def]
+    async def canonical_resolve(request: web.Request) -> Any:
         path = canonical_path(request.raw_path)
         request[CANONICAL_PATH] = path
         if path != request.rel_url.path_safe:

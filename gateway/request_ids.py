@@ -34,26 +34,31 @@ _VALID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_CHARS}}}")
 _PAGE = 4096
 
 
-_page = b""  # bytes of os.urandom not handed out yet, from _pos on
-_pos = _PAGE
+class _Entropy:
+    """Bytes of ``os.urandom`` not handed out yet: ``page`` from ``pos`` on."""
+
+    __slots__ = ("page", "pos")
+
+    def __init__(self) -> None:
+        self.page = b""
+        self.pos = _PAGE
+
+    def forget(self) -> None:
+        self.page, self.pos = b"", _PAGE
+
+
+_ENTROPY = _Entropy()
+os.register_at_fork(after_in_child=_ENTROPY.forget)
 
 
 def _hex(n: int) -> str:
     """``n`` bytes of the page, as hex, each handed out once."""
-    global _page, _pos
-    pos = _pos
+    e = _ENTROPY
+    pos = e.pos
     if pos + n > _PAGE:
-        _page, pos = os.urandom(_PAGE), 0
-    _pos = pos + n
-    return _page[pos:pos + n].hex()
-
-
-def _forget() -> None:
-    global _page, _pos
-    _page, _pos = b"", _PAGE
-
-
-os.register_at_fork(after_in_child=_forget)
+        e.page, pos = os.urandom(_PAGE), 0
+    e.pos = pos + n
+    return e.page[pos:pos + n].hex()
 
 
 def new_id() -> str:

@@ -44,8 +44,14 @@ from typing import Any
 import yaml
 
 from gateway.config import GatewayConfig, load_config
-from gateway.epp.ext_proc import (ANSWERED_PATHS, COMPLETION_PATHS, DESTINATION, LB_NAMESPACE, SUBSET_NAMESPACE,
-                                UPSTREAM_ADDRESS)
+from gateway.epp.ext_proc import (
+    ANSWERED_PATHS,
+    COMPLETION_PATHS,
+    DESTINATION,
+    LB_NAMESPACE,
+    SUBSET_NAMESPACE,
+    UPSTREAM_ADDRESS,
+)
 from gateway.errors import error_body
 from gateway.upstream.client import endpoint_of
 

@@ -65,11 +65,11 @@ from gateway.epp.ext_proc import (
 )
 from gateway.epp.response_phase import Served, on_response_body, on_response_headers, settle_end
 from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, error_body
-from gateway.request_ids import request_id, upstream_id
 from gateway.paths import canonical_path
 from gateway.pipeline import director, settle
-from gateway.pipeline.openai_request import hold_back, model_card, models_list
 from gateway.pipeline.downstream import ClientGone
+from gateway.pipeline.openai_request import hold_back, model_card, models_list
+from gateway.request_ids import request_id, upstream_id
 from routing.core import Reservation
 
 if TYPE_CHECKING:

@@ -38,15 +38,14 @@ from datetime import UTC, datetime
 import orjson
 from aiohttp import web
 
+from gateway.errors import ClientError, retry_later_headers
 from gateway.ops import access_log
 from gateway.paths import CANONICAL_PATH
-from gateway.request_ids import REQUEST_ID
-from gateway.errors import ClientError, retry_later_headers
 from gateway.pipeline.openai_request import UNREADABLE_BODY, unreadable_body
+from gateway.request_ids import REQUEST_ID
 from gateway.runtime import STATE
 from gateway.server.openapi import OPENAPI_BYTES, OPENAPI_NO_ADMIN_BYTES
 from gateway.tenancy.keys import CALLER, check_admin
-
 
 
 def _state(request: web.Request):
@@ -74,7 +73,7 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
                 access_log.refused(request[REQUEST_ID], _COMPLETIONS[path], e.status, e.code)
             if request.can_read_body:
                 # no lingering read of the body aiohttp would otherwise discard for up to 10 s
-                request.protocol._lingering_time = 0.0  # type: ignore[attr-defined]
+                request.protocol._lingering_time = 0.0
                 resp.force_close()
             return resp
     try:

@@ -23,11 +23,11 @@ from gateway.ops import access_log
 from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.ops.config_reload import watch_config
 from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
-from gateway.request_ids import REQUEST_ID, request_id
+from gateway.paths import CANONICAL_PATH, canonical_routing
 from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
-from gateway.paths import CANONICAL_PATH, canonical_routing
 from gateway.pipeline.openai_request import model_card, models_list, read_body
+from gateway.request_ids import REQUEST_ID, request_id
 from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
 from gateway.tenancy.keys import CALLER
 
@@ -187,7 +187,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
 
     down = AiohttpDownstream(request)
     await director.handle(state, endpoint, request.headers, body, down, arrival, request[REQUEST_ID],
-                          caller=request.get(CALLER))  # type: ignore[arg-type]
+                          caller=request.get(CALLER))
     return down.response or web.Response(status=499)
 
 

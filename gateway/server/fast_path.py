@@ -21,10 +21,10 @@ from multidict import CIMultiDict
 from gateway.errors import REQUEST_ID_HEADER, ClientError
 from gateway.eventloop import eager_tasks
 from gateway.eventloop.batched_writes import Sends
-from gateway.request_ids import request_id
 from gateway.ops import access_log
 from gateway.pipeline import director
 from gateway.pipeline.downstream import ClientGone
+from gateway.request_ids import request_id
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
@@ -153,11 +153,21 @@ class DataPlaneHost(Protocol):
     conns: set[DataPlaneProtocol]  # the open connections, closed at shutdown
     closing: bool  # shutting down: finish the request at hand, then close
     aiohttp_server: Any  # makes the aiohttp protocol for a connection handed over
+    gateway: GatewayState  # the app's state
+    lean: bool  # False: every connection goes to aiohttp at once
+    head_timeout_s: float  # listen.head_timeout_s
+    body_timeout_s: float  # listen.body_timeout_s
+    body_min_bytes_per_s: int  # listen.body_min_bytes_per_s
+    keepalive_timeout_s: float  # listen.keepalive_timeout_s
 
     @property
     def state(self) -> GatewayState: ...
 
     def max_body_bytes(self) -> int: ...
+
+    def admit(self, conn: DataPlaneProtocol) -> bool: ...  # a new connection, within the caps?
+
+    def release(self, conn: DataPlaneProtocol) -> None: ...  # a connection closed
 
 
 class DataPlaneProtocol(asyncio.Protocol):

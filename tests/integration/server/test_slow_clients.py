@@ -41,10 +41,9 @@ async def _trickle(port: int, head: bytes, tail: bytes, connected: list[int]) ->
                 await writer.drain()
             except ConnectionError:
                 return True
-            try:  # anything the gateway sent (a 408/400, or EOF) ends it
-                got = await asyncio.wait_for(reader.read(1024), 0.001)
-                if not got or got:
-                    return True
+            try:  # anything the gateway sent (an answer, or EOF) ends it
+                await asyncio.wait_for(reader.read(1024), 0.001)
+                return True
             except TimeoutError:
                 pass
         return False
