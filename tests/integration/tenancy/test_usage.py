@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+import redis.exceptions
 from aiohttp import web
 
 from gateway.config import Price
@@ -199,19 +200,25 @@ async def test_a_flush_whose_reply_was_lost_applies_once():
 
 async def test_buffer_bound_drops_new_entries_and_counts_them():
     """Redis answers nothing: with room for one (key, model, hour) entry, a second
-    model's request is dropped and counted; the buffered model still counts."""
+    model's request is dropped and counted; the buffered model still counts, and a
+    flush that gets no answer keeps it buffered."""
     async with frozen_redis() as (url, _held):
         async with ScriptedBackend(handler=answer).running() as be:
-            cfg = config(be.url, url=url, models=("m", "m2"), max_buffered_buckets=1, flush_interval_s=0.05)
+            # flushed by the test, not by the clock: a flush between the requests would
+            # move the first one's entry to ``flushing`` and the third would start another
+            cfg = config(be.url, url=url, models=("m", "m2"), max_buffered_buckets=1, flush_interval_s=3600)
             async with running_gateway(cfg) as gw, aiohttp.ClientSession() as http:
                 A = KEYS["alpha"]
                 assert [await chat(http, gw, A), await chat(http, gw, A, model="m2"), await chat(http, gw, A)] \
                     == [200, 200, 200]
                 await wait_until(lambda: settled(gw) == 3)
+                with pytest.raises(redis.exceptions.TimeoutError):  # the frozen Redis never answers
+                    await gw.state.usage_sync.flush_once()
                 assert gw.metric("turbo_gateway_usage_dropped_requests_total") == 1
                 assert gw.metric("turbo_gateway_usage_buffered_buckets") == 1
                 led = gw.state.usage
-                (entry, v), = {**led.pending, **led.flushing}.items()
+                assert not led.pending  # the failed flush keeps its counts, to retry them as they are
+                (entry, v), = led.flushing.items()
                 assert entry[:2] == ("alpha", "m") and v[0] == 2
 
 
