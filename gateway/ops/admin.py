@@ -214,7 +214,7 @@ async def usage_report(state, key: str | None, request: web.Request) -> dict:
     oldest = (int(now // HOUR_S) - state.cfg.usage.retention_days * 24) * HOUR_S
     since_hour = int(max(since, oldest) // HOUR_S)
     # hours that start before ``until``; none is in the future
-    until_hour = max(min(-(-int(until) // HOUR_S), int(now // HOUR_S) + 1), since_hour)
+    until_hour = max(min(int(-(-until // HOUR_S)), int(now // HOUR_S) + 1), since_hour)
     model = _usage_param(request, "model")
     if state.usage_sync is not None:
         try:
