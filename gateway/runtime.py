@@ -25,7 +25,7 @@ from gateway.engine_signals.health_checks import HealthChecker
 from gateway.engine_signals.kv_event_subscriber import KVEventSubscribers
 from gateway.engine_signals.metrics_scraper import MetricsScraper
 from gateway.ops.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
-from gateway.pipeline.relay import KeepAlives
+from gateway.pipeline.keepalive import KeepAlives
 from gateway.pipeline.retry import RetryPolicy
 from gateway.store.routing_state import InProcessStore, RedisStore
 from gateway.tenancy.admission import AdmissionControl
@@ -57,7 +57,7 @@ class GatewayState:
     keyring: KeyRing = field(init=False)
     admin_digest: bytes | None = field(init=False)
     clients: dict[str, BackendClient] = field(default_factory=dict)  # by backend name, made by connect()
-    served_metrics: dict[tuple[str, str], Any] = field(default_factory=dict)  # gateway.pipeline.settle's cache
+    served_metrics: dict[tuple[str, str], Any] = field(default_factory=dict)  # gateway.pipeline.settlement's cache
     health: HealthChecker | None = None
     scraper: MetricsScraper | None = None
     limiter_sync: LimiterSync | None = None

@@ -66,7 +66,8 @@ from gateway.epp.ext_proc import (
 from gateway.epp.response_phase import Served, on_response_body, on_response_headers, settle_end
 from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, error_body
 from gateway.paths import canonical_path
-from gateway.pipeline import director, settle
+from gateway.pipeline import director, settlement
+from gateway.pipeline.context import RequestContext
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.openai_request import hold_back, model_card, models_list
 from gateway.request_ids import request_id, upstream_id
@@ -328,7 +329,7 @@ class EppStream:
         return kind == "response_trailers" or (kind == "response_body" and msg.response_body.end_of_stream)
 
 
-async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendClient,
+async def hand_off(state: GatewayState, ctx: RequestContext, client: BackendClient,
                    reservation: Reservation) -> None:
     """The endpoint picker's attempt step (:data:`gateway.pipeline.director.Send`):
     hand the request routed to ``client``'s backend to Envoy, with the alternatives
@@ -337,19 +338,19 @@ async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendCl
     data plane. Envoy retries by itself, so this never raises an
     :class:`~gateway.errors.UpstreamError`; raises ``CancelledError`` when Envoy reset
     the stream."""
-    down = cast(EppDownstream, ex.down)  # the picker's streams answer through it
+    down = cast(EppDownstream, ctx.down)  # the picker's streams answer through it
     stream = down.stream
     epp = state.cfg.listen.epp
     primary = client.state
-    req = ex.request
-    assert req is not None and ex.decision is not None
+    req = ctx.request
+    assert req is not None and ctx.decision is not None
     others = [c for b in state.core.alternatives(req, primary, state.loop.time(), epp.fallback_endpoints)
               if (c := state.clients.get(b.name)) is not None and c.auth_header == client.auth_header]
     endpoints = [client.endpoint] + [c.endpoint for c in others]
-    sets = {REQUEST_ID_HEADER: upstream_id(ex.request_id)}
+    sets = {REQUEST_ID_HEADER: upstream_id(ctx.request_id)}
     if client.auth_header:  # the backend's own key; the caller's never goes on
         sets["authorization"] = client.auth_header
-    await stream.forward(endpoints, sets, ex.body)
+    await stream.forward(endpoints, sets, ctx.body)
     down.started = True
     served = Served(primary, reservation)
     try:
@@ -357,24 +358,24 @@ async def hand_off(state: GatewayState, ex: director.Exchange, client: BackendCl
             kind = msg.WhichOneof("request")
             extra: dict[str, str] = {}
             if kind == "response_headers":
-                extra = on_response_headers(state, ex, served, msg)
+                extra = on_response_headers(state, ctx, served, msg)
             elif kind == "response_body" and not served.settled:
-                on_response_body(state, ex, served, msg.response_body.body, msg.response_body.end_of_stream)
+                on_response_body(state, ctx, served, msg.response_body.body, msg.response_body.end_of_stream)
             if await stream.acknowledge(msg, extra):
                 break
         if not served.settled:  # Envoy closed its side before the body's end
             if served.status == 200 and not epp.response_body:
-                settle_end(state, ex, served)  # without body processing, that is how a response ends
+                settle_end(state, ctx, served)  # without body processing, that is how a response ends
             else:
                 served.settled = True
-                settle.client_left(state, ex, served.backend.name)
+                settlement.client_left(state, ctx, served.backend.name)
     except asyncio.CancelledError:
         if not served.settled:
             if served.status == 200 and not epp.response_body:
-                settle_end(state, ex, served)  # without body processing, a reset is how a response ends
+                settle_end(state, ctx, served)  # without body processing, a reset is how a response ends
             else:
                 served.settled = True
-                settle.client_left(state, ex, served.backend.name)
+                settlement.client_left(state, ctx, served.backend.name)
         raise
     finally:
         served.reservation.release(state.loop.time())

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gateway.epp.ext_proc import served_endpoint
-from gateway.errors import BACKEND_HEADER, REQUEST_ID_HEADER, ProxyRetried
-from gateway.pipeline import director, settle
-from gateway.pipeline.relay import ROUTE_HEADER, StreamScan, route_header, whole_usage
+from gateway.errors import ProxyRetried
+from gateway.pipeline import settlement
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.headers import response_headers
+from gateway.pipeline.stream_scan import StreamScan, whole_usage
 from routing.core import BackendState, Reservation
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ class Served:
         self.settled = False
 
 
-def on_response_headers(state: GatewayState, ex: director.Exchange, served: Served, msg: Any) -> dict[str, str]:
+def on_response_headers(state: GatewayState, ctx: RequestContext, served: Served, msg: Any) -> dict[str, str]:
     """The response's head: who served it, its status. Returns the headers added to
     the client's answer."""
     status_text = next((h.raw_value.decode() if h.raw_value else h.value
@@ -51,36 +53,34 @@ def on_response_headers(state: GatewayState, ex: director.Exchange, served: Serv
         if other is not None:  # Envoy retried elsewhere: the chosen backend failed before answering
             err = ProxyRetried(served.backend.name, f"backend {served.backend.name} failed; Envoy retried on "
                                                     f"{other.state.name}")
-            settle.attempt_failed(state, served.backend, served.reservation, err)
-            ex.attempts[-1] = (served.backend.name, ex.attempts[-1][1], err.reason)
+            settlement.attempt_failed(state, served.backend, served.reservation, err)
+            ctx.attempts[-1] = (served.backend.name, ctx.attempts[-1][1], err.reason)
             served.backend = other.state
-            assert ex.request is not None  # routed before it was sent
-            served.reservation = state.core.reserve(ex.request, other.state, now)
-            ex.backend = other.state.name
-            ex.attempts.append((other.state.name, now, "started"))
+            assert ctx.request is not None  # routed before it was sent
+            served.reservation = state.core.reserve(ctx.request, other.state, now)
+            ctx.backend = other.state.name
+            ctx.attempts.append((other.state.name, now, "started"))
     if status != 200:
         served.settled = True
         served.reservation.outcome(status < 500 and status != 0, now)
         served.reservation.release(now)
         if status >= 500 or status == 0:
             state.metrics.child(state.metrics.upstream_errors, served.backend.name, "backend_status").inc()
-        settle.finish(state, ex, status)
+        settlement.finish(state, ctx, status)
     elif not state.cfg.listen.epp.response_body:
-        settle.served(state, ex)
-    assert ex.decision is not None  # routed before it was sent
-    return {BACKEND_HEADER: served.backend.name, REQUEST_ID_HEADER: ex.request_id,
-            ROUTE_HEADER: route_header(ex.decision, ex.model, ex.fallback_reason)}
+        settlement.served(state, ctx)
+    return response_headers(ctx, served.backend.name)
 
 
-def on_response_body(state: GatewayState, ex: director.Exchange, served: Served, chunk: bytes, end: bool) -> None:
+def on_response_body(state: GatewayState, ctx: RequestContext, served: Served, chunk: bytes, end: bool) -> None:
     """A chunk of a 200 response's body: the first token of a stream, its events and
     ``usage``; a whole answer's bytes."""
-    if ex.parsed.stream:
+    if ctx.parsed.stream:
         if served.scan is None:
             if not chunk and not end:
                 return
-            settle.first_byte(state, ex, served.reservation, state.loop.time())
-            served.scan = ex.scan = StreamScan()
+            settlement.first_byte(state, ctx, served.reservation, state.loop.time())
+            served.scan = ctx.scan = StreamScan()
         served.scan.feed(chunk)
     else:
         if served.whole is None:
@@ -88,18 +88,18 @@ def on_response_body(state: GatewayState, ex: director.Exchange, served: Served,
         if len(served.whole) + len(chunk) <= MAX_WHOLE_BYTES:
             served.whole += chunk
     if end:
-        settle_end(state, ex, served)
+        settle_end(state, ctx, served)
 
 
-def settle_end(state: GatewayState, ex: director.Exchange, served: Served) -> None:
+def settle_end(state: GatewayState, ctx: RequestContext, served: Served) -> None:
     """A 200 response ended: settle it with what its body showed (nothing, without
     body processing)."""
     served.settled = True
     if served.scan is not None:
-        settle.completed(state, ex, served.reservation, served.scan.usage, served.scan.content_events)
+        settlement.completed(state, ctx, served.reservation, served.scan.usage, served.scan.content_events)
     else:
-        if ex.served is None:
-            settle.first_byte(state, ex, None, state.loop.time())
+        if ctx.served is None:
+            settlement.first_byte(state, ctx, None, state.loop.time())
         usage = whole_usage(bytes(served.whole)) if served.whole else None
-        settle.completed(state, ex, served.reservation, usage, 0, whole=True)
-    settle.finish(state, ex, 200)
+        settlement.completed(state, ctx, served.reservation, usage, 0, whole=True)
+    settlement.finish(state, ctx, 200)

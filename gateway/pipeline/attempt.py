@@ -2,11 +2,9 @@
 bytes under the attempt's deadlines, and hand the answer to the relay.
 
 Everything up to the first byte sent to the client can still be retried elsewhere;
-a failure raises an :class:`~gateway.errors.UpstreamError` (with ``ex.down.started``
+a failure raises an :class:`~gateway.errors.UpstreamError` (with ``ctx.down.started``
 when bytes had already reached the client). The attempt's timeouts live in one typed
-object, :class:`Deadlines`: the transport arms the first-byte deadline (connect
-included) and the relay arms the idle and total ones; connects are bounded by the
-transport with ``connect_s``.
+object, :class:`~gateway.pipeline.deadlines.Deadlines`.
 """
 
 from __future__ import annotations
@@ -14,17 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gateway.config import Timeouts
-from gateway.errors import (
-    REQUEST_ID_HEADER,
-    BackendStatus,
-    Disconnected,
-    FirstByteTimeout,
-    IdleTimeout,
-    TotalTimeout,
-    UpstreamError,
-)
-from gateway.pipeline import engine_errors, relay, settle
+from gateway.errors import REQUEST_ID_HEADER, BackendStatus, Disconnected, UpstreamError
+from gateway.pipeline import engine_errors, relay, settlement
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.retry import parse_retry_after
 from gateway.request_ids import upstream_id
@@ -33,48 +24,12 @@ from gateway.upstream.connection import Exchange as Upstream
 from routing.core import Reservation
 
 if TYPE_CHECKING:
-    from gateway.pipeline.director import Exchange
     from gateway.runtime import GatewayState
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}  # endpoint -> backend path
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _JSON_HEADERS = b"Content-Type: application/json\r\nAccept: application/json\r\n"
 _STREAM_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-
-
-class Deadlines:
-    """The deadlines of one attempt on ``backend``, from the backend's
-    :class:`~gateway.config.Timeouts` (seconds, ``None`` disables one) and the loop
-    time the attempt started: ``first_byte_at`` (connect, head and first body bytes:
-    ``ttft_s``, capped by ``total_s``) and ``total_at``; ``idle_s`` is checked by the
-    relay between chunks. The ``*_error`` methods give the failure each one raises."""
-
-    __slots__ = ("backend", "timeouts", "total_at", "first_byte_at")
-
-    def __init__(self, backend: str, timeouts: Timeouts, start: float) -> None:
-        self.backend = backend
-        self.timeouts = timeouts
-        self.total_at = start + timeouts.total_s if timeouts.total_s else None
-        first = start + timeouts.ttft_s if timeouts.ttft_s else None
-        if self.total_at is not None and (first is None or self.total_at < first):
-            first = self.total_at
-        self.first_byte_at = first
-
-    def first_byte_error(self) -> UpstreamError:
-        """What passing ``first_byte_at`` means: the total timeout when it was the
-        nearer one, else the first-byte (TTFT) timeout."""
-        if self.total_at is not None and self.first_byte_at == self.total_at:
-            return self.total_error()
-        return FirstByteTimeout(self.backend, f"backend {self.backend} sent no first byte within "
-                                              f"{self.timeouts.ttft_s} s")
-
-    def total_error(self) -> UpstreamError:
-        return TotalTimeout(self.backend, f"backend {self.backend} exceeded the total timeout of "
-                                          f"{self.timeouts.total_s} s")
-
-    def idle_error(self) -> UpstreamError:
-        return IdleTimeout(self.backend, f"backend {self.backend} stalled for more than "
-                                         f"{self.timeouts.idle_s} s between chunks")
 
 
 async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:
@@ -100,21 +55,21 @@ def _request_headers(client: BackendClient, request_id: str, stream: bool) -> by
         REQUEST_ID_HEADER.encode(), header_value(upstream_id(request_id)), client.auth_line)
 
 
-async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservation: Reservation) -> None:
-    """Send ``ex`` to ``client``'s backend and relay its answer to ``ex.down``.
+async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, reservation: Reservation) -> None:
+    """Send ``ctx`` to ``client``'s backend and relay its answer to ``ctx.down``.
 
     Raises an :class:`~gateway.errors.UpstreamError` on failure, :class:`ClientGone`
     (or ``CancelledError``) when the client left; either way the upstream connection is
     closed at once, so the engine stops generating.
     """
-    parsed = ex.parsed
+    parsed = ctx.parsed
     name = client.state.name
     deadlines = Deadlines(name, client.timeouts, state.loop.time())
-    early = relay.EarlyAnswer(state, ex, reservation, deadlines) if parsed.stream and not ex.down.may_wait else None
+    early = relay.EarlyAnswer(state, ctx, reservation, deadlines) if parsed.stream and not ctx.down.may_wait else None
     up: Upstream | None = None
     try:
-        up = await client.pool.request(PATHS[parsed.endpoint], _request_headers(client, ex.request_id, parsed.stream),
-                                       ex.body, deadlines.first_byte_at, early, not parsed.stream,
+        up = await client.pool.request(PATHS[parsed.endpoint], _request_headers(client, ctx.request_id, parsed.stream),
+                                       ctx.body, deadlines.first_byte_at, early, not parsed.stream,
                                        deadlines.first_byte_error)
         if up.status != 200:
             await _raise_status(client, up, PATHS[parsed.endpoint])
@@ -122,23 +77,23 @@ async def run(state: GatewayState, ex: Exchange, client: BackendClient, reservat
             opened = early.opened[0]
             if isinstance(opened, BaseException):
                 raise opened
-            return await relay.stream(state, ex, client, up, b"", reservation, deadlines, opened)
+            return await relay.stream(state, ctx, name, up, b"", reservation, deadlines, opened)
         if not parsed.stream or not up.headers.get("content-type", "").lower().startswith("text/event-stream"):
-            if ex.keepalive is not None:  # no comment may start while the whole answer arrives
-                task = ex.keepalive.discard(ex)
+            if ctx.keepalive is not None:  # no comment may start while the whole answer arrives
+                task = ctx.keepalive.discard(ctx)
                 if task is not None:
                     await task
-            if ex.down.started:  # keep-alive comments went out: the answer must be a stream
+            if ctx.down.started:  # keep-alive comments went out: the answer must be a stream
                 raise UpstreamError(name, f"backend {name} answered a streamed request with a whole response")
-            return relay.whole(state, ex, up, await up.read(), reservation)
+            return relay.whole(state, ctx, up, await up.read(), reservation)
         # a stream: wait for its first bytes before answering the client, so that
         # everything up to here can still be retried elsewhere
         chunk = await up.wait_first_body()
         if not chunk:
             raise Disconnected(name, f"backend {name} ended the stream without sending an event")
-        return await relay.stream(state, ex, client, up, chunk, reservation, deadlines)
+        return await relay.stream(state, ctx, name, up, chunk, reservation, deadlines)
     except (ClientGone, asyncio.CancelledError):
-        settle.client_left(state, ex, name)
+        settlement.client_left(state, ctx, name)
         raise
     finally:
         if early is not None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -38,7 +37,8 @@ from gateway.errors import (
     internal_error_answer,
 )
 from gateway.ops import access_log
-from gateway.pipeline import attempt, prefill, settle
+from gateway.pipeline import attempt, prefill, settlement
+from gateway.pipeline.context import RequestContext, Send
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
 from gateway.pipeline.engine_errors import context_length_exceeded
 from gateway.pipeline.openai_request import (
@@ -50,8 +50,7 @@ from gateway.pipeline.openai_request import (
     parse_json_object,
     prompt_token_ids,
 )
-from gateway.pipeline.relay import KeepAlives, StreamScan, close_comment
-from gateway.pipeline.settle import ServedMetrics
+from gateway.pipeline.keepalive import close_comment
 from gateway.tenancy.keys import ANONYMOUS, Caller
 from routing.core import DECODE, SERVING, Decision, NoBackendAvailable, PromptEstimate, RouteRequest, UnknownModel
 
@@ -61,39 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.pipeline")
 
 PRIORITY_HEADER = "x-turbo-priority"  # "batch": a batch line, admitted by the batch gate
-
-# One attempt on one backend: ``(state, ex, client, reservation)``; raises an
-# UpstreamError when the request may be tried elsewhere (see attempt.run).
-Send = Callable[["GatewayState", "Exchange", Any, Any], Awaitable[None]]
-
-
-@dataclass(slots=True)
-class Exchange:
-    """One client request's progress across attempts."""
-
-    down: Downstream  # where the answer goes
-    parsed: ParsedRequest
-    request_id: str
-    arrival: float  # loop time the request arrived
-    model: str = ""  # the model being served: the requested one, or a fallback (routing.fallbacks)
-    data: dict[str, Any] | None = None  # the request object for ``model`` (set by forward)
-    fallback_reason: str = ""  # why ``model`` is a fallback ("" when it is the requested model)
-    keepalive: KeepAlives | None = None  # where its keep-alive comments fall due, while its first event is awaited
-    backend: str = ""  # the backend of the current (or last) attempt
-    estimate: PromptEstimate | None = None
-    request: RouteRequest | None = None  # what the decision core routes on the current model
-    decision: Decision | None = None
-    body: bytes = b""  # what is sent upstream: the client's bytes unless a leg rewrote them
-    scan: StreamScan | None = None  # the stream being relayed, if any
-    attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
-    tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
-    usage: tuple[int, int, int] | None = None  # (prompt, cached prompt, completion) tokens of a completed response
-    key_name: str = ANONYMOUS  # the caller's key name, whose usage ledger counts it (gateway.tenancy.usage_ledger)
-    served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
-    ttft_s: float | None = None  # arrival to the answer's first byte (s), once it went out
-    subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
-    send: Send = attempt.run  # the attempt step: the gateway's own, or the endpoint picker's (gateway.epp.picker)
-
 
 async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes | Callable[[], Awaitable[bytes]],
                  down: Downstream, arrival: float, request_id: str, *, send: Send = attempt.run,
@@ -109,7 +75,7 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
     ``down``. ``caller``: who the stack found the request is from when it
     authenticated it on the head already. Raises ``CancelledError`` when the client left."""
     gate = kv = permit = charge = None
-    ex: Exchange
+    ctx: RequestContext
     try:
         if caller is None:
             caller = state.keyring.authenticate(headers)
@@ -127,11 +93,11 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
         by_tokens = adm.max_in_flight_per_backend is not None and adm.fairness == "tokens"
         token_limit = key is not None and key.tokens_per_minute is not None
         prompt = state.core.prompt_tokens(parsed.model, parsed.prompt_text) if by_tokens or token_limit else 0
-        ex = Exchange(down, parsed, request_id, arrival, subset=subset, send=send, key_name=caller.name)
+        ctx = RequestContext(down, parsed, request_id, arrival, send, subset=subset, key_name=caller.name)
         # 429 when over a per-key limit; a token limit charges the prompt and max_tokens up front
         permit = state.limiter.acquire(key, prompt + (parsed.max_tokens or 0) if token_limit else 0.0)
         charge = await state.admission.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight)
-        await forward(state, ex)
+        await forward(state, ctx)
     except ClientError as e:
         access_log.refused(request_id, endpoint, e.status, e.code)
         if not down.started:
@@ -144,10 +110,10 @@ async def handle(state: GatewayState, endpoint: str, headers: Any, body: bytes |
             down.respond(*internal_error_answer(request_id))
     finally:
         if charge is not None:
-            prompt_used, _, completion = ex.usage or (None, None, None)
-            charge.settle(prompt_used, completion, dispatched=bool(ex.attempts))
+            prompt_used, _, completion = ctx.usage or (None, None, None)
+            charge.settle(prompt_used, completion, dispatched=bool(ctx.attempts))
         if permit is not None:
-            permit.release(ex.tokens, dispatched=bool(ex.attempts))
+            permit.release(ctx.tokens, dispatched=bool(ctx.attempts))
             state.admission.pump()
         if gate is not None:
             gate.leave(kv)
@@ -174,10 +140,10 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
         check_model(state, parsed.model)
         gate = state.batch_gate
         if gate is None:
-            await forward(state, Exchange(down, parsed, request_id, state.loop.time(), key_name=key_name))
+            await forward(state, RequestContext(down, parsed, request_id, state.loop.time(), attempt.run, key_name=key_name))
         else:
             async with gate.admit(parsed):  # the line's TTFT starts once the gate let it in
-                await forward(state, Exchange(down, parsed, request_id, state.loop.time(), key_name=key_name))
+                await forward(state, RequestContext(down, parsed, request_id, state.loop.time(), attempt.run, key_name=key_name))
     except ClientError as e:
         status, body, headers = e.answer()
         return status, headers, body
@@ -186,24 +152,24 @@ async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: s
     return down.status, headers, down.body
 
 
-async def forward(state: GatewayState, ex: Exchange) -> None:
-    """Serve ``ex`` on its model and, when a model cannot serve it, on the requested
+async def forward(state: GatewayState, ctx: RequestContext) -> None:
+    """Serve ``ctx`` on its model and, when a model cannot serve it, on the requested
     model's fallbacks (``routing.fallbacks``: the first one of its chain not yet tried
     whose triggers include the failure, while the retry budget lasts); the answer
-    goes to ``ex.down``. A stream whose first event is long in coming gets keep-alive
+    goes to ``ctx.down``. A stream whose first event is long in coming gets keep-alive
     comments meanwhile (``streaming``). Never raises an :class:`UpstreamError`; raises
     :class:`ClientGone` (or ``CancelledError``) when the client left."""
-    parsed = ex.parsed
+    parsed = ctx.parsed
     t0 = state.loop.time()
-    ex.model, ex.data, ex.body = parsed.model, parsed.data, parsed.body
+    ctx.model, ctx.data, ctx.body = parsed.model, parsed.data, parsed.body
     ka = state.cfg.streaming
-    if parsed.stream and ka.keepalive_after_s is not None and ex.down.keepalive:
-        ex.keepalive = state.keepalives
-        ex.keepalive.add(ex, ka.keepalive_after_s, ka.keepalive_every_s)
+    if parsed.stream and ka.keepalive_after_s is not None and ctx.down.keepalive:
+        ctx.keepalive = state.keepalives
+        ctx.keepalive.add(ctx, ka.keepalive_after_s, ka.keepalive_every_s)
     tried = [parsed.model]
     try:
         while True:
-            failure = await _on_model(state, ex, t0)
+            failure = await _on_model(state, ctx, t0)
             if failure is None:  # answered (or a stream that failed after its first byte)
                 return
             err, no_backend = failure
@@ -211,18 +177,18 @@ async def forward(state: GatewayState, ex: Exchange) -> None:
             chain = state.cfg.routing.fallbacks.get(parsed.model, ()) if reason is not None else ()
             nxt = next((f.model for f in chain if reason in f.on and f.model not in tried), None)
             if nxt is None or reason is None or not state.retry.within_budget(t0, state.loop.time()):
-                return await settle.failed(state, ex, err, no_backend)
+                return await settlement.failed(state, ctx, err, no_backend)
             m = state.metrics
-            m.child(m.fallbacks, ex.model, nxt, reason).inc()
-            log.info("request %s: model %s failed (%s); falling back to %s", ex.request_id, ex.model, reason, nxt)
+            m.child(m.fallbacks, ctx.model, nxt, reason).inc()
+            log.info("request %s: model %s failed (%s); falling back to %s", ctx.request_id, ctx.model, reason, nxt)
             tried.append(nxt)
-            ex.model, ex.fallback_reason = nxt, reason
-            ex.backend, ex.decision = "", None  # the fallback's own backends from here on
-            ex.data = {**parsed.data, "model": nxt}
-            ex.body = orjson.dumps(ex.data)
+            ctx.model, ctx.fallback_reason = nxt, reason
+            ctx.backend, ctx.decision = "", None  # the fallback's own backends from here on
+            ctx.data = {**parsed.data, "model": nxt}
+            ctx.body = orjson.dumps(ctx.data)
     finally:
-        if ex.keepalive is not None:
-            task = ex.keepalive.discard(ex)
+        if ctx.keepalive is not None:
+            task = ctx.keepalive.discard(ctx)
             if task is not None:
                 close_comment(task)
 
@@ -245,17 +211,17 @@ def fallback_trigger(err: UpstreamError | None, no_backend: NoBackendAvailable |
     return None
 
 
-async def _token_ids(state: GatewayState, ex: Exchange) -> Sequence[int] | None:
-    """The prompt's token ids by ``ex.model``'s own tokenizer, or ``None`` (no
+async def _token_ids(state: GatewayState, ctx: RequestContext) -> Sequence[int] | None:
+    """The prompt's token ids by ``ctx.model``'s own tokenizer, or ``None`` (no
     tokenizer, or a prompt it cannot reproduce). A long encoding runs in the loop's
     default executor (``tokenizers`` releases the GIL), so other requests go on
     meanwhile; the prefix cache makes a conversation's next turn short. Without a
     tokenizer, a completions prompt given as token ids is taken as it is when a
     backend of the model publishes KV events (its token-exact keys need them)."""
-    data = ex.data or ex.parsed.data
-    tz = state.core.tokenization(ex.model, ex.parsed.endpoint, data)
+    data = ctx.data or ctx.parsed.data
+    tz = state.core.tokenization(ctx.model, ctx.parsed.endpoint, data)
     if tz is None:
-        if ex.parsed.endpoint == "completions" and state.core.wants_token_ids(ex.model):
+        if ctx.parsed.endpoint == "completions" and state.core.wants_token_ids(ctx.model):
             return prompt_token_ids(data)
         return None
     if tz.offload:
@@ -263,40 +229,40 @@ async def _token_ids(state: GatewayState, ex: Exchange) -> Sequence[int] | None:
     return tz.token_ids()
 
 
-async def _on_model(state: GatewayState, ex: Exchange,
+async def _on_model(state: GatewayState, ctx: RequestContext,
                     t0: float) -> tuple[UpstreamError | None, NoBackendAvailable | None] | None:
-    """Estimate, plan, route, attempt and retry on ``ex.model``, within the retry
+    """Estimate, plan, route, attempt and retry on ``ctx.model``, within the retry
     budget counted from ``t0``. Returns ``None`` once the client was answered (or its
     stream ended with an error event after the first byte), else the final failure:
     the last attempt's, or the reason no backend could be tried. One function on
     purpose: the retry loop is the request's story and reads top to bottom."""
     loop = state.loop
     core, policy, m = state.core, state.retry, state.metrics
-    parsed = ex.parsed
-    first = len(ex.attempts)  # the attempts on earlier models do not count against this one's
-    token_ids = await _token_ids(state, ex)
-    ex.estimate, req = await off_loop(len(parsed.body), core.request, ex.model, parsed.prompt_text, parsed.max_tokens,
+    parsed = ctx.parsed
+    first = len(ctx.attempts)  # the attempts on earlier models do not count against this one's
+    token_ids = await _token_ids(state, ctx)
+    ctx.estimate, req = await off_loop(len(parsed.body), core.request, ctx.model, parsed.prompt_text, parsed.max_tokens,
                                       parsed.cache_salt, parsed.stream, token_ids)
-    ex.request = req
+    ctx.request = req
     if token_ids is not None:  # an exact count: a prompt that fits on no backend is refused unsent
-        limit = core.context_exceeded(ex.model, len(token_ids), parsed.max_tokens)
+        limit = core.context_exceeded(ctx.model, len(token_ids), parsed.max_tokens)
         if limit is not None:
             answer = context_length_exceeded(limit, len(token_ids), parsed.max_tokens, parsed.endpoint)
             return BackendStatus("", answer[0], answer[1], "application/json", openai=answer), None
-    req.subset = ex.subset
+    req.subset = ctx.subset
     now = loop.time()
     plan = core.plan(req, now, state.cfg.routing.long_prompt_tokens)
     roles, remote = plan.roles, False  # the first route reuses the plan's prefix match
     if plan.kind == "disaggregated":
-        params = await prefill.run(state, ex, req)
+        params = await prefill.run(state, ctx, req)
         if params is not None:
-            ex.body = orjson.dumps({**(ex.data or ex.parsed.data), "kv_transfer_params": params})
+            ctx.body = orjson.dumps({**(ctx.data or ctx.parsed.data), "kv_transfer_params": params})
             roles, remote = DECODE, True
         else:  # the prefill leg failed: a decode or mixed backend computes the prompt itself
             roles = SERVING
         m.child(m.disaggregated, "ok" if remote else "fallback").inc()
         now = loop.time()
-    pools, stable_pools = core.canary_pools(ex.model)
+    pools, stable_pools = core.canary_pools(ctx.model)
     req.roles, req.remote_prefill = roles, remote
     excluded: set[str] = set()
     last: UpstreamError | None = None
@@ -311,7 +277,7 @@ async def _on_model(state: GatewayState, ex: Exchange,
                 pools, stable_pools = stable_pools, None
                 m.child(m.canary_fallbacks, "no_canary_backend").inc()
                 continue
-            if e.retry_after_s is not None and policy.may_wait(e.retry_after_s, len(ex.attempts) - first, t0, now,
+            if e.retry_after_s is not None and policy.may_wait(e.retry_after_s, len(ctx.attempts) - first, t0, now,
                                                                breaker_open=e.breaker_open):
                 await asyncio.sleep(e.retry_after_s)
                 now = loop.time()
@@ -319,25 +285,25 @@ async def _on_model(state: GatewayState, ex: Exchange,
             return (last, None) if last is not None else (None, e)
         m.child(m.decisions, decision.policy, decision.reason).inc()
         backend = decision.backend
-        ex.backend, ex.decision = backend.name, decision
-        ex.attempts.append((backend.name, now, "started"))
+        ctx.backend, ctx.decision = backend.name, decision
+        ctx.attempts.append((backend.name, now, "started"))
         try:
             client = state.clients[backend.name]
-            if backend.needs_load(ex.model):  # a LoRA adapter it may load on demand (rare: once per backend)
-                lora = state.cfg.models[ex.model].lora
+            if backend.needs_load(ctx.model):  # a LoRA adapter it may load on demand (rare: once per backend)
+                lora = state.cfg.models[ctx.model].lora
                 timeout_s = next(b.lora.load_timeout_s for b in state.cfg.backends if b.name == backend.name)
                 assert lora is not None
-                await state.adapters.ensure(core, client, ex.model, lora.path, timeout_s)
-            await ex.send(state, ex, client, reservation)
+                await state.adapters.ensure(core, client, ctx.model, lora.path, timeout_s)
+            await ctx.send(state, ctx, client, reservation)
             return None
         except UpstreamError as err:
-            settle.attempt_failed(state, backend, reservation, err)
-            ex.attempts[-1] = (backend.name, now, err.reason)
-            if ex.scan is not None:  # the backend's bytes already reached the client: end the stream
-                await settle.stream_failed(state, ex, err)
+            settlement.attempt_failed(state, backend, reservation, err)
+            ctx.attempts[-1] = (backend.name, now, err.reason)
+            if ctx.scan is not None:  # the backend's bytes already reached the client: end the stream
+                await settlement.stream_failed(state, ctx, err)
                 return None
             last, now = err, loop.time()
-            delay = policy.after_failure(err, len(ex.attempts) - first, t0, now)
+            delay = policy.after_failure(err, len(ctx.attempts) - first, t0, now)
             if delay is None:
                 return err, None
             excluded.add(backend.name)
@@ -345,8 +311,8 @@ async def _on_model(state: GatewayState, ex: Exchange,
                 pools, stable_pools = stable_pools, None
                 m.child(m.canary_fallbacks, err.reason).inc()
             m.child(m.retries, err.reason).inc()
-            log.info("retrying request %s after %s from %s (attempt %d)", ex.request_id, err.reason, backend.name,
-                     len(ex.attempts))
+            log.info("retrying request %s after %s from %s (attempt %d)", ctx.request_id, err.reason, backend.name,
+                     len(ctx.attempts))
             await asyncio.sleep(delay)
             now = loop.time()
         finally:

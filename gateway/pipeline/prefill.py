@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.errors import UpstreamError
-from gateway.pipeline import attempt, settle
+from gateway.pipeline import attempt, settlement
+from gateway.pipeline.context import RequestContext
 from routing.core import PREFILL, NoBackendAvailable, RouteRequest
 
 if TYPE_CHECKING:
-    from gateway.pipeline.director import Exchange
     from gateway.runtime import GatewayState
 
 log = logging.getLogger("gateway.pipeline")
@@ -39,21 +39,21 @@ def _prefill_body(data: dict[str, Any]) -> bytes:
     return orjson.dumps(data)
 
 
-async def run(state: GatewayState, ex: Exchange, base: RouteRequest) -> dict[str, Any] | None:
-    """Prefill ``ex``'s prompt on the ``prefill`` pool, retrying on other prefill
+async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> dict[str, Any] | None:
+    """Prefill ``ctx``'s prompt on the ``prefill`` pool, retrying on other prefill
     backends as the retry policy allows. Returns the ``kv_transfer_params`` the decode
     leg must carry, or ``None`` when the leg failed (the caller falls back to a backend
     that computes the prompt itself). A client that goes away cancels the leg with the
     request (its connection is closed, the engine aborts)."""
     loop = state.loop
     policy = state.retry
-    parsed = ex.parsed
-    body = _prefill_body(ex.data or parsed.data)
+    parsed = ctx.parsed
+    body = _prefill_body(ctx.data or parsed.data)
     path = attempt.PATHS[parsed.endpoint]
     excluded: set[str] = set()
     started = loop.time()
     for attempts in range(1, policy.max_attempts + 1):
-        req = RouteRequest(ex.model, frozenset(excluded), base.prompt_text, base.prompt_bytes, base.block_hashes,
+        req = RouteRequest(ctx.model, frozenset(excluded), base.prompt_text, base.prompt_bytes, base.block_hashes,
                            base.prompt_tokens, 1, base.tokens_per_block, PREFILL, stream=False,
                            token_ids=base.token_ids, token_keys=base.token_keys)
         try:
@@ -63,11 +63,11 @@ async def run(state: GatewayState, ex: Exchange, base: RouteRequest) -> dict[str
         backend = decision.backend
         client = state.clients[backend.name]
         try:
-            payload = await attempt.fetch(client, path, body, ex.request_id)
+            payload = await attempt.fetch(client, path, body, ctx.request_id)
             obj = orjson.loads(payload)
         except (UpstreamError, orjson.JSONDecodeError) as e:
             err = e if isinstance(e, UpstreamError) else UpstreamError(backend.name, f"invalid JSON: {e}")
-            settle.attempt_failed(state, backend, reservation, err)
+            settlement.attempt_failed(state, backend, reservation, err)
             delay = policy.after_failure(err, attempts, started, loop.time())
             if delay is None:
                 return None

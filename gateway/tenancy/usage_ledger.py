@@ -2,7 +2,7 @@
 hourly buckets.
 
 **What is counted.** Every request that passed admission and settled
-(:func:`gateway.pipeline.settle.finish`), interactive or a batch line, under the name of
+(:func:`gateway.pipeline.settlement.finish`), interactive or a batch line, under the name of
 the key that sent it (``anonymous`` without keys; a batch line under its batch's
 owner): one request; its prompt tokens, cached prompt tokens
 (``usage.prompt_tokens_details.cached_tokens``) and completion tokens as the backend's

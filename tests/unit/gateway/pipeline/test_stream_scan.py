@@ -7,7 +7,7 @@ from tests.support.servers import sse_chunk
 
 
 def test_stream_scan_counts_content_events_across_splits():
-    from gateway.pipeline.relay import StreamScan
+    from gateway.pipeline.stream_scan import StreamScan
 
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
     body = role + b"".join(sse_chunk(i, "w ") for i in range(4)) + \
@@ -30,7 +30,7 @@ def test_stream_scan_single_event_fast_path_agrees_with_the_general_scan():
     usage; fed event by event, split at random or whole, every stream must scan alike."""
     import random
 
-    from gateway.pipeline.relay import StreamScan
+    from gateway.pipeline.stream_scan import StreamScan
 
     rng = random.Random(7)
     pieces = [sse_chunk(0, "plain"), sse_chunk(1, "say data: [DONE]\n"), sse_chunk(2, "}\n\n"),

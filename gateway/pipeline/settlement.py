@@ -24,73 +24,55 @@ from gateway.errors import (
     sse_error_event,
 )
 from gateway.ops import access_log
-from gateway.ops.metrics import GatewayMetrics
+from gateway.pipeline.context import RequestContext, ServedMetrics
 from gateway.pipeline.downstream import ClientGone
 from gateway.tenancy.usage_ledger import cost_nanos
 from routing.core import NoBackendAvailable, Reservation
 
 if TYPE_CHECKING:
-    from gateway.pipeline.director import Exchange
     from gateway.runtime import GatewayState
 
 log = logging.getLogger("gateway.pipeline")
 
 
-class ServedMetrics:
-    """The metric children one answered request updates, for one (model, backend,
-    pool): looked up once per request instead of once per update."""
-
-    __slots__ = ("pool", "ttft", "pool_ttft", "e2e", "ok", "pool_ok", "prompt_tokens", "completion_tokens")
-
-    def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str) -> None:
-        self.pool = pool
-        self.ttft = m.child(m.ttft, model)
-        self.pool_ttft = m.child(m.pool_ttft, pool)
-        self.e2e = m.child(m.e2e, model)
-        self.ok = m.child(m.requests, model, backend, "200")
-        self.pool_ok = m.child(m.pool_requests, pool, "200")
-        self.prompt_tokens = m.child(m.prompt_tokens, model)
-        self.completion_tokens = m.child(m.completion_tokens, model)
-
-
-def _pool(state: GatewayState, ex: Exchange) -> str:
-    b = state.core.fleet.backends.get(ex.backend) if ex.backend else None
+def _pool(state: GatewayState, ctx: RequestContext) -> str:
+    b = state.core.fleet.backends.get(ctx.backend) if ctx.backend else None
     return b.spec.pool if b is not None else "none"
 
 
-def served(state: GatewayState, ex: Exchange) -> ServedMetrics:
-    """The metric children of the backend that answered ``ex`` (cached per model and
+def served(state: GatewayState, ctx: RequestContext) -> ServedMetrics:
+    """The metric children of the backend that answered ``ctx`` (cached per model and
     backend, made anew when a reload moved the backend to another pool)."""
-    key = (ex.model, ex.backend)
-    pool = _pool(state, ex)
+    key = (ctx.model, ctx.backend)
+    pool = _pool(state, ctx)
     cache = state.served_metrics
     s = cache.get(key)
     if s is None or s.pool != pool:
-        s = cache[key] = ServedMetrics(state.metrics, ex.model, ex.backend or "none", pool)
-    ex.served = s
+        s = cache[key] = ServedMetrics(state.metrics, ctx.model, ctx.backend or "none", pool)
+    ctx.served = s
     return s
 
 
-def first_byte(state: GatewayState, ex: Exchange, reservation: Reservation | None, at: float) -> None:
+def first_byte(state: GatewayState, ctx: RequestContext, reservation: Reservation | None, at: float) -> None:
     """The answer's first byte goes to the client at loop time ``at``: the TTFT, and
     the backend's first token when the answer is a stream (``reservation`` given)."""
     if reservation is not None:
         reservation.first_token(at)
-    s = served(state, ex)  # the answering backend is known from here on
-    ttft = ex.ttft_s = at - ex.arrival
+    s = served(state, ctx)  # the answering backend is known from here on
+    ttft = ctx.ttft_s = at - ctx.arrival
     s.ttft.observe(ttft)
     s.pool_ttft.observe(ttft)
 
 
-def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage: Any, events: int,
+def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation, usage: Any, events: int,
               whole: bool = False) -> None:
     """A response completed: count its tokens (``usage`` as the backend reported it,
     else ``events``, the streamed content events), teach the decision core and release
     the reservation. ``whole``: a non-streamed answer, whose timing says nothing about
     the backend's TTFT or ITL."""
     m = state.metrics
-    model = ex.model
-    s = ex.served or served(state, ex)
+    model = ctx.model
+    s = ctx.served or served(state, ctx)
     completion: int | None = events or None
     prompt: int | None = None
     cached = 0
@@ -105,23 +87,23 @@ def completed(state: GatewayState, ex: Exchange, reservation: Reservation, usage
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             cached = max(details["cached_tokens"], 0)
             m.child(m.cached_tokens, model).inc(cached)
-            if ex.decision is not None:
-                predicted = ex.decision.detail.get("matched_tokens", 0)
+            if ctx.decision is not None:
+                predicted = ctx.decision.detail.get("matched_tokens", 0)
                 m.child(m.predicted_cached_tokens, model).inc(predicted)
                 m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
-                evidence = ex.decision.evidence
+                evidence = ctx.decision.evidence
                 m.child(m.prefix_predicted_tokens, evidence).inc(predicted)
                 m.child(m.prefix_reported_tokens, evidence).inc(details["cached_tokens"])
     if completion:
         s.completion_tokens.inc(completion)
-    est = ex.estimate
+    est = ctx.estimate
     if est is not None:
         state.core.learn_usage(model, est.size_bytes, prompt, completion)
     now = state.loop.time()
     reservation.outcome(True, now)
     counted_prompt = max(int(prompt if prompt is not None else (est.prompt_tokens if est else 0)), 0)
-    ex.usage = (counted_prompt, min(cached, counted_prompt), max(completion or 0, 0))
-    ex.tokens = counted_prompt + (completion or 0)
+    ctx.usage = (counted_prompt, min(cached, counted_prompt), max(completion or 0, 0))
+    ctx.tokens = counted_prompt + (completion or 0)
     reservation.release(now, completion, whole)
 
 
@@ -142,46 +124,46 @@ def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: 
         state.core.cool_down(backend, now + state.cfg.retries.failed_backend_cooldown_s)
 
 
-def finish(state: GatewayState, ex: Exchange, status: int) -> None:
+def finish(state: GatewayState, ctx: RequestContext, status: int) -> None:
     """Count the request's final ``status`` (and its end-to-end time when 200), and its
     usage in the ledger (:mod:`gateway.tenancy.usage_ledger`) under its caller's key name."""
-    account(state, ex, status)
-    access_log.completion(ex.request_id, ex.parsed.endpoint, status, ex.model or ex.parsed.model, ex.backend,
-                          ex.ttft_s, ex.usage, state.loop.time() - ex.arrival, len(ex.attempts))
+    account(state, ctx, status)
+    access_log.completion(ctx.request_id, ctx.parsed.endpoint, status, ctx.model or ctx.parsed.model, ctx.backend,
+                          ctx.ttft_s, ctx.usage, state.loop.time() - ctx.arrival, len(ctx.attempts))
     if status == 200:
-        s = ex.served or served(state, ex)
+        s = ctx.served or served(state, ctx)
         s.ok.inc()
         s.pool_ok.inc()
-        s.e2e.observe(state.loop.time() - ex.arrival)
+        s.e2e.observe(state.loop.time() - ctx.arrival)
         return
     m = state.metrics
-    m.child(m.requests, ex.model or ex.parsed.model, ex.backend or "none", str(status)).inc()
-    m.child(m.pool_requests, _pool(state, ex), str(status)).inc()
+    m.child(m.requests, ctx.model or ctx.parsed.model, ctx.backend or "none", str(status)).inc()
+    m.child(m.pool_requests, _pool(state, ctx), str(status)).inc()
 
 
-def account(state: GatewayState, ex: Exchange, status: int) -> None:
-    """The usage ledger's one entry for a settled request: its tokens (``ex.usage``,
+def account(state: GatewayState, ctx: RequestContext, status: int) -> None:
+    """The usage ledger's one entry for a settled request: its tokens (``ctx.usage``,
     set by :func:`completed`; none when it never completed), an error unless
     ``status`` is 200, its cost at ``usage.prices``; and the per-key token counters."""
-    model = ex.model or ex.parsed.model
-    prompt, cached, completion = ex.usage or (0, 0, 0)
+    model = ctx.model or ctx.parsed.model
+    prompt, cached, completion = ctx.usage or (0, 0, 0)
     price = state.cfg.usage.prices.get(model)
-    state.usage.record(ex.key_name, model, prompt, cached, completion, status != 200,
+    state.usage.record(ctx.key_name, model, prompt, cached, completion, status != 200,
                        cost_nanos(price, prompt, cached, completion) if price is not None else 0)
-    if ex.usage is not None:
+    if ctx.usage is not None:
         m = state.metrics
-        m.child(m.key_tokens, ex.key_name, model, "prompt").inc(prompt)
-        m.child(m.key_tokens, ex.key_name, model, "cached_prompt").inc(cached)
-        m.child(m.key_tokens, ex.key_name, model, "completion").inc(completion)
+        m.child(m.key_tokens, ctx.key_name, model, "prompt").inc(prompt)
+        m.child(m.key_tokens, ctx.key_name, model, "cached_prompt").inc(cached)
+        m.child(m.key_tokens, ctx.key_name, model, "completion").inc(completion)
 
 
-def client_left(state: GatewayState, ex: Exchange, backend: str) -> None:
+def client_left(state: GatewayState, ctx: RequestContext, backend: str) -> None:
     """The client went away during an attempt on ``backend`` (status 499)."""
     state.metrics.child(state.metrics.client_disconnects, backend).inc()
-    finish(state, ex, 499)
+    finish(state, ctx, 499)
 
 
-async def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
+async def failed(state: GatewayState, ctx: RequestContext, err: UpstreamError | None,
                  no_backend: NoBackendAvailable | None = None) -> None:
     """The request failed for good before any backend byte reached the client: answer
     it with the last attempt's failure ``err``, or with ``no_backend`` when no backend
@@ -192,33 +174,33 @@ async def failed(state: GatewayState, ex: Exchange, err: UpstreamError | None,
     else:
         assert no_backend is not None
         status, body, headers = failure_answer(None, str(no_backend), no_backend.retry_after_s)
-    if ex.down.started:
+    if ctx.down.started:
         reason = err.reason if err is not None else "no_backend_available"
         message = err.message if err is not None else str(no_backend)
-        return await _end_stream(state, ex, reason, status, message, b"data: " + body + b"\n\n")
-    headers[REQUEST_ID_HEADER] = ex.request_id
-    if ex.backend:
-        headers[BACKEND_HEADER] = ex.backend
-    finish(state, ex, status)
-    ex.down.respond(status, body, headers)
+        return await _end_stream(state, ctx, reason, status, message, b"data: " + body + b"\n\n")
+    headers[REQUEST_ID_HEADER] = ctx.request_id
+    if ctx.backend:
+        headers[BACKEND_HEADER] = ctx.backend
+    finish(state, ctx, status)
+    ctx.down.respond(status, body, headers)
 
 
-async def stream_failed(state: GatewayState, ex: Exchange, err: UpstreamError) -> None:
+async def stream_failed(state: GatewayState, ctx: RequestContext, err: UpstreamError) -> None:
     """A stream failed after its first event reached the client: end it with an error
     event (no ``[DONE]``) and count it."""
-    prefix = b"\n\n" if ex.scan is not None and ex.scan.tail else b""
-    await _end_stream(state, ex, err.reason, err.status, err.message,
+    prefix = b"\n\n" if ctx.scan is not None and ctx.scan.tail else b""
+    await _end_stream(state, ctx, err.reason, err.status, err.message,
                       prefix + sse_error_event(err.message, err.reason))
 
 
-async def _end_stream(state: GatewayState, ex: Exchange, reason: str, status: int, message: str,
+async def _end_stream(state: GatewayState, ctx: RequestContext, reason: str, status: int, message: str,
                       event: bytes) -> None:
     """End a stream whose head went out with the error ``event``; count it."""
-    backend = ex.backend or "none"
+    backend = ctx.backend or "none"
     state.metrics.child(state.metrics.stream_errors, backend, reason).inc()
-    log.warning("stream %s from %s failed after its head went out: %s", ex.request_id, backend, message)
+    log.warning("stream %s from %s failed after its head went out: %s", ctx.request_id, backend, message)
     try:
-        await ex.down.end_stream(event)
+        await ctx.down.end_stream(event)
     except ClientGone:
         pass
-    finish(state, ex, status)
+    finish(state, ctx, status)

@@ -1,0 +1,77 @@
+"""The request context: one client request's state, the one type every step takes.
+
+:class:`RequestContext` is made by the director (:mod:`gateway.pipeline.director`) once
+the request was parsed and admitted, and handed to every step after it: the attempt
+(:mod:`~gateway.pipeline.attempt`, or the endpoint picker's hand-off), the relay
+(:mod:`~gateway.pipeline.relay`), settlement (:mod:`~gateway.pipeline.settlement`) and the
+prefill leg (:mod:`~gateway.pipeline.prefill`). :data:`Send` is the type of the attempt
+step. Steps import their types from here, never from one another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gateway.ops.metrics import GatewayMetrics
+from gateway.pipeline.downstream import Downstream
+from gateway.pipeline.keepalive import KeepAlives
+from gateway.pipeline.openai_request import ParsedRequest
+from gateway.pipeline.stream_scan import StreamScan
+from gateway.tenancy.keys import ANONYMOUS
+from routing.core import Decision, PromptEstimate, Reservation, RouteRequest
+
+if TYPE_CHECKING:
+    from gateway.runtime import GatewayState
+    from gateway.upstream.client import BackendClient
+
+# One attempt on one backend: ``(state, ctx, client, reservation)``; answers the client
+# through ``ctx.down`` and settles, or raises an UpstreamError when the request may be
+# tried elsewhere (see gateway.pipeline.attempt.run, gateway.epp.picker.hand_off).
+Send = Callable[["GatewayState", "RequestContext", "BackendClient", Reservation], Awaitable[None]]
+
+
+class ServedMetrics:
+    """The metric children one answered request updates, for one (model, backend,
+    pool): looked up once per request instead of once per update."""
+
+    __slots__ = ("pool", "ttft", "pool_ttft", "e2e", "ok", "pool_ok", "prompt_tokens", "completion_tokens")
+
+    def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str) -> None:
+        self.pool = pool
+        self.ttft = m.child(m.ttft, model)
+        self.pool_ttft = m.child(m.pool_ttft, pool)
+        self.e2e = m.child(m.e2e, model)
+        self.ok = m.child(m.requests, model, backend, "200")
+        self.pool_ok = m.child(m.pool_requests, pool, "200")
+        self.prompt_tokens = m.child(m.prompt_tokens, model)
+        self.completion_tokens = m.child(m.completion_tokens, model)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One client request's progress across attempts (and fallback models)."""
+
+    down: Downstream  # where the answer goes
+    parsed: ParsedRequest
+    request_id: str
+    arrival: float  # loop time the request arrived
+    send: Send  # the attempt step: the gateway's own, or the endpoint picker's (gateway.epp.picker)
+    model: str = ""  # the model being served: the requested one, or a fallback (routing.fallbacks)
+    data: dict[str, Any] | None = None  # the request object for ``model``
+    fallback_reason: str = ""  # why ``model`` is a fallback ("" when it is the requested model)
+    keepalive: KeepAlives | None = None  # where its keep-alive comments fall due, while its first event is awaited
+    backend: str = ""  # the backend of the current (or last) attempt
+    estimate: PromptEstimate | None = None
+    request: RouteRequest | None = None  # what the decision core routes on the current model
+    decision: Decision | None = None
+    body: bytes = b""  # what is sent upstream: the client's bytes unless a leg rewrote them
+    scan: StreamScan | None = None  # the stream being relayed, if any
+    attempts: list[tuple[str, float, str]] = field(default_factory=list)  # (backend, start time, outcome)
+    tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
+    usage: tuple[int, int, int] | None = None  # (prompt, cached prompt, completion) tokens of a completed response
+    key_name: str = ANONYMOUS  # the caller's key name, whose usage ledger counts it (gateway.tenancy.usage_ledger)
+    served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
+    ttft_s: float | None = None  # arrival to the answer's first byte (s), once it went out
+    subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
