@@ -18,6 +18,8 @@ import math
 import orjson
 from aiohttp import web
 
+from routing.core import RETRYABLE_STATUSES
+
 REQUEST_ID_HEADER = "x-request-id"
 BACKEND_HEADER = "x-turbo-backend"
 # the openai SDKs retry 408, 409, 429 and 5xx by themselves unless the answer says
@@ -212,7 +214,7 @@ class BackendStatus(UpstreamError):
     classified) and it is not retryable: another backend of the model would fail the
     same way. ``reason`` stays ``status_<the backend's status>``."""
 
-    RETRYABLE = frozenset({429, 502, 503, 504})
+    RETRYABLE = RETRYABLE_STATUSES  # routing.retry: one retryable set for every retry loop
     code: str | None = None
 
     def __init__(self, backend: str, status: int, body: bytes, content_type: str,

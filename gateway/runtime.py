@@ -26,7 +26,7 @@ from gateway.engine_signals.kv_event_subscriber import KVEventSubscribers
 from gateway.engine_signals.metrics_scraper import MetricsScraper
 from gateway.ops.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
 from gateway.pipeline.keepalive import KeepAlives
-from gateway.pipeline.retry import RetryPolicy
+from gateway.pipeline.retry import RetryPolicy, policy_from_config
 from gateway.store.routing_state import InProcessStore, RedisStore
 from gateway.tenancy.admission import AdmissionControl
 from gateway.tenancy.keys import KeyRing
@@ -167,7 +167,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     b = cfg.breaker
     for backend in core.fleet.backends.values():
         backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)
-    state.retry = RetryPolicy.from_config(cfg.retries)
+    state.retry = policy_from_config(cfg.retries)
     state.keyring = KeyRing(cfg.auth, cfg.limits)
     state.limiter.configure(cfg.auth.keys)
     state.usage.configure(cfg.usage.retention_days, cfg.usage.max_buffered_buckets)

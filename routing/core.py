@@ -65,9 +65,11 @@ from routing.policies import POLICIES, Decision, RouteRequest, make_policy
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
-from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
+from routing.retry import (DEFAULT_BASE_BACKOFF_S, DEFAULT_FAILED_BACKEND_COOLDOWN_S, DEFAULT_MAX_ATTEMPTS,
+                           DEFAULT_MAX_BACKOFF_S, RETRYABLE_STATUSES, RetryPolicy, retryable_status)
 from routing.tokenize import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
 from routing.tokenize import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
+from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
@@ -76,6 +78,8 @@ __all__ = [
     "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "RoutingStore",
     "SequenceTracker", "ServedModel", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel",
     "canonical_prompt", "clear_remote_loads", "estimate_ttft", "fold_remote_loads", "load_snapshot", "load_tokenizer",
+    "DEFAULT_BASE_BACKOFF_S", "DEFAULT_FAILED_BACKEND_COOLDOWN_S", "DEFAULT_MAX_ATTEMPTS", "DEFAULT_MAX_BACKOFF_S",
+    "RETRYABLE_STATUSES", "RetryPolicy", "retryable_status",
 ]
 
 log = logging.getLogger("routing.kv_event_decoding")

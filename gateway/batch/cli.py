@@ -189,7 +189,7 @@ async def run_local(raw: bytes, args: argparse.Namespace) -> int:
     from gateway.batch.output_lines import output_line
     from gateway.batch.senders import HttpSender
     from gateway.batch.worker import run_with_retries
-    from gateway.pipeline.retry import RetryPolicy
+    from routing.core import RetryPolicy
 
     out_path = Path(args.output)
     err_path = Path(args.errors or f"{args.output}.errors.jsonl")

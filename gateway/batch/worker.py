@@ -14,8 +14,10 @@ recorded with its ``usage`` (:func:`gateway.batch.output_lines.line_usage`), whi
 batch object sums exactly once per line, as OpenAI's batch ``usage`` does.
 
 Per line: up to ``max_attempts`` attempts of at most ``request_timeout_s`` each,
-full-jitter exponential backoff between them (:class:`gateway.pipeline.retry.RetryPolicy`);
-connect errors, timeouts, 408/409/429/5xx are retried, other statuses are final. A
+full-jitter exponential backoff between them (:class:`gateway.pipeline.retry.Retrier`, the
+gateway's one retry executor); connect errors, timeouts and the one retryable set of
+:mod:`routing.retry` (429, 502, 503, 504) are retried, other statuses are final (the
+gateway already retried its backends' failures behind them). A
 ``batch_deferred`` answer (no spare capacity) is waited out and not counted. The final
 failure goes to the error file: the backend's HTTP status and error body as
 ``response``, or ``error`` ``{code, message}`` when no answer came. A cancelled or
@@ -42,13 +44,12 @@ from gateway.batch.job_store import GROUP, BatchStore
 from gateway.batch.output_lines import line_usage, output_line
 from gateway.config import Batch
 from gateway.errors import reason
-from gateway.pipeline.retry import RetryPolicy
+from gateway.pipeline.retry import Retrier, RetryPolicy, retryable_status
 from gateway.store.background_sync import raise_if_cancel_swallowed
 from gateway.tenancy.keys import ANONYMOUS
 
 log = logging.getLogger("gateway.batch")
 
-RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
 _STATUS_TTL_S = 0.25
 
 
@@ -320,7 +321,7 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
     between them; a ``batch_deferred`` answer is waited out and not counted), on
     behalf of ``key_name`` (the batch's owner; see the senders). Returns (ok, the
     output or error line), or ``None`` when ``before_send()`` says to stop."""
-    attempts = 0
+    retrier = Retrier(policy, time.monotonic())
     deferrals = 0
     while True:
         raise_if_cancel_swallowed()  # a cancelled line stops even if a Redis call swallowed the cancel
@@ -328,7 +329,7 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
             if not await before_send():
                 return None
             raise_if_cancel_swallowed()  # before_send calls Redis: a cancel lost there must not send
-        rid = f"{request_id}-{attempts}-{deferrals}"
+        rid = f"{request_id}-{retrier.attempts}-{deferrals}"
         status: int | None = None
         headers: dict[str, str] = {}
         data = b""
@@ -351,9 +352,10 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
             deferrals += 1
             await asyncio.sleep(policy.rng.uniform(0.05, 0.25))
             continue
-        attempts += 1
-        retryable = status is None or status in RETRYABLE
-        if not retryable or attempts >= policy.max_attempts:
+        retrier.started()
+        attempts = retrier.attempts
+        delay = retrier.after_failure(retryable_status(status), time.monotonic())
+        if delay is None:
             if status is None:
                 assert err is not None
                 return False, output_line(custom_id, None, None, None,
@@ -364,10 +366,9 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
                 obj = {"error": {"message": data.decode("utf-8", "replace")[:2000], "type": "server_error",
                                  "param": None, "code": None}}
             return False, output_line(custom_id, status, headers.get("x-request-id", rid), obj, None)
-        delay = policy.backoff_s(attempts)
         log.info("%s: attempt %d failed (%s); retrying in %.2f s", request_id, attempts,
                  status or (err or {}).get("code"), delay)
-        await asyncio.sleep(delay)
+        await retrier.backoff(delay)
 
 
 async def _wait_any(ev: asyncio.Event, other: asyncio.Event | None, wait_s: float) -> None:

@@ -54,6 +54,7 @@ from gateway.epp.ext_proc import (
 )
 from gateway.errors import error_body
 from gateway.upstream.client import endpoint_of
+from routing.core import RETRYABLE_STATUSES
 
 _T = "type.googleapis.com/envoy.extensions"
 _NOT_FOUND = error_body("Unknown route: this gateway does not serve this path behind Envoy "
@@ -118,7 +119,7 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
     route: dict[str, Any] = {
         "cluster": "pool", "timeout": _seconds(t.total_s),
         "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
-                         "retriable_status_codes": [429, 502, 503, 504],
+                         "retriable_status_codes": sorted(RETRYABLE_STATUSES),
                          "num_retries": min(pe.fallback_endpoints, cfg.retries.max_attempts - 1)}}
     if t.idle_s is not None:
         route["idle_timeout"] = _seconds(t.idle_s)

@@ -1,5 +1,11 @@
-"""One attempt on one backend: send the request, wait for the head and the first body
-bytes under the attempt's deadlines, and hand the answer to the relay.
+"""Attempts: route, send, wait for the head and the first body bytes under the
+attempt's deadlines, hand the answer to the relay; retry a failure elsewhere.
+
+:func:`with_retries` is the director's "route, attempt, retry" step: it routes the
+request, makes one attempt with the request's :data:`~gateway.pipeline.context.Send`
+(:func:`run`, the gateway's own; or the endpoint picker's hand-off), and after a
+failure retries on another backend as the one retry executor
+(:class:`~gateway.pipeline.retry.Retrier`) allows. :func:`run` is one attempt.
 
 Everything up to the first byte sent to the client can still be retried elsewhere;
 a failure raises an :class:`~gateway.errors.UpstreamError` (with ``ctx.down.started``
@@ -10,26 +16,106 @@ object, :class:`~gateway.pipeline.deadlines.Deadlines`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from gateway.errors import REQUEST_ID_HEADER, BackendStatus, Disconnected, UpstreamError
 from gateway.pipeline import engine_errors, relay, settlement
-from gateway.pipeline.context import RequestContext
+from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone
-from gateway.pipeline.retry import parse_retry_after
+from gateway.pipeline.retry import Retrier, parse_retry_after
 from gateway.request_ids import upstream_id
 from gateway.upstream.client import BackendClient, header_value
 from gateway.upstream.connection import Exchange as Upstream
-from routing.core import Reservation
+from routing.core import BackendState, NoBackendAvailable, Reservation
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
+
+log = logging.getLogger("gateway.pipeline")
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}  # endpoint -> backend path
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _JSON_HEADERS = b"Content-Type: application/json\r\nAccept: application/json\r\n"
 _STREAM_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+
+
+async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrier, roles: frozenset[str] | None,
+                       remote_prefill: bool, now: float) -> Failure | None:
+    """Route ``ctx`` on ``ctx.model`` (backends of ``roles``; ``remote_prefill``: the
+    prompt's KV arrives by transfer) from loop time ``now``, attempt it with
+    ``ctx.send`` and retry a failure on another backend while ``retrier`` allows (a
+    canary that fails or cannot take it goes to the stable pool; a backend's
+    ``Retry-After`` is waited for when no other can take it). Every attempt's
+    reservation is released on every path (:func:`~gateway.pipeline.settlement.release`).
+    Returns ``None`` once the client was answered (or its stream ended with an error
+    event after the first byte), else the final failure: the last attempt's, or why no
+    backend could be tried."""
+    loop, core, m = state.loop, state.core, state.metrics
+    req = ctx.request
+    assert req is not None
+    pools, stable_pools = core.canary_pools(ctx.model)
+    req.roles, req.remote_prefill = roles, remote_prefill
+    excluded: set[str] = set()
+    last: UpstreamError | None = None
+    while True:
+        req.pools = pools
+        if excluded:
+            req.exclude = frozenset(excluded)
+        try:
+            decision, reservation = core.route(req, now)
+        except NoBackendAvailable as e:
+            if stable_pools is not None:  # no canary backend can take it: the stable pool does
+                pools, stable_pools = stable_pools, None
+                m.child(m.canary_fallbacks, "no_canary_backend").inc()
+                continue
+            if e.retry_after_s is not None and retrier.may_wait(e.retry_after_s, now, e.breaker_open):
+                await asyncio.sleep(e.retry_after_s)
+                now = loop.time()
+                continue
+            return (last, None) if last is not None else (None, e)
+        m.child(m.decisions, decision.policy, decision.reason).inc()
+        backend = decision.backend
+        ctx.backend, ctx.decision = backend.name, decision
+        ctx.attempts.append((backend.name, now, "started"))
+        retrier.started()
+        try:
+            client = state.clients[backend.name]
+            if backend.needs_load(ctx.model):  # a LoRA adapter it may load on demand (rare: once per backend)
+                await _load_adapter(state, ctx, backend, client)
+            await ctx.send(state, ctx, client, reservation)
+            return None
+        except UpstreamError as err:
+            settlement.attempt_failed(state, backend, reservation, err)
+            ctx.attempts[-1] = (backend.name, now, err.reason)
+            if ctx.scan is not None:  # the backend's bytes already reached the client: end the stream
+                await settlement.stream_failed(state, ctx, err)
+                return None
+            last, now = err, loop.time()
+            delay = retrier.after_failure(err.retryable, now)
+            if delay is None:
+                return err, None
+            excluded.add(backend.name)
+            if stable_pools is not None:  # a canary failed: retry on the stable pool
+                pools, stable_pools = stable_pools, None
+                m.child(m.canary_fallbacks, err.reason).inc()
+            m.child(m.retries, err.reason).inc()
+            log.info("retrying request %s after %s from %s (attempt %d)", ctx.request_id, err.reason, backend.name,
+                     len(ctx.attempts))
+            await retrier.backoff(delay)
+            now = loop.time()
+        finally:
+            settlement.release(state, reservation)
+
+
+async def _load_adapter(state: GatewayState, ctx: RequestContext, backend: BackendState,
+                        client: BackendClient) -> None:
+    """Load ``ctx.model``, a LoRA adapter, on ``backend`` before the attempt."""
+    lora = state.cfg.models[ctx.model].lora
+    timeout_s = next(b.lora.load_timeout_s for b in state.cfg.backends if b.name == backend.name)
+    assert lora is not None
+    await state.adapters.ensure(state.core, client, ctx.model, lora.path, timeout_s)
 
 
 async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:

@@ -14,13 +14,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.errors import UpstreamError
 from gateway.ops.metrics import GatewayMetrics
 from gateway.pipeline.downstream import Downstream
 from gateway.pipeline.keepalive import KeepAlives
 from gateway.pipeline.openai_request import ParsedRequest
 from gateway.pipeline.stream_scan import StreamScan
 from gateway.tenancy.keys import ANONYMOUS
-from routing.core import Decision, PromptEstimate, Reservation, RouteRequest
+from routing.core import Decision, NoBackendAvailable, PromptEstimate, Reservation, RouteRequest
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 # through ``ctx.down`` and settles, or raises an UpstreamError when the request may be
 # tried elsewhere (see gateway.pipeline.attempt.run, gateway.epp.picker.hand_off).
 Send = Callable[["GatewayState", "RequestContext", "BackendClient", Reservation], Awaitable[None]]
+
+# Why a model could not serve a request: the last attempt's failure, or why no backend
+# could be tried (exactly one of the two is set).
+Failure = tuple[UpstreamError | None, NoBackendAvailable | None]
 
 
 class ServedMetrics:

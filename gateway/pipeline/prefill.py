@@ -10,7 +10,6 @@ breaker like any backend).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,8 @@ import orjson
 from gateway.errors import UpstreamError
 from gateway.pipeline import attempt, settlement
 from gateway.pipeline.context import RequestContext
-from routing.core import PREFILL, NoBackendAvailable, RouteRequest
+from gateway.pipeline.retry import Retrier
+from routing.core import DECODE, PREFILL, SERVING, NoBackendAvailable, RouteRequest
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
@@ -41,18 +41,18 @@ def _prefill_body(data: dict[str, Any]) -> bytes:
 
 async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> dict[str, Any] | None:
     """Prefill ``ctx``'s prompt on the ``prefill`` pool, retrying on other prefill
-    backends as the retry policy allows. Returns the ``kv_transfer_params`` the decode
-    leg must carry, or ``None`` when the leg failed (the caller falls back to a backend
-    that computes the prompt itself). A client that goes away cancels the leg with the
-    request (its connection is closed, the engine aborts)."""
+    backends as the retry policy allows (:class:`~gateway.pipeline.retry.Retrier`).
+    Returns the ``kv_transfer_params`` the decode leg must carry, or ``None`` when the
+    leg failed (the caller falls back to a backend that computes the prompt itself). A
+    client that goes away cancels the leg with the request (its connection is closed,
+    the engine aborts). Each attempt settles through :mod:`~gateway.pipeline.settlement`."""
     loop = state.loop
-    policy = state.retry
     parsed = ctx.parsed
     body = _prefill_body(ctx.data or parsed.data)
     path = attempt.PATHS[parsed.endpoint]
     excluded: set[str] = set()
-    started = loop.time()
-    for attempts in range(1, policy.max_attempts + 1):
+    retrier = Retrier(state.retry, loop.time())
+    while True:
         req = RouteRequest(ctx.model, frozenset(excluded), base.prompt_text, base.prompt_bytes, base.block_hashes,
                            base.prompt_tokens, 1, base.tokens_per_block, PREFILL, stream=False,
                            token_ids=base.token_ids, token_keys=base.token_keys)
@@ -60,6 +60,7 @@ async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> d
             decision, reservation = state.core.route(req, loop.time())
         except NoBackendAvailable:
             return None
+        retrier.started()
         backend = decision.backend
         client = state.clients[backend.name]
         try:
@@ -68,22 +69,35 @@ async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> d
         except (UpstreamError, orjson.JSONDecodeError) as e:
             err = e if isinstance(e, UpstreamError) else UpstreamError(backend.name, f"invalid JSON: {e}")
             settlement.attempt_failed(state, backend, reservation, err)
-            delay = policy.after_failure(err, attempts, started, loop.time())
+            delay = retrier.after_failure(err.retryable, loop.time())
             if delay is None:
                 return None
             excluded.add(backend.name)
-            await asyncio.sleep(delay)
+            await retrier.backoff(delay)
             continue
         except BaseException:  # the client left (cancelled), or a bug
-            reservation.release(loop.time())
+            settlement.release(state, reservation)
             raise
-        end = loop.time()
-        reservation.first_token(end)
-        reservation.outcome(True, end)
-        reservation.release(end, 1)
+        settlement.leg_completed(state, reservation)
         params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
         if isinstance(params, dict):
             return params
         log.warning("prefill backend %s returned no kv_transfer_params; falling back", backend.name)
         return None
-    return None
+
+
+async def leg(state: GatewayState, ctx: RequestContext) -> tuple[frozenset[str] | None, bool]:
+    """The director's prefill step of a disaggregated request: prefill ``ctx``'s prompt
+    (:func:`run`) and point its decode leg at the KV it left (``ctx.body`` gets the
+    ``kv_transfer_params``). Returns the roles of the backends the request goes to
+    next and whether its prompt's KV arrives by transfer: ``decode`` ones when the leg
+    succeeded, else any serving backend, which computes the prompt itself."""
+    assert ctx.request is not None and ctx.data is not None
+    params = await run(state, ctx, ctx.request)
+    m = state.metrics
+    if params is None:  # the prefill leg failed: a decode or mixed backend computes the prompt itself
+        m.child(m.disaggregated, "fallback").inc()
+        return SERVING, False
+    ctx.body = orjson.dumps({**ctx.data, "kv_transfer_params": params})
+    m.child(m.disaggregated, "ok").inc()
+    return DECODE, True

@@ -1,11 +1,26 @@
-"""Settling: what happens when an attempt or a request ends.
+"""Settlement: what happens when an attempt or a request ends, in one home.
 
 An answered request counts its tokens, teaches the decision core (the backend's
 outcome for its circuit breaker, the tokens it produced for the load model, ``usage``
 for the token estimator) and releases its reservation; a failed attempt reports its
 failure the same way, once, whichever leg it was (the decode or single leg, the prefill
-leg); a request that failed for good gets its error answer. A reservation's release is
-idempotent (:class:`routing.core.Reservation`), so every exit path may call it.
+leg); a request that failed for good gets its error answer. Every settling step of
+every data plane is a call into this module:
+
+| when | call | caller |
+|---|---|---|
+| the first byte goes to the client | :func:`first_byte` | the relay (from the read callback, :class:`~gateway.pipeline.relay.EarlyAnswer`, or its coroutine) |
+| the answer ended | :func:`completed`, :func:`finish` | the relay |
+| an attempt failed | :func:`attempt_failed` | the retry loop (:func:`~gateway.pipeline.attempt.with_retries`), the prefill leg, the endpoint picker |
+| the client left | :func:`client_left` | the attempt, the endpoint picker |
+| the request failed for good | :func:`failed`, :func:`stream_failed` | the director, the retry loop |
+| the prefill leg succeeded | :func:`leg_completed` | :mod:`~gateway.pipeline.prefill` |
+| Envoy relayed the answer | :func:`proxied_status`, :func:`proxied_end` | :mod:`gateway.epp.picker` |
+| any exit | :func:`release` | the retry loop, the prefill leg, the endpoint picker |
+
+A reservation's release is idempotent (:class:`routing.core.Reservation`), so
+:func:`release`, the safety net, may follow any of them; the usage ledger gets one entry
+per request (:func:`finish`).
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from gateway.errors import (
 from gateway.ops import access_log
 from gateway.pipeline.context import RequestContext, ServedMetrics
 from gateway.pipeline.downstream import ClientGone
+from gateway.pipeline.stream_scan import StreamScan, whole_usage
 from gateway.tenancy.usage_ledger import cost_nanos
 from routing.core import NoBackendAvailable, Reservation
 
@@ -105,6 +121,49 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     ctx.usage = (counted_prompt, min(cached, counted_prompt), max(completion or 0, 0))
     ctx.tokens = counted_prompt + (completion or 0)
     reservation.release(now, completion, whole)
+
+
+def proxied_status(state: GatewayState, ctx: RequestContext, backend: str, reservation: Reservation,
+                   status: int) -> None:
+    """A proxy (Envoy, behind the endpoint picker) relayed ``backend``'s answer with
+    ``status`` other than 200 (0: none): the backend's outcome (its 4xx are not its
+    faults), the reservation released, the failure and the request counted."""
+    now = state.loop.time()
+    reservation.outcome(status < 500 and status != 0, now)
+    reservation.release(now)
+    if status >= 500 or status == 0:
+        state.metrics.child(state.metrics.upstream_errors, backend, "backend_status").inc()
+    finish(state, ctx, status)
+
+
+def proxied_end(state: GatewayState, ctx: RequestContext, reservation: Reservation, scan: StreamScan | None,
+                whole: bytes | None) -> None:
+    """A proxy relayed a 200 answer to its end: settle it with what its body showed
+    (``scan``: a stream's scan; ``whole``: a whole answer's first bytes; neither when
+    the proxy did not show the body)."""
+    if scan is not None:
+        completed(state, ctx, reservation, scan.usage, scan.content_events)
+    else:
+        if ctx.served is None:
+            first_byte(state, ctx, None, state.loop.time())
+        completed(state, ctx, reservation, whole_usage(whole) if whole else None, 0, whole=True)
+    finish(state, ctx, 200)
+
+
+def leg_completed(state: GatewayState, reservation: Reservation, tokens: int = 1) -> None:
+    """A leg that is not the client's answer (the prefill leg) completed with
+    ``tokens`` generated: its first token and its end are now, the backend succeeded."""
+    end = state.loop.time()
+    reservation.first_token(end)
+    reservation.outcome(True, end)
+    reservation.release(end, tokens)
+
+
+def release(state: GatewayState, reservation: Reservation) -> None:
+    """Release ``reservation`` now, whatever became of its attempt: the safety net every
+    exit path calls (a release is idempotent, so an attempt that settled already is
+    untouched)."""
+    reservation.release(state.loop.time())
 
 
 def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: UpstreamError) -> None:

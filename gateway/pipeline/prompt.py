@@ -1,0 +1,56 @@
+"""Estimating the prompt: what the decision core routes on.
+
+:func:`estimate` tokenizes the prompt with the model's own tokenizer when one is
+configured (else the decision core estimates it from its bytes), asks the decision core
+for the prompt's estimate and routing input (``ctx.estimate``, ``ctx.request``) and
+refuses, unsent, a prompt whose exact token count fits no backend of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gateway.errors import BackendStatus
+from gateway.pipeline.context import Failure, RequestContext
+from gateway.pipeline.engine_errors import context_length_exceeded
+from gateway.pipeline.openai_request import off_loop, prompt_token_ids
+
+if TYPE_CHECKING:
+    from gateway.runtime import GatewayState
+
+
+async def estimate(state: GatewayState, ctx: RequestContext) -> Failure | None:
+    """Estimate ``ctx``'s prompt on ``ctx.model`` and set ``ctx.estimate`` and
+    ``ctx.request``. Returns the context-length failure (an OpenAI 400, as an engine
+    would answer it) when an exact count shows that it fits no backend, else ``None``."""
+    parsed = ctx.parsed
+    token_ids = await token_ids_of(state, ctx)
+    ctx.estimate, req = await off_loop(len(parsed.body), state.core.request, ctx.model, parsed.prompt_text,
+                                       parsed.max_tokens, parsed.cache_salt, parsed.stream, token_ids)
+    ctx.request = req
+    if token_ids is not None:  # an exact count: a prompt that fits on no backend is refused unsent
+        limit = state.core.context_exceeded(ctx.model, len(token_ids), parsed.max_tokens)
+        if limit is not None:
+            answer = context_length_exceeded(limit, len(token_ids), parsed.max_tokens, parsed.endpoint)
+            return BackendStatus("", answer[0], answer[1], "application/json", openai=answer), None
+    req.subset = ctx.subset
+    return None
+
+
+async def token_ids_of(state: GatewayState, ctx: RequestContext) -> Sequence[int] | None:
+    """The prompt's token ids by ``ctx.model``'s own tokenizer, or ``None`` (no
+    tokenizer, or a prompt it cannot reproduce). A long encoding runs in the loop's
+    default executor (``tokenizers`` releases the GIL), so other requests go on
+    meanwhile; the prefix cache makes a conversation's next turn short. Without a
+    tokenizer, a completions prompt given as token ids is taken as it is when a
+    backend of the model publishes KV events (its token-exact keys need them)."""
+    data = ctx.data or ctx.parsed.data
+    tz = state.core.tokenization(ctx.model, ctx.parsed.endpoint, data)
+    if tz is None:
+        if ctx.parsed.endpoint == "completions" and state.core.wants_token_ids(ctx.model):
+            return prompt_token_ids(data)
+        return None
+    if tz.offload:
+        await state.loop.run_in_executor(None, tz.encode)
+    return tz.token_ids()
