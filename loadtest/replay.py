@@ -71,6 +71,7 @@ from routing.estimate import TokenEstimator
 from routing.load import RemoteLoad
 from routing.policies.base import Decision
 from routing.policies.estimated_ttft import EstimatedTTFT
+from routing.retry import DEFAULT_FAILED_BACKEND_COOLDOWN_S, DEFAULT_MAX_ATTEMPTS, RetryPolicy
 
 BENCH_POLICIES = ("round_robin", "least_requests", "power_of_two", "prefix_hash", "cache_aware",
                   "cache_aware_min_load", "estimated_ttft")
@@ -83,12 +84,13 @@ RESTART_DOWN_S = 5.0  # a restarting backend is down this long (virtual seconds)
 SLOW_WINDOW_S = 60.0  # a slowed backend stays slow this long
 SLOWDOWN = 10.0  # ... at its speed divided by this
 GATEWAY_COLD_S = 50.0  # after a gateway restart, the window reported (about 100 requests of the Mooncake traces)
-# What the gateway does when an attempt fails before any byte reached the client
-# (gateway/config.py Retries defaults): retry on another backend after a full-jitter
-# backoff, at most 3 attempts in all; a refused connection keeps the backend out 1 s.
-MAX_ATTEMPTS = 3
-BASE_BACKOFF_S = 0.05
-FAILED_BACKEND_COOLDOWN_S = 1.0
+# What the gateway does when an attempt fails before any byte reached the client: its
+# retry policy (routing.retry, the defaults of the config's ``retries``), modelled in
+# virtual time: retry on another backend after a full-jitter backoff, at most
+# DEFAULT_MAX_ATTEMPTS attempts in all; a refused connection keeps the backend out
+# DEFAULT_FAILED_BACKEND_COOLDOWN_S.
+MAX_ATTEMPTS = DEFAULT_MAX_ATTEMPTS
+FAILED_BACKEND_COOLDOWN_S = DEFAULT_FAILED_BACKEND_COOLDOWN_S
 # Llama-3.1-8B serves 128k context; the stock profiles say 8k (Llama-3-8B). The replay
 # raises max_model_len and caps prompts at MAX_INPUT_TOKENS (a prefix of the trace's
 # hash_ids, so prefix sharing is kept) so that every prompt fits every backend's KV cache.
@@ -386,7 +388,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     records: list[Record] = [Record(r.arrival_s, direct=r.direct_backend is not None) for r in reqs]
     reservations: dict[str, tuple[Reservation, TokenEstimator]] = {}
     excluded: dict[int, set[str]] = {}
-    retry_rng = random.Random(seed)
+    retry_policy = RetryPolicy(rng=random.Random(seed))  # the gateway's, with its defaults
     events: list[tuple[float, int, str, Any]] = []  # the payload's type follows the kind
     # (visible at, seq, from, backend, hashes)
     blocks_in_flight: list[tuple[float, int, int, str, tuple[int, ...]]] = []
@@ -479,9 +481,9 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         nonlocal pending
         rec = records[i]
         forget_pending(i)
-        if retry and rec.first_token is None and rec.attempts < MAX_ATTEMPTS:
+        backoff = retry_policy.after_failure(retry and rec.first_token is None, rec.attempts, rec.arrival, t)
+        if backoff is not None:
             excluded.setdefault(i, set()).add(name)
-            backoff = retry_rng.uniform(0.0, BASE_BACKOFF_S * 2 ** (rec.attempts - 1))
             rec.attempts += 1
             push(t + backoff, "arrival", i)
             return
@@ -544,7 +546,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             decision, res = core.route(req, t)
         except NoBackendAvailable as e:
             spent["route_s"] += clock() - c0
-            if e.retry_after_s is not None and rec.attempts < MAX_ATTEMPTS:
+            if e.retry_after_s is not None and rec.attempts < retry_policy.max_attempts:
                 rec.attempts += 1
                 push(t + e.retry_after_s, "arrival", i)
             else:

@@ -378,7 +378,7 @@ async def hand_off(state: GatewayState, ctx: RequestContext, client: BackendClie
                 settlement.client_left(state, ctx, served.backend.name)
         raise
     finally:
-        served.reservation.release(state.loop.time())
+        settlement.release(state, served.reservation)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):

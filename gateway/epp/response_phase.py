@@ -16,7 +16,7 @@ from gateway.errors import ProxyRetried
 from gateway.pipeline import settlement
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.headers import response_headers
-from gateway.pipeline.stream_scan import StreamScan, whole_usage
+from gateway.pipeline.stream_scan import StreamScan
 from routing.core import BackendState, Reservation
 
 if TYPE_CHECKING:
@@ -62,11 +62,7 @@ def on_response_headers(state: GatewayState, ctx: RequestContext, served: Served
             ctx.attempts.append((other.state.name, now, "started"))
     if status != 200:
         served.settled = True
-        served.reservation.outcome(status < 500 and status != 0, now)
-        served.reservation.release(now)
-        if status >= 500 or status == 0:
-            state.metrics.child(state.metrics.upstream_errors, served.backend.name, "backend_status").inc()
-        settlement.finish(state, ctx, status)
+        settlement.proxied_status(state, ctx, served.backend.name, served.reservation, status)
     elif not state.cfg.listen.epp.response_body:
         settlement.served(state, ctx)
     return response_headers(ctx, served.backend.name)
@@ -95,11 +91,4 @@ def settle_end(state: GatewayState, ctx: RequestContext, served: Served) -> None
     """A 200 response ended: settle it with what its body showed (nothing, without
     body processing)."""
     served.settled = True
-    if served.scan is not None:
-        settlement.completed(state, ctx, served.reservation, served.scan.usage, served.scan.content_events)
-    else:
-        if ctx.served is None:
-            settlement.first_byte(state, ctx, None, state.loop.time())
-        usage = whole_usage(bytes(served.whole)) if served.whole else None
-        settlement.completed(state, ctx, served.reservation, usage, 0, whole=True)
-    settlement.finish(state, ctx, 200)
+    settlement.proxied_end(state, ctx, served.reservation, served.scan, bytes(served.whole) if served.whole else None)
