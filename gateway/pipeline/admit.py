@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class Ticket:
     """What admitting one request holds until it is settled."""
 
-    __slots__ = ("gate", "kv", "permit", "charge")
+    __slots__ = ("charge", "gate", "kv", "permit")
 
     def __init__(self) -> None:
         self.gate: Any = None  # gateway.batch.batch_gate.BatchGate, once entered

@@ -21,7 +21,13 @@ from gateway.pipeline.keepalive import KeepAlives
 from gateway.pipeline.openai_request import ParsedRequest
 from gateway.pipeline.stream_scan import StreamScan
 from gateway.tenancy.keys import ANONYMOUS
-from routing.core import Decision, NoBackendAvailable, PromptEstimate, Reservation, RouteRequest
+from routing.core import (
+    Decision,
+    NoBackendAvailable,
+    PromptEstimate,
+    Reservation,
+    RouteRequest,
+)
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
@@ -41,7 +47,7 @@ class ServedMetrics:
     """The metric children one answered request updates, for one (model, backend,
     pool): looked up once per request instead of once per update."""
 
-    __slots__ = ("pool", "ttft", "pool_ttft", "e2e", "ok", "pool_ok", "prompt_tokens", "completion_tokens")
+    __slots__ = ("completion_tokens", "e2e", "ok", "pool", "pool_ok", "pool_ttft", "prompt_tokens", "ttft")
 
     def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str) -> None:
         self.pool = pool

@@ -18,7 +18,7 @@ class Deadlines:
     ``ttft_s``, capped by ``total_s``) and ``total_at``; ``idle_s`` is checked by the
     relay between chunks. The ``*_error`` methods give the failure each one raises."""
 
-    __slots__ = ("backend", "timeouts", "total_at", "first_byte_at")
+    __slots__ = ("backend", "first_byte_at", "timeouts", "total_at")
 
     def __init__(self, backend: str, timeouts: Timeouts, start: float) -> None:
         self.backend = backend

@@ -33,7 +33,7 @@ class KeepAlives:
     One timer ticks, a quarter of the shortest interval apart (at most a second), while
     any request waits: a request costs a dict entry, not a timer of its own."""
 
-    __slots__ = ("loop", "waiting", "tick_s", "timer")
+    __slots__ = ("loop", "tick_s", "timer", "waiting")
     COMMENT = b": keep-alive\n\n"
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -47,15 +47,14 @@ class KeepAlives:
         self.waiting[id(w)] = [w, w.arrival + after_s, every_s, None]
         if self.timer is None:
             tick = min(after_s, every_s) / 4
-            if tick < self.tick_s:
-                self.tick_s = tick
+            self.tick_s = min(self.tick_s, tick)
             self.timer = self.loop.call_later(self.tick_s, self._tick)
 
     def discard(self, w: Waiting) -> asyncio.Task[None] | None:
         """No more comments for ``w``; returns the comment being written to it, if
         any (its first event must go out after it)."""
         entry = self.waiting.pop(id(w), None)
-        return entry[3] if entry is not None else None  # type: ignore[no-any-return]
+        return entry[3] if entry is not None else None
 
     def _tick(self) -> None:
         now = self.loop.time()

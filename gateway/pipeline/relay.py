@@ -41,7 +41,7 @@ class StreamRelay:
     reading from the backend (backpressure); a client that left aborts the upstream
     connection, so the engine stops generating."""
 
-    __slots__ = ("loop", "up", "transport", "chunked", "scan", "itl", "last_at", "deadlines", "timer", "paused")
+    __slots__ = ("chunked", "deadlines", "itl", "last_at", "loop", "paused", "scan", "timer", "transport", "up")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, up: Upstream, down: Downstream, scan: StreamScan, itl: Any,
                  first_at: float, deadlines: Deadlines) -> None:
@@ -67,7 +67,7 @@ class StreamRelay:
 
     def __call__(self, data: bytes) -> None:
         now = self.up.last_data_at  # the loop time of the read that brought ``data``
-        if now < self.last_at:  # bytes that waited for the relay to start
+        if now < self.last_at:  # noqa: PLR1730 (cheaper than max() per chunk) bytes that waited for the relay
             now = self.last_at
         self.itl.observe(now - self.last_at)
         self.last_at = now
@@ -162,7 +162,7 @@ class EarlyAnswer:
     receives the running relay and its future, or the exception met, which the attempt
     raises (never the read callback)."""
 
-    __slots__ = ("state", "ctx", "reservation", "deadlines", "opened")
+    __slots__ = ("ctx", "deadlines", "opened", "reservation", "state")
 
     def __init__(self, state: GatewayState, ctx: RequestContext, reservation: Reservation, deadlines: Deadlines) -> None:
         self.state, self.ctx, self.reservation, self.deadlines = state, ctx, reservation, deadlines

@@ -55,7 +55,7 @@ class Retrier:
     after it failed, :meth:`after_failure` gives the backoff before the next one (or
     ``None``: fail now) and :meth:`backoff` sleeps it."""
 
-    __slots__ = ("policy", "started_at", "attempts")
+    __slots__ = ("attempts", "policy", "started_at")
 
     def __init__(self, policy: RetryPolicy, started_at: float) -> None:
         self.policy = policy

@@ -43,7 +43,7 @@ from gateway.pipeline.context import RequestContext, ServedMetrics
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.stream_scan import StreamScan, whole_usage
 from gateway.tenancy.usage_ledger import cost_nanos
-from routing.core import NoBackendAvailable, Reservation
+from routing.core import BackendState, NoBackendAvailable, Reservation
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
@@ -166,7 +166,7 @@ def release(state: GatewayState, reservation: Reservation) -> None:
     reservation.release(state.loop.time())
 
 
-def attempt_failed(state: GatewayState, backend, reservation: Reservation, err: UpstreamError) -> None:
+def attempt_failed(state: GatewayState, backend: BackendState, reservation: Reservation, err: UpstreamError) -> None:
     """One attempt on ``backend`` (a :class:`routing.core.BackendState`) failed with
     ``err``: the circuit breaker hears of it (a backend's 4xx answers and 429s are not
     its faults), the reservation is released, the failure counted, and the backend

@@ -22,7 +22,7 @@ class StreamScan:
     ``usage`` object seen and whether ``data: [DONE]`` arrived. Only complete lines are
     inspected; a partial line waits in ``tail``."""
 
-    __slots__ = ("tail", "events", "done", "usage", "overflow", "role_only")
+    __slots__ = ("done", "events", "overflow", "role_only", "tail", "usage")
 
     def __init__(self) -> None:
         self.tail = b""
