@@ -3,12 +3,17 @@ and back. Read :mod:`~gateway.pipeline.director` first; it calls the others in o
 
 | module | the step |
 |---|---|
-| :mod:`~gateway.pipeline.director` | the front door both server stacks call, then admit -> estimate -> route -> attempt (retry) -> relay -> settle |
-| :mod:`~gateway.pipeline.attempt` | one attempt on one backend: send, head and first byte under its :class:`~gateway.pipeline.attempt.Deadlines` |
-| :mod:`~gateway.pipeline.retry` | :class:`~gateway.pipeline.retry.RetryPolicy`: which failures retry, backoff, budget, ``Retry-After`` |
-| :mod:`~gateway.pipeline.relay` | the answer to the client: SSE relay (scan, ITL, backpressure, idle/total timer), whole responses |
-| :mod:`~gateway.pipeline.settle` | what an ended attempt or request teaches and counts; the reservation released once; error answers |
+| :mod:`~gateway.pipeline.director` | the front door every data plane calls: the request's story in one function |
+| :mod:`~gateway.pipeline.context` | :class:`~gateway.pipeline.context.RequestContext` and :data:`~gateway.pipeline.context.Send`: the types every step takes |
+| :mod:`~gateway.pipeline.admit` | admission: the batch gate, the caller's limits, the admission queue |
+| :mod:`~gateway.pipeline.prompt` | the prompt's estimate and the context-length check |
 | :mod:`~gateway.pipeline.prefill` | the prefill leg of a disaggregated request |
+| :mod:`~gateway.pipeline.attempt` | route, attempt, retry; one attempt on one backend under its :mod:`~gateway.pipeline.deadlines` |
+| :mod:`~gateway.pipeline.retry` | :class:`~gateway.pipeline.retry.Retrier`, the one retry executor (the policy: :mod:`routing.retry`) |
+| :mod:`~gateway.pipeline.fallback` | fallback models |
+| :mod:`~gateway.pipeline.relay` | the answer to the client: SSE relay (ITL, backpressure, idle/total timer), whole responses, the early answer |
+| :mod:`~gateway.pipeline.stream_scan`, :mod:`~gateway.pipeline.headers`, :mod:`~gateway.pipeline.keepalive` | what the relay reads, the headers it sends, the comments before a first event |
+| :mod:`~gateway.pipeline.settlement` | what an ended attempt or request teaches and counts; the reservation released once; error answers |
 | :mod:`~gateway.pipeline.downstream` | where answers go: one interface, three kinds |
 
 Around it: :mod:`gateway.server.listener` (the listening socket) with :mod:`gateway.server.fast_path` (the
