@@ -210,3 +210,20 @@ async def test_prefill_run_returns_params_and_settles_the_leg(monkeypatch):
     _, req = state.core.request("m", parsed.prompt_text, None)
     assert await prefill.run(state, ctx, req) == {"remote_engine_id": "e1"}
     assert all(b.in_flight == 0 for b in state.fleet.backends.values())
+
+
+async def test_a_prompt_too_long_for_every_backend_is_refused_unsent(monkeypatch):
+    from gateway.pipeline import prompt
+
+    state, settled = _state(_two_backends())
+
+    async def exact(state, ctx):  # an exact count, as the model's tokenizer gives it
+        return [1] * 5000
+
+    monkeypatch.setattr(prompt, "token_ids_of", exact)
+    monkeypatch.setattr(state.core, "context_exceeded", lambda model, n, max_tokens: 4096)
+    script = Script()
+    down = await _serve(state, script)
+    err = orjson.loads(down.body)["error"]
+    assert down.status == 400 and err["code"] == "context_length_exceeded" and not script.reservations
+    assert settled == [("m", True)]
