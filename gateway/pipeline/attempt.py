@@ -79,7 +79,7 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
         backend = decision.backend
         ctx.backend, ctx.decision = backend.name, decision
         ctx.attempts.append((backend.name, now, "started"))
-        retrier.started()
+        retrier.attempts += 1
         try:
             client = state.clients[backend.name]
             if backend.needs_load(ctx.model):  # a LoRA adapter it may load on demand (rare: once per backend)
