@@ -21,7 +21,7 @@ from gateway.pipeline.downstream import ClientGone, CollectDownstream
 from gateway.pipeline.keepalive import KeepAlives
 from gateway.pipeline.stream_scan import StreamScan
 from gateway.runtime import build_state
-from tests.servers import gateway_config
+from tests.support.servers import gateway_config
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 HEADERS = {"Content-Type": "application/json"}
