@@ -22,9 +22,16 @@ from pydantic import (
     model_validator,
 )
 
-from routing.core import (DEFAULT_BASE_BACKOFF_S, DEFAULT_FAILED_BACKEND_COOLDOWN_S, DEFAULT_MAX_ATTEMPTS,
-                          DEFAULT_MAX_BACKOFF_S)
-from routing.core import DEFAULT_TOKENIZER_CACHE_TOKENS, POLICIES, TokenizerError, load_tokenizer
+from routing.core import (
+    DEFAULT_BASE_BACKOFF_S,
+    DEFAULT_FAILED_BACKEND_COOLDOWN_S,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_BACKOFF_S,
+    DEFAULT_TOKENIZER_CACHE_TOKENS,
+    POLICIES,
+    TokenizerError,
+    load_tokenizer,
+)
 
 AUTO_MODELS = "auto"  # `backends[].models` entry: also serve what the backend's `/v1/models` lists
 
@@ -77,14 +84,15 @@ class Retries(_Strict):
     base_backoff_s * 2**(n-1)))`` ("full jitter", AWS Architecture Blog, *Exponential
     Backoff And Jitter*, 2015), or the backend's ``Retry-After`` when it is longer and the
     retry must return to the same backend. Retries happen only for connect errors,
-    429, 502/503/504 and timeouts (:mod:`routing.retry`, one set for every retry loop), only while no byte has reached the client, and stop
-    after ``max_attempts`` attempts in all or once ``budget_s`` seconds have passed
-    since the first attempt.
+    429, 502/503/504 and timeouts (:mod:`routing.retry`: one set for every retry loop),
+    only while no byte has reached the client, and stop after ``max_attempts`` attempts
+    in all or once ``budget_s`` seconds have passed since the first attempt.
     """
 
     max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=20, description="Attempts in all, the first one included.")
     base_backoff_s: float = Field(
-        DEFAULT_BASE_BACKOFF_S, ge=0, description="Backoff before retry *n*: `uniform(0, min(max_backoff_s, base_backoff_s * "
+        DEFAULT_BASE_BACKOFF_S, ge=0,
+        description="Backoff before retry *n*: `uniform(0, min(max_backoff_s, base_backoff_s * "
         "2^(n-1)))` (full jitter).")
     max_backoff_s: float = Field(DEFAULT_MAX_BACKOFF_S, ge=0, description="Cap of the backoff before one retry.")
     budget_s: float = Field(
@@ -93,8 +101,9 @@ class Retries(_Strict):
         10.0, ge=0, description="Longest `Retry-After` a request waits for when it can only go back to the "
         "backend that sent it (the backend is kept out of routing for as long as it asked either way).")
     failed_backend_cooldown_s: float = Field(
-        DEFAULT_FAILED_BACKEND_COOLDOWN_S, ge=0, description="A backend that refused a connection or did not accept it within "
-        "`connect_s` is skipped by every request this long.")
+        DEFAULT_FAILED_BACKEND_COOLDOWN_S, ge=0,
+        description="A backend that refused a connection or did not accept it within `connect_s` is skipped by every "
+        "request this long.")
 
 
 class SpeedHints(_Strict):

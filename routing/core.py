@@ -64,12 +64,19 @@ from routing.load import EngineSample
 from routing.policies import POLICIES, Decision, RouteRequest, make_policy
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
+from routing.retry import (
+    DEFAULT_BASE_BACKOFF_S,
+    DEFAULT_FAILED_BACKEND_COOLDOWN_S,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_BACKOFF_S,
+    RETRYABLE_STATUSES,
+    RetryPolicy,
+    retryable_status,
+)
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
-from routing.retry import (DEFAULT_BASE_BACKOFF_S, DEFAULT_FAILED_BACKEND_COOLDOWN_S, DEFAULT_MAX_ATTEMPTS,
-                           DEFAULT_MAX_BACKOFF_S, RETRYABLE_STATUSES, RetryPolicy, retryable_status)
+from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 from routing.tokenize import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
 from routing.tokenize import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
-from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",

@@ -129,7 +129,8 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
 
 
 async def parse(state: GatewayState, endpoint: str, headers: Mapping[str, str],
-                body: bytes | Callable[[], Awaitable[bytes]], caller: Caller, in_process: bool = False) -> ParsedRequest:
+                body: bytes | Callable[[], Awaitable[bytes]], caller: Caller,
+                in_process: bool = False) -> ParsedRequest:
     """Read and parse the request's body (JSON, the fields routing needs; unknown
     fields pass through; the engine-control fields ``caller`` may not set are held
     back) and check that a backend serves its model. Raises :class:`ClientError` 400,

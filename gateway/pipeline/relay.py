@@ -67,7 +67,7 @@ class StreamRelay:
 
     def __call__(self, data: bytes) -> None:
         now = self.up.last_data_at  # the loop time of the read that brought ``data``
-        if now < self.last_at:  # noqa: PLR1730 (cheaper than max() per chunk) bytes that waited for the relay
+        if now < self.last_at:
             now = self.last_at
         self.itl.observe(now - self.last_at)
         self.last_at = now
@@ -123,7 +123,8 @@ def whole(state: GatewayState, ctx: RequestContext, up: Upstream, data: bytes, r
     ctx.down.respond(200, data, answer_headers(ctx, up.headers.get("content-type", "application/json")))
 
 
-def _start(state: GatewayState, ctx: RequestContext, reservation: Reservation, chunk: bytes) -> tuple[float, StreamScan]:
+def _start(state: GatewayState, ctx: RequestContext, reservation: Reservation,
+           chunk: bytes) -> tuple[float, StreamScan]:
     """The stream's first bytes are going to the client now: record the first token
     and scan them."""
     first_at = state.loop.time()
@@ -164,7 +165,8 @@ class EarlyAnswer:
 
     __slots__ = ("ctx", "deadlines", "opened", "reservation", "state")
 
-    def __init__(self, state: GatewayState, ctx: RequestContext, reservation: Reservation, deadlines: Deadlines) -> None:
+    def __init__(self, state: GatewayState, ctx: RequestContext, reservation: Reservation,
+                 deadlines: Deadlines) -> None:
         self.state, self.ctx, self.reservation, self.deadlines = state, ctx, reservation, deadlines
         self.opened: list[Any] = []
 

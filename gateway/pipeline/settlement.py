@@ -21,7 +21,7 @@ every data plane is a call into this module:
 A reservation's release is idempotent (:class:`routing.core.Reservation`), so
 :func:`release`, the safety net, may follow any of them; the usage ledger gets one entry
 per request (:func:`finish`).
-"""
+"""  # noqa: E501 - a table, one row a line
 
 from __future__ import annotations
 
