@@ -607,15 +607,19 @@ def test_epp_probes_pass_against_a_gateway_started_as_the_deployment_says(tmp_pa
 
 # ---------------------------------------------------------------- standalone Envoy
 
-def test_envoy_example_config_matches_the_compose_fleet():
+def test_envoy_example_config_matches_its_loopback_fleet():
     cfg_data = yaml.safe_load((ENVOY / "backends.yaml").read_text())
     cfg = parse_config(cfg_data, "deploy/envoy/backends.yaml")
-    fleet = load_fleet(DEPLOY / "compose" / "fleet.yaml")
+    fleet = load_fleet(ENVOY / "fleet.yaml")
+    assert {b.sim.host for b in fleet.backends} == {"127.0.0.1"}, "the one-machine recipe stays on loopback"
     expected = gateway_config(fleet, {b.sim.name: f"http://127.0.0.1:{b.sim.port}" for b in fleet.backends})
     assert cfg_data["backends"] == expected["backends"], \
-        "deploy/envoy/backends.yaml drifted from deploy/compose/fleet.yaml"
+        "deploy/envoy/backends.yaml drifted from deploy/envoy/fleet.yaml"
     assert cfg_data["pools"] == expected["pools"]
     assert cfg.listen.epp.port == 9002
+    assert cfg.listen.port != 8080, "the README's gateway listens on 8080"
+    compose = load_fleet(DEPLOY / "compose" / "fleet.yaml")  # the same engines as the compose stack's
+    assert sorted(b.sim.name for b in fleet.backends) == sorted(b.sim.name for b in compose.backends)
 
 
 def test_envoy_bootstrap_is_current():
