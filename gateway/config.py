@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.config_errors import describe, explain
 from routing.core import (
     DEFAULT_BASE_BACKOFF_S,
     DEFAULT_FAILED_BACKEND_COOLDOWN_S,
@@ -1074,11 +1075,7 @@ class _AnyModel:
 
 
 def _format_validation_error(path: Path, err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    msg = first["msg"].removeprefix("Value error, ")
-    more = f" (and {err.error_count() - 1} more error(s))" if err.error_count() > 1 else ""
-    return f"{path}: invalid config at `{loc}`: {msg}{more}"
+    return describe(path, explain(err, GatewayConfig))
 
 
 def parse_config(data: object, path: Path | str = "<config>") -> GatewayConfig:

@@ -39,10 +39,11 @@ PREAMBLE = f"""\
 
 The gateway reads one YAML file, `python -m gateway --config FILE` (the repository's
 [`backends.yaml`](../backends.yaml) is a commented example). It is validated at start-up and on
-every reload: a bad file exits with code 2 and one message naming the file and the field,
-e.g. ``backends.yaml: invalid config at `backends.0.weight`: Input should be greater than 0``
-(a reload keeps the running config instead). Unknown keys are errors, so typos do not pass
-silently. Times are in seconds, sizes in bytes or tokens as the key's name says. A key left
+every reload: a bad file exits with code 2 and a message naming the file and each bad
+field, e.g. ``backends.yaml: invalid config at `backends.0.weight`: must be greater than 0``;
+with several errors, one line each, unknown keys first (a reload keeps the running config
+instead). Unknown keys are errors, so typos do not pass silently: ``unknown key `backend`,
+did you mean `backends`?``. Times are in seconds, sizes in bytes or tokens as the key's name says. A key left
 out takes its default; `null` is accepted only where the type says so (for a timeout it
 means no limit).
 
