@@ -622,6 +622,22 @@ class Batch(_Strict):
         "flight this long to finish, then hands the rest back for other consumers to take at once. Keep it "
         "below the supervisor's kill timeout (Kubernetes 30 s, `docker stop` 10 s).")
     max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="Largest file upload accepted.")
+    max_files_per_key: int | None = Field(
+        1000, ge=1, description="Files one key may hold at once (its uploads and its batches' output and error "
+        "files); an upload past it gets 429 `quota_exceeded`. Unset: unlimited.")
+    max_bytes_per_key: int | None = Field(
+        10 * 1024 ** 3, ge=1, description="Bytes of files one key may hold at once (as `max_files_per_key`); "
+        "an upload that would pass it gets 429 `quota_exceeded`. Unset: unlimited.")
+    max_active_batches_per_key: int | None = Field(
+        100, ge=1, description="Batches of one key not yet in a final state; another gets 429 "
+        "`quota_exceeded`. Unset: unlimited.")
+    batch_file_expires_s: int | None = Field(
+        30 * 86400, ge=3600, description="An uploaded file of purpose `batch` without `expires_after` is deleted "
+        "this long after its upload (OpenAI's default: 30 days). Files of other purposes are kept until deleted "
+        "unless their upload gives `expires_after`. Unset: kept.")
+    output_file_expires_s: int | None = Field(
+        30 * 86400, ge=3600, description="A batch's output and error files are deleted this long after they "
+        "were written, unless the batch gave `output_expires_after` (OpenAI's default: 30 days). Unset: kept.")
 
     @field_validator("redis_url")
     @classmethod
@@ -733,6 +749,10 @@ class ClientKey(_Strict):
     engine_fields: list[str] = Field(
         [], description="Fields of `limits.engine_fields` this key may set itself (an internal orchestrator "
         "that sets `priority`, say); the others stay refused or stripped.")
+    batch_priority: bool = Field(
+        False, description="Requests of this key may carry `x-turbo-priority: batch` (the key that "
+        "`python -m gateway.batch` consumers send with): they pass the batch admission gate after the key's own "
+        "limits. From any other key the header is ignored and the request is served as interactive.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ClientKey:

@@ -1,8 +1,10 @@
 """The batch priority class: admit a batch line only into capacity interactive traffic
 leaves free.
 
-A completion request carrying ``x-turbo-priority: batch`` (what the consumers send) or
-sent by the in-process workers passes :meth:`BatchGate.admit` before it is routed. It is
+A completion request carrying ``x-turbo-priority: batch`` (what the consumers send) from
+a key granted it (``auth.keys[].batch_priority``; any caller without keys), or sent by the
+in-process workers, passes :meth:`BatchGate.enter` after its key's limits and before it is
+routed. It is
 admitted when both hold, re-checked every few milliseconds for up to
 ``batch.admission_wait_s``:
 

@@ -18,7 +18,9 @@ full-jitter exponential backoff between them (:class:`gateway.pipeline.retry.Ret
 gateway's one retry executor); connect errors, timeouts and the one retryable set of
 :mod:`routing.retry` (429, 502, 503, 504) are retried, other statuses are final (the
 gateway already retried its backends' failures behind them). A
-``batch_deferred`` answer (no spare capacity) is waited out and not counted. The final
+``batch_deferred`` answer (no spare capacity) or ``rate_limit_exceeded`` (the owner's key
+at its limits: in-process lines pass the owner's limits and admission as any request of
+that key) is waited out and not counted. The final
 failure goes to the error file: the backend's HTTP status and error body as
 ``response``, or ``error`` ``{code, message}`` when no answer came. A cancelled or
 expired batch's lines are acknowledged and dropped before they are sent.
@@ -51,6 +53,20 @@ from gateway.tenancy.keys import ANONYMOUS
 log = logging.getLogger("gateway.batch")
 
 _STATUS_TTL_S = 0.25
+LIMITED_CODE = "rate_limit_exceeded"  # the gateway's per-key limits (gateway.tenancy.limits)
+MAX_LIMITED_WAIT_S = 5.0  # a line over its key's limits asks again within this long
+
+
+def _retry_after_s(headers: dict[str, str]) -> float:
+    """The answer's ``retry-after-ms`` or ``Retry-After`` in seconds (1 when absent)."""
+    for name, scale in (("retry-after-ms", 0.001), ("Retry-After", 1.0)):
+        v = headers.get(name) or headers.get(name.lower())
+        if v:
+            try:
+                return max(float(v) * scale, 0.0)
+            except ValueError:
+                pass
+    return 1.0
 
 
 def _error_code(body: bytes) -> str | None:
@@ -318,7 +334,8 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
                            policy: RetryPolicy, request_id: str, before_send=None,
                            paused=None, key_name: str | None = None) -> tuple[bool, bytes] | None:
     """Send one line with up to ``policy.max_attempts`` attempts (the policy's backoff
-    between them; a ``batch_deferred`` answer is waited out and not counted), on
+    between them; a ``batch_deferred`` or ``rate_limit_exceeded`` answer is waited
+    out and not counted), on
     behalf of ``key_name`` (the batch's owner; see the senders). Returns (ok, the
     output or error line), or ``None`` when ``before_send()`` says to stop."""
     retrier = Retrier(policy, time.monotonic())
@@ -348,9 +365,12 @@ async def run_with_retries(sender, url: str, body: bytes, custom_id: str | None,
             return True, output_line(custom_id, 200, headers.get("x-request-id", rid), obj, None)
         if paused is not None:
             await paused()
-        if status == 429 and _error_code(data) == DEFERRED_CODE:
+        code = _error_code(data) if status == 429 else None
+        if code in (DEFERRED_CODE, LIMITED_CODE):
+            # no spare capacity, or the owner's key at its limits: wait, not counted as an attempt
             deferrals += 1
-            await asyncio.sleep(policy.rng.uniform(0.05, 0.25))
+            wait = 0.25 if code == DEFERRED_CODE else min(_retry_after_s(headers), MAX_LIMITED_WAIT_S)
+            await asyncio.sleep(policy.rng.uniform(0.2, 1.0) * wait)
             continue
         retrier.started()
         attempts = retrier.attempts

@@ -32,25 +32,23 @@ class Ticket:
 
     async def admit(self, state: GatewayState, caller: Caller, parsed: ParsedRequest, batch: bool,
                     in_process: bool, arrival: float) -> float:
-        """Admit ``parsed`` for ``caller``: through the batch gate when it is a batch
-        line (``batch``: ``x-turbo-priority: batch``, or ``in_process``, a batch line
-        served without a socket), then, unless ``in_process``, the caller's limits (a
-        token limit charges the prompt and ``max_tokens`` up front) and the admission
-        queue. Returns the request's arrival time: a batch line's TTFT starts once the
-        gate let it in."""
-        gate = state.batch_gate
-        if gate is not None and (batch or in_process):
-            self.kv = await gate.enter(parsed)
-            self.gate = gate  # entered: left in release()
-            arrival = state.loop.time()
-        if in_process:
-            return arrival
+        """Admit ``parsed`` for ``caller``: the caller's limits first (a token limit
+        charges the prompt and ``max_tokens`` up front), then the batch gate when it is
+        a batch line (``batch``: ``x-turbo-priority: batch`` from a key granted it, or
+        ``in_process``, a batch line served without a socket, under its owner's
+        limits), then the admission queue. Returns the request's arrival time: a batch
+        line's TTFT starts once the gate let it in."""
         key = caller.key
         adm = state.cfg.admission
         by_tokens = adm.max_in_flight_per_backend is not None and adm.fairness == "tokens"
         token_limit = key is not None and key.tokens_per_minute is not None
         prompt = state.core.prompt_tokens(parsed.model, parsed.prompt_text) if by_tokens or token_limit else 0
         self.permit = state.limiter.acquire(key, prompt + (parsed.max_tokens or 0) if token_limit else 0.0)
+        gate = state.batch_gate
+        if gate is not None and (batch or in_process):
+            self.kv = await gate.enter(parsed)
+            self.gate = gate  # entered: left in release()
+            arrival = state.loop.time()
         self.charge = await state.admission.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight)
         return arrival
 

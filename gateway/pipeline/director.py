@@ -75,15 +75,16 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
     :func:`~gateway.pipeline.attempt.run`, or the endpoint picker's hand-off to Envoy)
     on a backend in ``subset`` (names; ``None``: any). ``caller``: who the stack found
     the request is from when it authenticated it on the head already; ``batch_owner``:
-    an in-process batch line's owner (no key: through the batch gate only, its usage
-    counted under that name). The answer, or the OpenAI error, goes to ``down``. Raises
-    ``CancelledError`` when the client left."""
+    an in-process batch line's owner (no socket: under that key's limits and admission,
+    then the batch gate, its usage counted under that name). The answer, or the OpenAI
+    error, goes to ``down``. Raises ``CancelledError`` when the client left."""
     ticket, ctx, in_process = Ticket(), None, batch_owner is not None
     try:
         if caller is None:  # 401
             caller = state.keyring.authenticate(headers) if batch_owner is None else state.keyring.named(batch_owner)
         parsed = await parse(state, endpoint, headers, body, caller, in_process)  # 400, 404, 413, 415
-        batch = state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch"
+        # the batch class: the gateway's own lines, or a key granted it (auth.keys[].batch_priority)
+        batch = state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch" and caller.batch_priority
         arrival = await ticket.admit(state, caller, parsed, batch, in_process, arrival)  # 429, 503
         ctx = RequestContext(down, parsed, request_id, arrival, send, parsed.model, parsed.data, body=parsed.body,
                              key_name=caller.name if batch_owner is None else batch_owner, subset=subset)
@@ -174,9 +175,9 @@ def _first_event_seen(ctx: RequestContext) -> None:
 
 async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: str,
                   key_name: str = ANONYMOUS) -> tuple[int, dict[str, str], bytes]:
-    """Serve one batch line in process (no socket, no client key): through the batch
-    gate, then as any request, its usage counted under ``key_name`` (the batch's
-    owner). Returns the answer's status, headers and body."""
+    """Serve one batch line in process (no socket): under the limits and admission of
+    the key called ``key_name`` (the batch's owner), through the batch gate, its usage
+    counted under that key. Returns the answer's status, headers and body."""
     down = CollectDownstream()
     await handle(state, endpoint, {}, body, down, state.loop.time(), request_id, batch_owner=key_name)
     headers = dict(down.headers)

@@ -41,6 +41,13 @@ class Caller:
     def weight(self) -> float:
         return self.key.weight if self.key is not None else 1.0
 
+    @property
+    def batch_priority(self) -> bool:
+        """Whether its ``x-turbo-priority: batch`` is honoured: a key granted it
+        (``auth.keys[].batch_priority``), or any caller when no keys are configured
+        (every caller is then the same anonymous one)."""
+        return self.key.batch_priority if self.key is not None else self.name == ANONYMOUS
+
 
 CALLER = web.RequestKey("caller", Caller)  # the authenticated Caller of a /v1/ request (aiohttp routes)
 
@@ -75,8 +82,14 @@ class KeyRing:
         self.strip = limits is not None and limits.engine_fields_action == "strip"
 
     def named(self, name: str) -> Caller:
-        """The caller of key ``name`` (a batch's owner); anonymous when no key has it."""
-        return self.by_name.get(name, self.anonymous)
+        """The caller of the key called ``name`` (a batch's owner, whose lines are
+        served in process): its limits, priority and engine fields; a name no
+        configured key has any more is a caller without limits, still counted under
+        that name."""
+        found = self.by_name.get(name)
+        if found is not None:
+            return found
+        return self.anonymous if name == ANONYMOUS else Caller(name, None, self.anonymous.held_back)
 
     @property
     def enabled(self) -> bool:
