@@ -37,6 +37,7 @@ from gateway.batch.batch_runtime import BATCH
 from gateway.batch.job_store import (
     ENDPOINTS,
     FINAL,
+    MAX_WINDOW_S,
     RUNNING,
     BatchStore,
     batch_object,
@@ -231,7 +232,7 @@ async def create_batch(request: web.Request) -> web.Response:
     window = parse_window(data["completion_window"])
     if window is None:
         raise ClientError(400, f"Invalid value for completion_window: {data['completion_window']!r} "
-                               "(e.g. '24h').", param="completion_window")
+                               f"(e.g. '24h'; at most {MAX_WINDOW_S // 86400}d).", param="completion_window")
     meta = data.get("metadata")
     if meta is not None and (not isinstance(meta, dict) or len(meta) > 16
                              or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):

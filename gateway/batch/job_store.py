@@ -58,6 +58,7 @@ what is decided in :mod:`gateway.batch.api` (:func:`~gateway.batch.api.visible`)
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -157,8 +158,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
 
+MAX_WINDOW_S = 30 * 86400  # the longest completion window accepted
+
+
 def parse_window(window: str) -> float | None:
-    """``"24h"`` -> seconds. Accepts ``<n>s|m|h|d``; OpenAI itself accepts only ``24h``."""
+    """``"24h"`` -> seconds, or ``None`` when it is no window. Accepts ``<n>s|m|h|d``
+    with a finite positive ``n`` (``"infh"`` and ``"nanh"`` are not) of at most
+    :data:`MAX_WINDOW_S`; OpenAI itself accepts only ``24h``."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     if not isinstance(window, str) or len(window) < 2 or window[-1] not in units:
         return None
@@ -166,7 +172,8 @@ def parse_window(window: str) -> float | None:
         n = float(window[:-1])
     except ValueError:
         return None
-    return n * units[window[-1]] if n > 0 else None
+    seconds = n * units[window[-1]]
+    return seconds if math.isfinite(seconds) and 0 < seconds <= MAX_WINDOW_S else None
 
 
 @overload

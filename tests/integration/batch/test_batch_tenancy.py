@@ -111,3 +111,15 @@ async def test_batch_priority_header_only_from_keys_granted_it_and_after_their_l
             assert gate.admitted_total == 1
             assert await post("consumer") == 429  # over its own limit: refused before the gate
             assert gate.admitted_total == 1 and gate.in_flight == 0
+
+
+@pytest.mark.parametrize("window", ["infh", "nanh", "-1h", "0s", "1e400d", "31d"])
+async def test_a_bad_completion_window_is_a_400(redis, tmp_path, window):
+    async with ScriptedBackend().running() as be:
+        cfg = tenancy_config(be.url, redis, tmp_path)
+        async with running_gateway(cfg) as gw, client(gw, "alice") as alice:
+            f = await alice.files.create(file=("in.jsonl", jsonl([line(0)])), purpose="batch")
+            with pytest.raises(openai.BadRequestError) as e:
+                await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                           completion_window=window)  # type: ignore[arg-type]
+            assert e.value.body["param"] == "completion_window"
