@@ -103,6 +103,28 @@ end
 return 1
 """
 
+# Record the error lines of malformed input lines, many per call (each at most once).
+# KEYS: batch, results. ARGV: now, then index, value pairs. Returns how many were written,
+# -1 unknown batch, -2 batch closed.
+_RECORD_INVALID = """
+local st = redis.call('HMGET', KEYS[1], 'status', 'closing', 'total')
+local status = st[1]
+if not status then return -1 end
+if st[2] then return -2 end
+if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then return -2 end
+local n = 0
+for i = 2, #ARGV, 2 do
+  n = n + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+if n > 0 then redis.call('HINCRBY', KEYS[1], 'failed', n) end
+if status == 'in_progress' and st[3] and redis.call('HLEN', KEYS[2]) >= tonumber(st[3]) then
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[1])
+end
+return n
+"""
+
+INVALID_CHUNK = 1000  # malformed lines recorded per script call
+
 # Hand entries back: each one still pending with this consumer becomes claimable at once
 # (delivery time the epoch, so it is idle longer than any visibility timeout); the
 # consumer stays its owner until another's XAUTOCLAIM takes it. KEYS: queue.
@@ -200,6 +222,7 @@ class BatchStore:
         self.active = self.p + "active"
         self.files_dir = Path(files_dir)
         self._record = redis.register_script(_RECORD)
+        self._record_invalid = redis.register_script(_RECORD_INVALID)
         self._start = redis.register_script(_START)
         self._cancel = redis.register_script(_CANCEL)
         self._close = redis.register_script(_CLOSE)
@@ -407,6 +430,22 @@ class BatchStore:
             keys=[self.key("b", batch_id), self.key("res", batch_id), self.key("fly", batch_id), self.queue],
             args=[index, (b"o" if ok else b"e") + line, "completed" if ok else "failed", entry_id, GROUP,
                   int(time.time()), *(usage or (0, 0, 0, 0))]))
+
+    async def record_invalid(self, batch_id: str, lines: list[tuple[int, bytes]]) -> int:
+        """Store the error lines of malformed input lines (``(index, error line)``),
+        each at most once, :data:`INVALID_CHUNK` per round trip; returns how many were
+        written."""
+        written = 0
+        key, res, now = self.key("b", batch_id), self.key("res", batch_id), int(time.time())
+        for lo in range(0, len(lines), INVALID_CHUNK):
+            args: list[Any] = [now]
+            for index, line in lines[lo:lo + INVALID_CHUNK]:
+                args += (index, b"e" + line)
+            n = int(await self._record_invalid(keys=[key, res], args=args))
+            if n < 0:
+                break
+            written += n
+        return written
 
     async def owner_of(self, batch_id: str) -> str | None:
         """The key name that created the batch (``None``: unknown batch, or made before

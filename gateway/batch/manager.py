@@ -1,7 +1,7 @@
 """The batch life cycle, run by every gateway with ``batch.enabled`` (it owns ``files_dir``).
 
 ``validating`` -> parse the input file, count its lines, record a per-line error for
-each malformed one, ``in_progress``, then enqueue the valid lines (``XADD``, 500 per
+each malformed one (a thousand per Redis call), ``in_progress``, then enqueue the valid lines (``XADD``, 500 per
 transaction together with the ``enqueued`` cursor, so a gateway that dies mid-way is
 resumed by the next tick from the cursor) -> consumers record results -> the last
 result moves the batch to ``finalizing`` (in the record script) -> the output and error
@@ -215,9 +215,9 @@ class BatchManager(BackgroundSync):
             await self.store.r.hset(self.store.key("b", bid), "to_enqueue", len(valid))
             if not await self.store.start(bid, total):
                 return
-        for index, cid, message in bad:
-            await self.store.record(bid, index, output_line(cid, None, None, None, _error("invalid_request", message)),
-                                    False)
+        await self.store.record_invalid(bid, [(index, output_line(cid, None, None, None,
+                                                                  _error("invalid_request", message)))
+                                              for index, cid, message in bad])
         start = int(f.get("enqueued") or 0)
         key = self.store.key("b", bid)
         for lo in range(start, len(valid), ENQUEUE_CHUNK):

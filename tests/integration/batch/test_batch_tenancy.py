@@ -123,3 +123,28 @@ async def test_a_bad_completion_window_is_a_400(redis, tmp_path, window):
                 await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                            completion_window=window)  # type: ignore[arg-type]
             assert e.value.body["param"] == "completion_window"
+
+
+async def _script_calls(r: aioredis.Redis) -> int:
+    stats = await r.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+async def test_malformed_lines_are_recorded_in_bulk(redis, tmp_path):
+    async with ScriptedBackend().running() as be:
+        cfg = tenancy_config(be.url, redis, tmp_path, workers=1)
+        r = aioredis.from_url(redis)
+        async with running_gateway(cfg) as gw, client(gw, "alice") as alice:
+            data = jsonl([b"{not json" for _ in range(1500)] + [line(0)])
+            f = await alice.files.create(file=("in.jsonl", data), purpose="batch")
+            before = await _script_calls(r)
+            b = await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h")
+            done = await wait_batch(alice, b.id, {"completed", "failed"})
+            calls = await _script_calls(r) - before
+            assert done.request_counts.failed == 1500 and done.request_counts.completed == 1, done
+            errors = await content_lines(alice, done.error_file_id)
+            assert len(errors) == 1500 and all(e["error"]["code"] == "invalid_request" for e in errors)
+            # a handful of script calls (start, two bulk records, the valid line's result), not one per line
+            assert calls < 20, calls
+        await r.aclose()
