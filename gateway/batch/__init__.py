@@ -49,7 +49,7 @@ def setup_batch(app: web.Application, cfg) -> None:
     store = BatchStore.from_url(b.redis_url or cfg.state.url, cfg.state.namespace, b.files_dir)
     gate = BatchGate(state, b)
     state.metrics.registry.register(GateCollector(gate))
-    rt = BatchRuntime(b, store, BatchManager(store), gate)
+    rt = BatchRuntime(b, store, BatchManager(store, output_expires_s=b.output_file_expires_s), gate)
     app[BATCH] = rt
     state.batch_gate = gate
     add_routes(app)

@@ -40,37 +40,49 @@ from gateway.batch.job_store import (
     MAX_WINDOW_S,
     RUNNING,
     BatchStore,
+    QuotaExceeded,
     batch_object,
     file_object,
     new_id,
     parse_window,
 )
-from gateway.errors import ClientError, retry_later_headers
+from gateway.errors import SHOULD_RETRY_HEADER, ClientError, retry_later_headers
 from gateway.runtime import STATE
 from gateway.tenancy.keys import CALLER
 
 PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "vision", "user", "evals"})
+EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86400  # OpenAI's bounds of `expires_after.seconds`
+_QUOTA_WHAT = {"files": "files", "bytes": "bytes of files", "batches": "unfinished batches"}
 
+
+def quota_exceeded(what: str, limit: int | None) -> ClientError:
+    """429 ``quota_exceeded``: the key holds as many files, bytes or unfinished batches
+    as its quota allows (``batch.max_*_per_key``); not worth retrying until it deletes
+    some or a batch ends."""
+    return ClientError(429, f"This API key holds the most {_QUOTA_WHAT[what]} it may ({limit}); delete files or "
+                       "wait for batches to end.", code="quota_exceeded", headers={SHOULD_RETRY_HEADER: "false"})
+
+
+def _expires_after(anchor: str | None, seconds: Any, param: str) -> int | None:
+    """``expires_after`` / ``output_expires_after`` -> seconds after creation (``None``
+    when not given); 400 unless the anchor is ``created_at`` and the seconds within
+    OpenAI's bounds."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise ClientError(400, f"`{param}.anchor` must be 'created_at'.", param=f"{param}.anchor")
+    try:
+        n = int(seconds)
+    except (TypeError, ValueError):
+        n = 0
+    if not EXPIRES_MIN_S <= n <= EXPIRES_MAX_S:
+        raise ClientError(400, f"`{param}.seconds` must be an integer from {EXPIRES_MIN_S} to {EXPIRES_MAX_S}.",
+                          param=f"{param}.seconds")
+    return n
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-def _page(items: list[dict[str, Any]], request: web.Request, default_limit: int) -> dict[str, Any]:
-    try:
-        limit = int(request.query.get("limit", default_limit))
-    except ValueError:
-        raise ClientError(400, "`limit` must be an integer.", param="limit") from None
-    if not 1 <= limit <= 10000:
-        raise ClientError(400, "`limit` must be between 1 and 10000.", param="limit")
-    after = request.query.get("after")
-    if after:
-        ids = [x["id"] for x in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 STORE_RETRY_S = 5.0  # the wait suggested to a client while the batch store is unreachable
@@ -126,13 +138,23 @@ def visible(owner: str | None, scope: str | None) -> bool:
 
 
 async def create_file(request: web.Request) -> web.Response:
+    """Upload a file, within the caller's quota (``batch.max_files_per_key``,
+    ``max_bytes_per_key``: 429 ``quota_exceeded``), expiring per its ``expires_after``
+    or, for purpose ``batch``, ``batch.batch_file_expires_s`` after the upload."""
     store = _store(request)
+    cfg = request.app[BATCH].cfg
     owner = _caller(request)[0]
-    limit = request.app[BATCH].cfg.max_file_bytes
+    limit = cfg.max_file_bytes
     if not request.content_type.startswith("multipart/"):
         raise ClientError(400, "Upload the file as multipart/form-data with fields `file` and `purpose`.")
+    used_files, used_bytes = await store.quota_used(owner)
+    if cfg.max_files_per_key is not None and used_files >= cfg.max_files_per_key:
+        raise quota_exceeded("files", cfg.max_files_per_key)
+    room = None if cfg.max_bytes_per_key is None else cfg.max_bytes_per_key - used_bytes
     reader = await request.multipart()
     purpose: str | None = None
+    anchor: str | None = None
+    seconds: str | None = None
     file_id = new_id("file-")
     filename = None
     size = 0
@@ -143,6 +165,10 @@ async def create_file(request: web.Request) -> web.Response:
             assert isinstance(part, BodyPartReader)  # a form's fields, not a nested multipart
             if part.name == "purpose":
                 purpose = (await part.text()).strip()
+            elif part.name == "expires_after[anchor]":
+                anchor = (await part.text()).strip()
+            elif part.name == "expires_after[seconds]":
+                seconds = (await part.text()).strip()
             elif part.name == "file":
                 filename = part.filename or "upload.jsonl"
                 with open(tmp, "wb") as out:  # noqa: ASYNC230 - local 1 MiB writes; the upload is awaited
@@ -151,6 +177,8 @@ async def create_file(request: web.Request) -> web.Response:
                         if size > limit:
                             raise ClientError(413, f"File is larger than the limit of {limit} bytes.",
                                               param="file", code="file_too_large")
+                        if room is not None and size > room:
+                            raise quota_exceeded("bytes", cfg.max_bytes_per_key)
                         out.write(chunk)
         if filename is None:
             raise ClientError(400, "Missing required parameter: 'file'.", param="file")
@@ -158,13 +186,21 @@ async def create_file(request: web.Request) -> web.Response:
             raise ClientError(400, "Missing required parameter: 'purpose'.", param="purpose")
         if purpose not in PURPOSES:
             raise ClientError(400, f"Invalid value for purpose: {purpose!r}.", param="purpose")
-        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "expires_at": None,
+        expires_s = _expires_after(anchor, seconds, "expires_after")
+        if expires_s is None and purpose == "batch":
+            expires_s = cfg.batch_file_expires_s
+        now = int(time.time())
+        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": now,
+               "expires_at": None if expires_s is None else now + expires_s,
                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
         os.replace(tmp, store.path(file_id))
         try:
-            await store.add_file(obj, owner)
-        except BaseException:  # no record, no file: an upload either exists whole or not at all
+            await store.add_file(obj, owner, max_files=cfg.max_files_per_key, max_bytes=cfg.max_bytes_per_key)
+        except BaseException as e:  # no record, no file: an upload exists whole or not at all
             store.path(file_id).unlink(missing_ok=True)
+            if isinstance(e, QuotaExceeded):  # another upload of the key took the room meanwhile
+                raise quota_exceeded(e.what, cfg.max_files_per_key if e.what == "files"
+                                     else cfg.max_bytes_per_key) from None
             raise
     finally:
         if tmp.exists():
@@ -183,14 +219,21 @@ async def _file_or_404(request: web.Request) -> dict[str, Any]:
 
 
 async def list_files(request: web.Request) -> web.Response:
+    """The caller's files (every file without keys), newest first (``order=asc``:
+    oldest), read from the caller's own index a page at a time."""
     scope = _caller(request)[1]
-    items = [file_object(x) for x in await _store(request).list_files() if visible(x.get("owner"), scope)]
-    purpose = request.query.get("purpose")
-    if purpose:
-        items = [x for x in items if x.get("purpose") == purpose]
-    if request.query.get("order") == "asc":
-        items.reverse()
-    return _json(_page(items, request, 10000))
+    try:
+        limit = int(request.query.get("limit", 10000))
+    except ValueError:
+        raise ClientError(400, "`limit` must be an integer.", param="limit") from None
+    if not 1 <= limit <= 10000:
+        raise ClientError(400, "`limit` must be between 1 and 10000.", param="limit")
+    recs, has_more = await _store(request).file_page(
+        owner=scope, after=request.query.get("after") or None, limit=limit,
+        ascending=request.query.get("order") == "asc", purpose=request.query.get("purpose") or None)
+    page = [file_object(x) for x in recs]
+    return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                  "last_id": page[-1]["id"] if page else None, "has_more": has_more})
 
 
 async def get_file(request: web.Request) -> web.Response:
@@ -237,6 +280,11 @@ async def create_batch(request: web.Request) -> web.Response:
     if meta is not None and (not isinstance(meta, dict) or len(meta) > 16
                              or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise ClientError(400, "`metadata` must be an object of at most 16 string pairs.", param="metadata")
+    oea = data.get("output_expires_after")
+    if oea is not None and not isinstance(oea, dict):
+        raise ClientError(400, "`output_expires_after` must be an object.", param="output_expires_after")
+    output_expires_s = (_expires_after(oea.get("anchor"), oea.get("seconds"), "output_expires_after")
+                        if oea is not None else None)
     owner, scope = _caller(request)
     f = await store.get_file(data["input_file_id"])
     if f is None or not visible(f.get("owner"), scope):  # another caller's file: as an unknown one
@@ -246,12 +294,17 @@ async def create_batch(request: web.Request) -> web.Response:
                           param="input_file_id")
     now = int(time.time())
     bid = new_id("batch_")
-    await store.create_batch({"id": bid, "endpoint": endpoint, "input_file_id": f["id"],
-                              "completion_window": data["completion_window"], "status": "validating",
-                              "created_at": now, "expires_at": int(now + window),
-                              "metadata": orjson.dumps(meta) if meta else None,
-                              "owner": owner,  # the key's name (never the key): scopes /v1, shown by /admin
-                              "total": 0, "completed": 0, "failed": 0})
+    max_active = request.app[BATCH].cfg.max_active_batches_per_key
+    try:
+        await store.create_batch({"id": bid, "endpoint": endpoint, "input_file_id": f["id"],
+                                  "completion_window": data["completion_window"], "status": "validating",
+                                  "created_at": now, "expires_at": int(now + window),
+                                  "metadata": orjson.dumps(meta) if meta else None,
+                                  "owner": owner,  # the key's name (never the key): scopes /v1, shown by /admin
+                                  "output_expires_s": output_expires_s,
+                                  "total": 0, "completed": 0, "failed": 0}, max_active=max_active)
+    except QuotaExceeded:
+        raise quota_exceeded("batches", max_active) from None
     request.app[BATCH].manager.wake()
     created = await store.batch_fields(bid)
     assert created is not None  # written just above

@@ -45,6 +45,17 @@ Keys (all under the ``{namespace}`` hash tag, so the scripts stay on one Cluster
     tg:{ns}:batch:fly:<batch id>   zset line index -> lease deadline (lines in flight)
     tg:{ns}:batch:active           set of batches not yet in a final state
     tg:{ns}:batch:lock:<batch id>  who validates / finalizes a batch now
+    tg:{ns}:batch:files:o:<owner>  zset file id by creation, one owner's (its listing)
+    tg:{ns}:batch:batches:o:<owner> zset batch id by creation, one owner's (its listing)
+    tg:{ns}:batch:active:o:<owner> set of one owner's batches not yet in a final state
+    tg:{ns}:batch:quota:<owner>    hash ``files``, ``bytes``: what one owner's files hold
+    tg:{ns}:batch:files:exp        zset file id by ``expires_at`` (the files that expire)
+    tg:{ns}:batch:idx              set once the per-owner keys cover every record
+
+Quotas (``batch.max_files_per_key``, ``max_bytes_per_key``, ``max_active_batches_per_key``)
+are checked and charged in the same script that records a file or a batch, so concurrent
+uploads of one key on several replicas cannot pass them together. A key's listings read its
+own index, never every record.
 
 Files (uploads, output and error files) live in ``files_dir`` as ``<file id>``, written
 to a temporary name then renamed, so a reader never sees half a file.
@@ -124,6 +135,49 @@ return n
 """
 
 INVALID_CHUNK = 1000  # malformed lines recorded per script call
+
+# Record a file within its owner's quota. KEYS: files, files:z, files:o:<owner>, quota:<owner>,
+# files:exp. ARGV: id, record, created_at, bytes, expires_at or "", max files or "", max bytes
+# or "". Returns 1, or -1 over the file count, -2 over the bytes.
+_ADD_FILE = """
+local q = redis.call('HMGET', KEYS[4], 'files', 'bytes')
+local n, b = tonumber(q[1] or '0'), tonumber(q[2] or '0')
+if ARGV[6] ~= '' and n + 1 > tonumber(ARGV[6]) then return -1 end
+if ARGV[7] ~= '' and b + tonumber(ARGV[4]) > tonumber(ARGV[7]) then return -2 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'files', 1)
+redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[4])
+if ARGV[5] ~= '' then redis.call('ZADD', KEYS[5], ARGV[5], ARGV[1]) end
+return 1
+"""
+
+# Forget a file, giving its owner's quota back once. KEYS: files, files:z, files:o:<owner>,
+# quota:<owner>, files:exp. ARGV: id, bytes. Returns 1 deleted, 0 unknown.
+_DELETE_FILE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+if redis.call('ZREM', KEYS[3], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[4], 'files', -1)
+  redis.call('HINCRBY', KEYS[4], 'bytes', -tonumber(ARGV[2]))
+end
+return 1
+"""
+
+# Record a batch within its owner's quota of unfinished batches. KEYS: batch, batches:z,
+# active, batches:o:<owner>, active:o:<owner>. ARGV: id, created_at, max active or "", then
+# field, value pairs. Returns 1, or -1 over the quota.
+_CREATE_BATCH = """
+if ARGV[3] ~= '' and redis.call('SCARD', KEYS[5]) >= tonumber(ARGV[3]) then return -1 end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('SADD', KEYS[5], ARGV[1])
+return 1
+"""
 
 # Hand entries back: each one still pending with this consumer becomes claimable at once
 # (delivery time the epoch, so it is idle longer than any visibility timeout); the
@@ -212,6 +266,15 @@ def _i(v: Any) -> int | None:
     return None if v is None else int(v)
 
 
+class QuotaExceeded(Exception):
+    """A key would hold more files, bytes or unfinished batches than its quota;
+    ``what`` says which (``files``, ``bytes``, ``batches``)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
 class BatchStore:
     """Batch objects, file records, the queue and results (one Redis client)."""
 
@@ -227,6 +290,9 @@ class BatchStore:
         self._cancel = redis.register_script(_CANCEL)
         self._close = redis.register_script(_CLOSE)
         self._hand_back = redis.register_script(_HAND_BACK)
+        self._add_file = redis.register_script(_ADD_FILE)
+        self._delete_file = redis.register_script(_DELETE_FILE)
+        self._create_batch = redis.register_script(_CREATE_BATCH)
 
     @classmethod
     def from_url(cls, url: str, namespace: str, files_dir: str | os.PathLike[str]) -> BatchStore:
@@ -254,12 +320,29 @@ class BatchStore:
     def path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    async def add_file(self, obj: dict[str, Any], owner: str | None) -> None:
-        """Record a file: the OpenAI file object ``obj`` and its ``owner`` (a key name)."""
-        async with self.r.pipeline(transaction=True) as p:
-            p.hset(self.p + "files", obj["id"], orjson.dumps({**obj, "owner": owner}))
-            p.zadd(self.p + "files:z", {obj["id"]: obj["created_at"]})
-            await p.execute()
+    def _file_keys(self, owner: str | None) -> list[str]:
+        o = owner if owner is not None else ""  # an owner-less record (written before owners) is nobody's
+        return [self.p + "files", self.p + "files:z", f"{self.p}files:o:{o}", f"{self.p}quota:{o}",
+                self.p + "files:exp"]
+
+    async def add_file(self, obj: dict[str, Any], owner: str | None, *, max_files: int | None = None,
+                       max_bytes: int | None = None) -> None:
+        """Record a file: the OpenAI file object ``obj`` (its ``expires_at``, if any, is
+        when :meth:`expire_files` deletes it) and its ``owner`` (a key name), counted
+        against that owner's quota. Raises :class:`QuotaExceeded` (nothing recorded) when
+        the owner would hold more than ``max_files`` files or ``max_bytes`` bytes."""
+        exp = obj.get("expires_at")
+        n = int(await self._add_file(keys=self._file_keys(owner), args=[
+            obj["id"], orjson.dumps({**obj, "owner": owner}), obj["created_at"], int(obj["bytes"]),
+            "" if exp is None else int(exp), "" if max_files is None else max_files,
+            "" if max_bytes is None else max_bytes]))
+        if n < 0:
+            raise QuotaExceeded("files" if n == -1 else "bytes")
+
+    async def quota_used(self, owner: str) -> tuple[int, int]:
+        """(files, bytes) that ``owner``'s files hold."""
+        files, size = await self.r.hmget(f"{self.p}quota:{owner}", "files", "bytes")
+        return int(files or 0), int(size or 0)
 
     async def get_file(self, file_id: str) -> dict[str, Any] | None:
         """The file's record: the file object plus ``owner`` (see :func:`file_object`)."""
@@ -273,6 +356,35 @@ class BatchStore:
             return []
         raws = await self.r.hmget(self.p + "files", ids)
         return await self._with_owners([orjson.loads(x) for x in raws if x])
+
+    async def file_page(self, *, owner: str | None, after: str | None, limit: int, ascending: bool = False,
+                        purpose: str | None = None, chunk: int = 500) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` file records after the one with id ``after`` (``None``: from
+        the start; an id not in the listing: none), newest first unless ``ascending``, of
+        ``purpose`` if given, and whether more follow. With ``owner``, that key's files
+        only, read from its own index; ``None``: every file."""
+        z = self.p + "files:z" if owner is None else f"{self.p}files:o:{owner}"
+        start = 0
+        if after:
+            rank = await (self.r.zrank(z, after) if ascending else self.r.zrevrank(z, after))
+            if rank is None:
+                return [], False
+            start = rank + 1
+        out: list[dict[str, Any]] = []
+        while True:
+            ids = await (self.r.zrange(z, start, start + chunk - 1) if ascending
+                         else self.r.zrevrange(z, start, start + chunk - 1))
+            if not ids:
+                return out, False
+            raws = await self.r.hmget(self.p + "files", ids)
+            recs = await self._with_owners([orjson.loads(x) for x in raws if x])
+            for rec in recs:
+                if purpose is not None and rec.get("purpose") != purpose:
+                    continue
+                if len(out) == limit:
+                    return out, True
+                out.append(rec)
+            start += len(ids)
 
     async def _with_owners(self, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Give records written before files kept an owner one: an output or error file
@@ -290,16 +402,66 @@ class BatchStore:
         return recs
 
     async def delete_file(self, file_id: str) -> bool:
-        async with self.r.pipeline(transaction=True) as p:
-            p.hdel(self.p + "files", file_id)
-            p.zrem(self.p + "files:z", file_id)
-            n, _ = await p.execute()
+        """Forget a file and delete its content, giving its owner's quota back."""
+        rec = await self.get_file(file_id)
+        if rec is None:
+            return False
+        n = int(await self._delete_file(keys=self._file_keys(rec.get("owner")),
+                                        args=[file_id, int(rec.get("bytes") or 0)]))
         if n:
             try:
                 self.path(file_id).unlink()
             except FileNotFoundError:
                 pass
         return bool(n)
+
+    async def expire_files(self, now: float, limit: int = 100) -> int:
+        """Delete up to ``limit`` files whose ``expires_at`` passed; returns how many."""
+        ids = await self.r.zrangebyscore(self.p + "files:exp", "-inf", now, start=0, num=limit)
+        n = 0
+        for fid in ids:
+            fid = _s(fid)
+            if await self.delete_file(fid):
+                n += 1
+            else:  # its record is gone already
+                await self.r.zrem(self.p + "files:exp", fid)
+        return n
+
+    async def ensure_indexes(self) -> bool:
+        """Build the per-owner keys (listings, quotas, expiry) from the records written
+        before they existed; once per namespace (the ``idx`` marker), by one replica.
+        Returns whether they are built (``False``: another replica is building them)."""
+        marker = self.p + "idx"
+        if await self.r.exists(marker):
+            return True
+        if not await self.r.set(marker + ":lock", "1", nx=True, ex=300):
+            return False
+        files: dict[str, tuple[int, int]] = {}
+        async with self.r.pipeline(transaction=False) as p:
+            async for fid, raw in self.r.hscan_iter(self.p + "files", count=1000):
+                recs = await self._with_owners([orjson.loads(raw)])
+                rec = recs[0]
+                owner = rec.get("owner")
+                if owner is None:
+                    continue
+                p.zadd(f"{self.p}files:o:{owner}", {_s(fid): rec.get("created_at") or 0})
+                if rec.get("expires_at"):
+                    p.zadd(self.p + "files:exp", {_s(fid): rec["expires_at"]})
+                n, b = files.get(owner, (0, 0))
+                files[owner] = (n + 1, b + int(rec.get("bytes") or 0))
+            for owner, (n, b) in files.items():
+                p.hset(f"{self.p}quota:{owner}", mapping={"files": n, "bytes": b})
+            for bid in await self.r.zrange(self.p + "batches:z", 0, -1, withscores=True):
+                batch_id, created = _s(bid[0]), bid[1]
+                owner, status = await self.r.hmget(self.key("b", batch_id), "owner", "status")
+                if owner is None:
+                    continue
+                p.zadd(f"{self.p}batches:o:{_s(owner)}", {batch_id: created})
+                if _s(status) not in FINAL:
+                    p.sadd(f"{self.p}active:o:{_s(owner)}", batch_id)
+            p.set(marker, "1")
+            await p.execute()
+        return True
 
     def write_file_bytes(self, file_id: str, chunks: list[bytes]) -> int:
         """Write a file atomically (temporary name, then rename); returns its size."""
@@ -315,13 +477,18 @@ class BatchStore:
 
     # ---- batches -----------------------------------------------------------------
 
-    async def create_batch(self, fields: dict[str, Any]) -> None:
-        bid = fields["id"]
-        async with self.r.pipeline(transaction=True) as p:
-            p.hset(self.key("b", bid), mapping={k: v for k, v in fields.items() if v is not None})
-            p.zadd(self.p + "batches:z", {bid: fields["created_at"]})
-            p.sadd(self.active, bid)
-            await p.execute()
+    async def create_batch(self, fields: dict[str, Any], *, max_active: int | None = None) -> None:
+        """Record a batch for its ``owner``; raises :class:`QuotaExceeded` (nothing
+        recorded) when that owner already has ``max_active`` unfinished batches."""
+        bid, o = fields["id"], fields.get("owner") or ""
+        args: list[Any] = [bid, fields["created_at"], "" if max_active is None else max_active]
+        for k, v in fields.items():
+            if v is not None:
+                args += (k, v)
+        n = int(await self._create_batch(keys=[self.key("b", bid), self.p + "batches:z", self.active,
+                                               f"{self.p}batches:o:{o}", f"{self.p}active:o:{o}"], args=args))
+        if n < 0:
+            raise QuotaExceeded("batches")
 
     async def batch_fields(self, batch_id: str) -> dict[str, str] | None:
         raw = await self.r.hgetall(self.key("b", batch_id))
@@ -339,7 +506,7 @@ class BatchStore:
         (``None``: any) and, with ``owner``, created by that key name (``None``: every
         caller's), and whether more follow. Reads ``chunk`` batch hashes per round trip
         until the page is full. Raises ``KeyError`` when ``after`` names no batch."""
-        z = self.p + "batches:z"
+        z = self.p + "batches:z" if owner is None else f"{self.p}batches:o:{owner}"  # a key's own index
         start = 0
         if after:
             rank = await self.r.zrevrank(z, after)
@@ -489,10 +656,19 @@ class BatchStore:
             fields["error_file_id"] = error_file_id
         if errors is not None:
             fields["errors"] = orjson.dumps(errors)
+        owner = await self.owner_of(batch_id)
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.key("b", batch_id), mapping=fields)
             p.srem(self.active, batch_id)
+            p.srem(f"{self.p}active:o:{owner or ''}", batch_id)
             p.delete(self.key("fly", batch_id))
+            await p.execute()
+
+    async def deactivate(self, batch_id: str, owner: str | None) -> None:
+        """Take a batch in a final state (or gone) off the active sets."""
+        async with self.r.pipeline(transaction=True) as p:
+            p.srem(self.active, batch_id)
+            p.srem(f"{self.p}active:o:{owner or ''}", batch_id)
             await p.execute()
 
     async def lock(self, batch_id: str, owner: str, ttl_s: float) -> bool:

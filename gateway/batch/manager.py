@@ -15,6 +15,10 @@ unfinished batch is frozen and ends ``expired``: finished lines in the output fi
 others in the error file with code ``batch_expired``. Freezing (the ``closing`` field)
 makes the record script drop late results, so the files are final when written.
 
+Output and error files expire ``batch.output_file_expires_s`` after they were written
+(or the batch's ``output_expires_after``); every tick deletes files past their
+``expires_at`` (:meth:`~gateway.batch.job_store.BatchStore.expire_files`).
+
 Each step takes a short per-batch lock, so several gateway replicas sharing Redis and
 ``files_dir`` can all run the manager.
 """
@@ -117,7 +121,7 @@ class BatchManager(BackgroundSync):
     off while Redis fails (twice as long per failed tick, at most 5 s), until
     :meth:`request_stop` or a cancel."""
 
-    def __init__(self, store: BatchStore, *, tick_s: float = 0.2) -> None:
+    def __init__(self, store: BatchStore, *, tick_s: float = 0.2, output_expires_s: int | None = None) -> None:
         import redis.exceptions
 
         super().__init__("batch-manager", interval_s=tick_s, round_timeout_s=None, logger=log)
@@ -126,6 +130,9 @@ class BatchManager(BackgroundSync):
         self.owner = uuid.uuid4().hex
         self._busy: set[str] = set()
         self.store_error: str | None = None  # why the last tick could not reach Redis (None: it could)
+        self.output_expires_s = output_expires_s  # batch.output_file_expires_s
+        self._next_expiry = 0.0
+        self._indexed = False  # the per-owner keys cover every record (BatchStore.ensure_indexes)
 
     async def sync_once(self) -> None:
         await self.tick()
@@ -149,6 +156,14 @@ class BatchManager(BackgroundSync):
         self.store_error = None
 
     async def tick(self) -> None:
+        if not self._indexed:
+            self._indexed = await self.store.ensure_indexes()
+        now = time.monotonic()
+        if now >= self._next_expiry:  # files past their expires_at, a hundred per second at most
+            self._next_expiry = now + 1.0
+            n = await self.store.expire_files(time.time())
+            if n:
+                log.info("batch: %d expired files deleted", n)
         for bid in await self.store.active_ids():
             if self.stopping.is_set():
                 return
@@ -164,11 +179,11 @@ class BatchManager(BackgroundSync):
     async def step(self, bid: str) -> None:
         f = await self.store.batch_fields(bid)
         if f is None:
-            await self.store.r.srem(self.store.active, bid)
+            await self.store.deactivate(bid, None)
             return
         status, closing = f["status"], f.get("closing")
         if status in FINAL:
-            await self.store.r.srem(self.store.active, bid)
+            await self.store.deactivate(bid, f.get("owner"))
             return
         now = time.time()
         expires_at = float(f["expires_at"])
@@ -250,17 +265,25 @@ class BatchManager(BackgroundSync):
                     + b"\n")
         hexid = bid.removeprefix("batch_")
         owner = f.get("owner")  # the batch's files are its owner's
-        out_id = await self._write(f"file-{hexid}out", f"{bid}_output.jsonl", out, owner) if out else None
-        err_id = await self._write(f"file-{hexid}err", f"{bid}_error.jsonl", err, owner) if err else None
+        expires_s = int(f["output_expires_s"]) if f.get("output_expires_s") else self.output_expires_s
+        out_id = await self._write(f"file-{hexid}out", f"{bid}_output.jsonl", out, owner, expires_s) if out else None
+        err_id = await self._write(f"file-{hexid}err", f"{bid}_error.jsonl", err, owner, expires_s) if err else None
         await self.store.finish(bid, final, out_id, err_id)
         await self.store.r.delete(self.store.key("res", bid))
         log.info("batch %s %s: %d output lines, %d error lines", bid, final, len(out), len(err))
 
-    async def _write(self, file_id: str, filename: str, lines: list[bytes], owner: str | None) -> str:
+    async def _write(self, file_id: str, filename: str, lines: list[bytes], owner: str | None,
+                     expires_s: int | None) -> str:
+        """Write an output or error file: its owner's (counted in, never refused by,
+        the owner's quota), expiring ``expires_s`` after it was written (``None``:
+        kept)."""
         size = await asyncio.to_thread(self.store.write_file_bytes, file_id, lines)
-        await self.store.add_file({"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
-                                   "expires_at": None, "filename": filename, "purpose": "batch_output",
-                                   "status": "processed", "status_details": None}, owner)
+        now = int(time.time())
+        if await self.store.get_file(file_id) is None:  # a finalize run again after a crash: counted once
+            await self.store.add_file({"id": file_id, "object": "file", "bytes": size, "created_at": now,
+                                       "expires_at": None if expires_s is None else now + expires_s,
+                                       "filename": filename, "purpose": "batch_output", "status": "processed",
+                                       "status_details": None}, owner)
         return file_id
 
 

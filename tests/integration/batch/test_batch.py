@@ -694,6 +694,9 @@ async def legacy_records(store, *, owner: str | None = None) -> dict[str, str]:
             fields["output_file_id"] = ids["output"]
         await store.r.hset(store.key("b", bid), mapping=fields)
         await store.r.zadd(store.p + "batches:z", {bid: now})
+    # records of that time predate the per-owner indexes: a gateway started on them builds those
+    await store.r.delete(store.p + "idx", store.p + "idx:lock")
+    assert await store.ensure_indexes()
     return ids
 
 

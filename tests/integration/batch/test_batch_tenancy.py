@@ -148,3 +148,118 @@ async def test_malformed_lines_are_recorded_in_bulk(redis, tmp_path):
             # a handful of script calls (start, two bulk records, the valid line's result), not one per line
             assert calls < 20, calls
         await r.aclose()
+
+
+async def test_per_key_quotas_on_files_and_batches(redis, tmp_path):
+    async with ScriptedBackend().running() as be:
+        cfg = tenancy_config(be.url, redis, tmp_path, workers=0, max_files_per_key=2, max_bytes_per_key=1000,
+                             max_active_batches_per_key=1)
+        async with running_gateway(cfg) as gw, client(gw, "alice") as alice, client(gw, "bob") as bob:
+            small = jsonl([line(0)])
+            f1 = await alice.files.create(file=("a.jsonl", small), purpose="batch")
+            f2 = await alice.files.create(file=("b.jsonl", small), purpose="batch")
+            with pytest.raises(openai.RateLimitError) as e:  # a third file
+                await alice.files.create(file=("c.jsonl", small), purpose="batch")
+            assert e.value.body["code"] == "quota_exceeded"
+            assert e.value.response.headers["x-should-retry"] == "false"
+            await bob.files.create(file=("b.jsonl", small), purpose="batch")  # bob's quota is his own
+            await alice.files.delete(f2.id)  # deleting gives the room back
+            f3 = await alice.files.create(file=("c.jsonl", small), purpose="batch")
+            await alice.files.delete(f3.id)
+            with pytest.raises(openai.RateLimitError) as e:  # bytes: 1000 in all, one file holds some
+                await alice.files.create(file=("big.jsonl", b"x" * 1000), purpose="batch")
+            assert e.value.body["code"] == "quota_exceeded"
+            # unfinished batches: one at a time (no consumer: the first stays open)
+            b1 = await alice.batches.create(input_file_id=f1.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+            with pytest.raises(openai.RateLimitError) as e:
+                await alice.batches.create(input_file_id=f1.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h")
+            assert e.value.body["code"] == "quota_exceeded"
+            await alice.batches.cancel(b1.id)
+            await wait_batch(alice, b1.id, {"cancelled"})
+            await alice.batches.create(input_file_id=f1.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+
+
+async def test_files_and_output_files_expire(redis, tmp_path):
+    from gateway.batch.api import BATCH
+
+    async with ScriptedBackend().running() as be:
+        cfg = tenancy_config(be.url, redis, tmp_path, workers=2)
+        async with running_gateway(cfg) as gw, client(gw, "alice") as alice:
+            store = gw.app[BATCH].store
+            f = await alice.files.create(file=("in.jsonl", jsonl([line(0)])), purpose="batch")
+            assert f.expires_at == f.created_at + 30 * 86400  # purpose batch: OpenAI's 30 days
+            kept = await alice.files.create(file=("notes.jsonl", b"{}\n"), purpose="user")
+            assert kept.expires_at is None  # other purposes are kept until deleted
+            short = await alice.files.create(file=("s.jsonl", b"{}\n"), purpose="user",
+                                             expires_after={"anchor": "created_at", "seconds": 3600})
+            assert short.expires_at == short.created_at + 3600
+            with pytest.raises(openai.BadRequestError):
+                await alice.files.create(file=("s.jsonl", b"{}\n"), purpose="user",
+                                         expires_after={"anchor": "created_at", "seconds": 60})
+            b = await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h",
+                                           output_expires_after={"anchor": "created_at", "seconds": 7200})
+            done = await wait_batch(alice, b.id, {"completed"})
+            out = await alice.files.retrieve(done.output_file_id)
+            assert out.expires_at == out.created_at + 7200
+            # the hour passes: move the file's expiry to the past, as the clock would
+            await store.r.zadd(store.p + "files:exp", {short.id: 1})
+            assert store.path(short.id).exists()
+
+            async def gone() -> bool:
+                try:
+                    await alice.files.retrieve(short.id)
+                except openai.NotFoundError:
+                    return True
+                return False
+
+            deadline = asyncio.get_running_loop().time() + 10
+            while not await gone():
+                assert asyncio.get_running_loop().time() < deadline, "the expired file was never deleted"
+                await asyncio.sleep(0.05)
+            assert not store.path(short.id).exists()
+            assert (await alice.files.retrieve(kept.id)).id == kept.id
+            files, size = await store.quota_used("alice")
+            assert files == 3  # input, kept, output: the expired one gave its room back
+
+
+async def _hmget_fields(r: aioredis.Redis, key: str) -> int:
+    """Fields asked by the HMGETs of ``key`` in the slow log (every command is logged)."""
+    n = 0
+    for entry in await r.slowlog_get(10000):
+        cmd = entry["command"].decode() if isinstance(entry["command"], bytes) else entry["command"]
+        parts = cmd.split(" ")
+        if parts[0].upper() != "HMGET" or parts[1] != key:
+            continue
+        n += len(parts) - 2
+        if cmd.endswith("more arguments)"):  # the slow log keeps 32 arguments and counts the rest
+            n += int(parts[-3].lstrip("(")) - 1
+    return n
+
+
+async def test_a_keys_listing_reads_its_own_records_only(redis, tmp_path):
+    from gateway.batch.api import BATCH
+
+    async with ScriptedBackend().running() as be:
+        cfg = tenancy_config(be.url, redis, tmp_path, workers=0)
+        r = aioredis.from_url(redis)
+        async with running_gateway(cfg) as gw, client(gw, "alice") as alice, client(gw, "bob") as bob:
+            store = gw.app[BATCH].store
+            for i in range(60):
+                await bob.files.create(file=(f"{i}.jsonl", b"{}\n"), purpose="user")
+            mine = await alice.files.create(file=("a.jsonl", b"{}\n"), purpose="user")
+            await r.config_set("slowlog-log-slower-than", 0)
+            await r.config_set("slowlog-max-len", 10000)
+            await r.slowlog_reset()
+            try:
+                listed = await alice.files.list()
+                read = await _hmget_fields(r, store.p + "files")
+            finally:
+                await r.config_set("slowlog-log-slower-than", 10000)
+                await r.slowlog_reset()
+            assert [x.id for x in listed.data] == [mine.id]
+            assert read == 1, read  # her one record, not bob's sixty
+        await r.aclose()
