@@ -670,6 +670,10 @@ class Usage(_Strict):
     flush_interval_s: float = Field(
         1.0, gt=0, le=3600, description="How often this replica adds its counts to the shared buckets "
         "(`state.url`); a failed flush is retried with the same counts next time.")
+    max_query_hours: int = Field(
+        744, ge=1, le=87600, description="Most hours one `GET /v1/usage` or `/admin/usage` reads (one Redis "
+        "hash per hour): a `since` further back than `until` minus this starts at that hour instead, and the "
+        "answer's `since` says so (31 days by default; ask for earlier windows one at a time).")
     max_buffered_buckets: int = Field(
         100_000, ge=1, description="Bound on the (key, model, hour) entries waiting for a flush while "
         "Redis is unreachable; a request that would need a new entry past it is not recorded and counts in "

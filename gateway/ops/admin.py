@@ -202,7 +202,8 @@ async def usage_report(state, key: str | None, request: web.Request) -> dict:
     """The usage ledger's answer for ``key`` (``None``: every key) and the request's
     ``model``, ``since`` (default: 24 hours ago) and ``until`` (default: now) query
     parameters: the hourly buckets that start in ``[since rounded down to its hour,
-    until)``, at most ``usage.retention_days`` back (:func:`gateway.tenancy.usage_ledger.summarize`).
+    until)``, at most ``usage.retention_days`` back and at most ``usage.max_query_hours``
+    hours (the answer's ``since`` is where it started: :func:`gateway.tenancy.usage_ledger.summarize`).
     Raises :class:`ClientError` 400 on a bad parameter, 503 when Redis is unreachable."""
     from gateway.tenancy.usage_ledger import HOUR_S, summarize
 
@@ -215,6 +216,7 @@ async def usage_report(state, key: str | None, request: web.Request) -> dict:
     since_hour = int(max(since, oldest) // HOUR_S)
     # hours that start before ``until``; none is in the future
     until_hour = max(min(int(-(-until // HOUR_S)), int(now // HOUR_S) + 1), since_hour)
+    since_hour = max(since_hour, until_hour - state.cfg.usage.max_query_hours)  # bounded work per call
     model = _usage_param(request, "model")
     if state.usage_sync is not None:
         try:

@@ -331,3 +331,21 @@ async def test_batch_lines_count_under_the_owner_and_fill_the_batch_usage(tmp_pa
                 assert status == 200
                 assert counts(row(mine, "alice", "demo-model")) == (4, 300, 120, 21, 1)
                 await alice.close()
+
+
+async def test_a_usage_query_reads_at_most_max_query_hours():
+    import redis.asyncio as aioredis
+
+    async with ScriptedBackend(handler=answer).running() as be:
+        with redis_url() as url:
+            r = aioredis.from_url(url)
+            async with running_gateway(config(be.url, url=url)) as gw, \
+                    aiohttp.ClientSession() as http:
+                before = int((await r.info("commandstats")).get("cmdstat_hgetall", {}).get("calls", 0))
+                status, report = await get(http, gw.url + "/v1/usage", bearer(KEYS["alpha"]), since=0)
+                read = int((await r.info("commandstats")).get("cmdstat_hgetall", {}).get("calls", 0)) - before
+                assert status == 200, report
+                # usage.max_query_hours (31 days), not the 90 days of retention; the answer says where it started
+                assert report["until"] - report["since"] == 744 * HOUR_S
+                assert read < 800, read  # 744 hours and the background loops' own reads (2160 unbounded)
+            await r.aclose()
