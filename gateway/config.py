@@ -718,6 +718,22 @@ class Streaming(_Strict):
         15.0, gt=0, description="Interval between `: keep-alive` comments until the first event.")
 
 
+def _key_digest(key_sha256: str | None, key_env: str | None) -> bytes:
+    """The SHA-256 digest of a key given as its hex digest or in an environment
+    variable (read and hashed here, once). A key must be printable ASCII, as a bearer
+    token is (RFC 6750): every server stack then reads it from a header alike."""
+    import hashlib
+
+    if key_sha256 is not None:
+        return bytes.fromhex(key_sha256)
+    value = os.environ.get(key_env or "")
+    if not value:
+        raise ValueError(f"key_env names the environment variable {key_env!r}, which is not set")
+    if not (value.isascii() and value.isprintable()) or " " in value:
+        raise ValueError(f"the key in {key_env!r} must be printable ASCII without spaces (a bearer token)")
+    return hashlib.sha256(value.encode()).digest()
+
+
 class ClientKey(_Strict):
     """One client API key and its limits. The key itself is never stored: give its
     SHA-256 (``key_sha256``, 64 hex digits) or the name of an environment variable
@@ -758,21 +774,18 @@ class ClientKey(_Strict):
         "`python -m gateway.batch` consumers send with): they pass the batch admission gate after the key's own "
         "limits. From any other key the header is ignored and the request is served as interactive.")
 
+    _digest: bytes = PrivateAttr(b"")
+
     @model_validator(mode="after")
     def _one_source(self) -> ClientKey:
         if (self.key_sha256 is None) == (self.key_env is None):
             raise ValueError("set exactly one of `key_sha256` or `key_env`")
-        if self.key_env is not None and not os.environ.get(self.key_env):
-            raise ValueError(f"key_env names the environment variable {self.key_env!r}, which is not set")
+        self._digest = _key_digest(self.key_sha256, self.key_env)
         return self
 
     def digest(self) -> bytes:
-        """The SHA-256 digest of the key (32 bytes)."""
-        import hashlib
-
-        if self.key_sha256 is not None:
-            return bytes.fromhex(self.key_sha256)
-        return hashlib.sha256(os.environ[self.key_env or ""].encode()).digest()
+        """The SHA-256 digest of the key (32 bytes), computed once at load."""
+        return self._digest
 
 
 class Auth(_Strict):
@@ -784,6 +797,12 @@ class Auth(_Strict):
         [], description="Client API keys and their limits. With any configured, `/v1/*` needs "
         "`Authorization: Bearer KEY` (401 otherwise); none: every caller is anonymous and unlimited. "
         "Names and key values must be unique.")
+    metrics_key_labels: Literal["hashed", "name", "none"] = Field(
+        "hashed", description="How `/metrics` (which has no auth) labels per-key series (`key_name` of "
+        "`turbo_gateway_key_tokens_total`, `_rate_limited_total`, `_admission_key_service_tokens`): "
+        "`hashed`, the first 12 hex digits of the SHA-256 of the key's name (a pseudonym: whoever knows a "
+        "name can compute it, nobody reads the names off the page); `name`, the name itself; `none`, one "
+        "series for all keys (`key_name=\"-\"`). The usage ledger and the logs keep the names.")
 
     @model_validator(mode="after")
     def _unique(self) -> Auth:
@@ -808,22 +827,19 @@ class Admin(_Strict):
         None, description="Instead of `key_sha256`: an environment variable holding the admin key (hashed "
         "at load; must be set and non-empty).")
 
+    _digest: bytes | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _at_most_one(self) -> Admin:
         if self.key_sha256 is not None and self.key_env is not None:
             raise ValueError("set at most one of `key_sha256` or `key_env`")
-        if self.key_env is not None and not os.environ.get(self.key_env):
-            raise ValueError(f"key_env names the environment variable {self.key_env!r}, which is not set")
+        if self.key_sha256 is not None or self.key_env is not None:
+            self._digest = _key_digest(self.key_sha256, self.key_env)
         return self
 
     def digest(self) -> bytes | None:
-        import hashlib
-
-        if self.key_sha256 is not None:
-            return bytes.fromhex(self.key_sha256)
-        if self.key_env is not None:
-            return hashlib.sha256(os.environ[self.key_env].encode()).digest()
-        return None
+        """The admin key's SHA-256 digest (computed once at load), or ``None``."""
+        return self._digest
 
 
 class Breaker(_Strict):
@@ -1078,6 +1094,13 @@ class GatewayConfig(_Strict):
         backends = [b.model_copy(update={"kv_events": sources[b.name]})
                     if b.simulated_kv_events and b.name in sources else b for b in self.backends]
         return self.model_copy(update={"backends": backends})
+
+    @model_validator(mode="after")
+    def _admin_key_is_no_client_key(self) -> GatewayConfig:
+        admin = self.admin.digest()
+        if admin is not None and any(k.digest() == admin for k in self.auth.keys):
+            raise ValueError("the admin key equals a client key (auth.keys); give the admin its own key")
+        return self
 
     @model_validator(mode="after")
     def _batch_needs_redis(self) -> GatewayConfig:

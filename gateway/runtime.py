@@ -169,6 +169,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
         backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)
     state.retry = policy_from_config(cfg.retries)
     state.keyring = KeyRing(cfg.auth, cfg.limits)
+    state.metrics.set_key_label_mode(cfg.auth.metrics_key_labels)
     state.limiter.configure(cfg.auth.keys)
     state.usage.configure(cfg.usage.retention_days, cfg.usage.max_buffered_buckets)
     state.admin_digest = cfg.admin.digest()

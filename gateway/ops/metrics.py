@@ -10,6 +10,7 @@ so the request path pays nothing for them; its own counters and histograms are
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Iterator
 
@@ -169,6 +170,8 @@ class GatewayMetrics:
                  kv_stats: dict | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple, object] = {}
+        self.key_label_mode = "hashed"  # auth.metrics_key_labels
+        self._key_labels: dict[str, str] = {}
         self.build_info = Gauge("turbo_gateway_build_info", "Always 1; the labels say the version and routing policy",
                                 ["version", "policy"], registry=r)
         self.requests = Counter("turbo_gateway_requests", "Requests answered, by final HTTP status",
@@ -249,6 +252,18 @@ class GatewayMetrics:
         if kv_stats is not None and index is not None:
             r.register(_KVEventsCollector(kv_stats, index))
 
+    def key_label(self, name: str) -> str:
+        """The ``key_name`` label of key ``name`` (``auth.metrics_key_labels``), cached."""
+        label = self._key_labels.get(name)
+        if label is None:
+            label = self._key_labels[name] = key_label(self.key_label_mode, name)
+        return label
+
+    def set_key_label_mode(self, mode: str) -> None:
+        if mode != self.key_label_mode:
+            self.key_label_mode = mode
+            self._key_labels.clear()
+
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, cached: the request path asks for the same few
         label sets over and over, and prometheus_client's lookup validates each time."""
@@ -298,6 +313,16 @@ class TokenizerCollector(Collector):
         yield from (done, tokens, hits, misses, held)
 
 
+def key_label(mode: str, name: str) -> str:
+    """A key's ``key_name`` label on ``/metrics`` under ``auth.metrics_key_labels``
+    ``mode``: ``hashed`` (12 hex digits of the name's SHA-256), ``name`` or ``none``."""
+    if mode == "name":
+        return name
+    if mode == "none":
+        return "-"
+    return hashlib.sha256(name.encode()).hexdigest()[:12]
+
+
 class HardeningCollector(Collector):
     """Metrics of keys, limits, admission, breakers, draining and reloads, read from
     the live state at scrape time (key *names* only, never keys)."""
@@ -309,7 +334,12 @@ class HardeningCollector(Collector):
         st = self.state
         limited = CounterMetricFamily("turbo_gateway_rate_limited", "Requests refused by a per-key limit",
                                       labels=["key_name", "limit"])
+        label = st.metrics.key_label
+        rejected: dict[tuple[str, str], float] = {}
         for (name, limit), n in st.limiter.rejected.items():
+            k = (label(name), limit)
+            rejected[k] = rejected.get(k, 0) + n
+        for (name, limit), n in rejected.items():
             limited.add_metric([name, limit], n)
         adm = CounterMetricFamily("turbo_gateway_admission_rejected", "Requests refused by admission control",
                                   labels=["reason"])
@@ -321,8 +351,11 @@ class HardeningCollector(Collector):
                                    "A key's fair-share counter: weighted tokens served (admission.fairness: tokens)",
                                    labels=["key_name"])
         c = st.admission.counters
+        service: dict[str, float] = {}
         for name in sorted(c.known.keys() | c.pending.keys() | c.publishing.keys() | c.lift.keys()):
-            served.add_metric([name], c.value(name))
+            service[label(name)] = service.get(label(name), 0.0) + c.value(name)
+        for name, v in service.items():
+            served.add_metric([name], v)
         opened = CounterMetricFamily("turbo_gateway_backend_breaker_opened", "Times the circuit breaker opened",
                                      labels=["backend"])
         bopen = GaugeMetricFamily("turbo_gateway_backend_breaker_open",

@@ -211,9 +211,10 @@ def account(state: GatewayState, ctx: RequestContext, status: int) -> None:
                        cost_nanos(price, prompt, cached, completion) if price is not None else 0)
     if ctx.usage is not None:
         m = state.metrics
-        m.child(m.key_tokens, ctx.key_name, model, "prompt").inc(prompt)
-        m.child(m.key_tokens, ctx.key_name, model, "cached_prompt").inc(cached)
-        m.child(m.key_tokens, ctx.key_name, model, "completion").inc(completion)
+        key = m.key_label(ctx.key_name)  # auth.metrics_key_labels: hashed by default
+        m.child(m.key_tokens, key, model, "prompt").inc(prompt)
+        m.child(m.key_tokens, key, model, "cached_prompt").inc(cached)
+        m.child(m.key_tokens, key, model, "completion").inc(completion)
 
 
 def client_left(state: GatewayState, ctx: RequestContext, backend: str) -> None:

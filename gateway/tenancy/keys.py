@@ -22,6 +22,7 @@ from gateway.config import ENGINE_FIELDS, Auth, ClientKey, Limits
 from gateway.errors import ClientError, unknown_route
 
 ANONYMOUS = "anonymous"
+NO_KEY = b"not an ASCII bearer token"  # a digest no configured key has
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,12 @@ def _digest(header: str | None) -> bytes | None:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         return None
-    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+    if not token.isascii():
+        # A bearer token is ASCII (RFC 6750). The stacks decode a header's other bytes
+        # differently (aiohttp UTF-8, the lean protocol latin-1, gRPC UTF-8 with
+        # replacement), so such a token matches no key on any of them.
+        return NO_KEY
+    return hashlib.sha256(token.encode()).digest()
 
 
 class KeyRing:

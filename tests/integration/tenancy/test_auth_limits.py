@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.config import ClientKey
 from gateway.errors import ClientError
+from gateway.ops.metrics import key_label
 from gateway.tenancy.limits import Limiter
 from tests.support.redis_server import ValkeyProcess, frozen_redis
 from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway, sse_chunk, wait_until
@@ -102,7 +103,8 @@ async def test_requests_per_minute_429_with_retry_after():
             assert KEY_A.encode() not in body
             assert (await post(gw.url, CHAT, auth(KEY_B)))[0] == 200  # another key is not affected
             assert len(be.bodies) == 3
-            assert gw.metric("turbo_gateway_rate_limited_total", key_name="alpha", limit="requests") == 1
+            assert gw.metric("turbo_gateway_rate_limited_total", key_name=key_label("hashed", "alpha"),
+                             limit="requests") == 1
 
 
 async def test_tokens_per_minute_counts_reported_usage():

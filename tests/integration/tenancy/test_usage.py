@@ -22,6 +22,7 @@ from aiohttp import web
 
 from gateway.config import Price
 from gateway.tenancy.usage_ledger import HOUR_S, cost_nanos
+from gateway.ops.metrics import key_label
 from tests.support.redis_server import ValkeyProcess, frozen_redis, redis_url
 from tests.support.servers import ScriptedBackend, gateway_config, running_gateway, sse_chunk, wait_until
 
@@ -134,7 +135,8 @@ async def test_two_replicas_sum_exactly_with_cost_and_token_counters():
                 assert (await get(http, b.url + "/admin/usage", ADMIN))[1]["totals"] == report["totals"]
 
                 def tokens(kind: str, key: str) -> float:
-                    return sum(gw.metric("turbo_gateway_key_tokens_total", key_name=key, model="m", kind=kind)
+                    return sum(gw.metric("turbo_gateway_key_tokens_total", key_name=key_label("hashed", key), model="m",
+                                             kind=kind)
                                for gw in (a, b))
 
                 assert (tokens("prompt", "alpha"), tokens("cached_prompt", "alpha"), tokens("completion", "alpha")) \
