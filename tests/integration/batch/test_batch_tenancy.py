@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
-import orjson
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
 from tests.integration.batch.test_batch import content_lines, jsonl, line, wait_batch
 from tests.support.redis_server import redis_url
-from tests.support.servers import ScriptedBackend, completion_body, gateway_config, running_gateway, wait_until
+from tests.support.servers import (
+    ScriptedBackend,
+    completion_body,
+    gateway_config,
+    running_gateway,
+)
 
 KEYS = {"alice": "sk-alice-tenancy", "bob": "sk-bob-tenancy", "consumer": "sk-consumer-tenancy"}
 
@@ -222,7 +225,7 @@ async def test_files_and_output_files_expire(redis, tmp_path):
                 await asyncio.sleep(0.05)
             assert not store.path(short.id).exists()
             assert (await alice.files.retrieve(kept.id)).id == kept.id
-            files, size = await store.quota_used("alice")
+            files, _ = await store.quota_used("alice")
             assert files == 3  # input, kept, output: the expired one gave its room back
 
 

@@ -12,9 +12,9 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.config import ConfigError
+from gateway.errors import ClientError
 from gateway.ops.metrics import key_label
 from gateway.tenancy.keys import KeyRing
-from gateway.errors import ClientError
 from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
 
 KEY = "sk-exposure-alpha-0123456789"
