@@ -353,14 +353,15 @@ def k8s_config_text(docs: list[dict[str, Any]]) -> str:
 
 
 def k8s_container_env(docs: list[dict[str, Any]]) -> dict[str, str]:
-    """The gateway container's environment variable names (values "x"): ``env`` and the
-    keys of the Secrets in ``envFrom``."""
+    """The gateway container's environment variable names (each one's value: its name,
+    so that distinct keys stay distinct): ``env`` and the keys of the Secrets in
+    ``envFrom``."""
     _, c = gateway_container(docs)
-    env = {e["name"]: "x" for e in c.get("env", [])}
+    env = {e["name"]: e["name"] for e in c.get("env", [])}
     for src in c.get("envFrom", []):
         if "secretRef" in src:
             s = one(docs, "Secret", src["secretRef"]["name"])
-            env.update(dict.fromkeys({**s.get("data", {}), **s.get("stringData", {})}, "x"))
+            env.update({k: k for k in {**s.get("data", {}), **s.get("stringData", {})}})
     return env
 
 
@@ -390,6 +391,31 @@ def test_k8s_gateway_config_is_valid_and_finds_redis(kustomization):
     sts = one(docs, "StatefulSet", "redis")
     assert sts["spec"]["serviceName"] == redis_svc["metadata"]["name"]
     assert redis_svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, EPP])
+def test_k8s_gateway_on_all_interfaces_needs_client_keys(kustomization):
+    """Bound on the pod's every address (a Service reaches it), the gateway serves no
+    anonymous caller: client keys and an admin key of its own, from the Secret."""
+    cfg = k8s_gateway_config(render(kustomization))
+    assert cfg.listen.host != "0.0.0.0" or cfg.auth.keys, "0.0.0.0 without auth.keys serves anyone"
+    assert cfg.admin.digest() is not None and cfg.admin.digest() not in {k.digest() for k in cfg.auth.keys}
+
+
+def test_epp_grpc_port_is_reachable_from_the_envoy_proxies_only():
+    docs = render(EPP)
+    dep, c = gateway_container(docs)
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    grpc_port = next(p for p in c["ports"] if p["containerPort"] == 9002)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"
+                and d["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()]
+    assert policies, "no NetworkPolicy selects the picker's pods"
+    for pol in policies:
+        assert "Ingress" in pol["spec"]["policyTypes"]
+        for rule in pol["spec"].get("ingress", []):
+            ports = {p["port"] for p in rule.get("ports", [])}
+            if not ports or ports & {grpc_port["name"], 9002}:  # a rule that opens the gRPC port
+                assert rule.get("from"), f"{pol['metadata']['name']}: the gRPC port is open to every peer"
 
 
 # ----------------------------------------------------- Kubernetes: the endpoint picker
