@@ -34,7 +34,7 @@ ACCEPTED = Path(__file__).resolve().parent.parent / ".ci" / "audit-accepted"
 
 def accepted(path: Path = ACCEPTED, today: datetime.date | None = None) -> dict[str, str]:
     """Vulnerability id -> reason, for the accepted entries not yet past their date."""
-    today = today or datetime.date.today()
+    today = today or datetime.datetime.now(datetime.UTC).date()
     out: dict[str, str] = {}
     if not path.exists():
         return out

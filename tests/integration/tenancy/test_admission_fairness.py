@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 
 from gateway.config import Admission
+from gateway.ops.metrics import key_label
 from gateway.tenancy.admission import AdmissionControl, Charge, TokenCounters
 from routing import BackendSpec, Fleet
-from gateway.ops.metrics import key_label
 from tests.support.redis_server import redis_url
 from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway, wait_until
 

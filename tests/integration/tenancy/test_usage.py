@@ -21,8 +21,8 @@ import redis.exceptions
 from aiohttp import web
 
 from gateway.config import Price
-from gateway.tenancy.usage_ledger import HOUR_S, cost_nanos
 from gateway.ops.metrics import key_label
+from gateway.tenancy.usage_ledger import HOUR_S, cost_nanos
 from tests.support.redis_server import ValkeyProcess, frozen_redis, redis_url
 from tests.support.servers import ScriptedBackend, gateway_config, running_gateway, sse_chunk, wait_until
 
