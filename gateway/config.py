@@ -773,6 +773,10 @@ class ClientKey(_Strict):
         False, description="Requests of this key may carry `x-turbo-priority: batch` (the key that "
         "`python -m gateway.batch` consumers send with): they pass the batch admission gate after the key's own "
         "limits. From any other key the header is ignored and the request is served as interactive.")
+    route_details: bool = Field(
+        False, description="This key's answers carry the cache details of `x-turbo-route` (`reason`, "
+        "`matched_tokens`, `evidence`, `ttft_est_ms`) although `auth.route_details` is `granted`: for an "
+        "operator's own key. They tell whether a prompt's prefix is cached, i.e. whether someone sent it lately.")
 
     _digest: bytes = PrivateAttr(b"")
 
@@ -803,6 +807,19 @@ class Auth(_Strict):
         "`hashed`, the first 12 hex digits of the SHA-256 of the key's name (a pseudonym: whoever knows a "
         "name can compute it, nobody reads the names off the page); `name`, the name itself; `none`, one "
         "series for all keys (`key_name=\"-\"`). The usage ledger and the logs keep the names.")
+    route_details: Literal["granted", "everyone"] = Field(
+        "granted", description="Who gets the cache details of `x-turbo-route` (`reason`, `matched_tokens`, "
+        "`evidence`, `ttft_est_ms`), which tell whether a prompt's prefix is cached, so whether another tenant "
+        "sent it lately: `granted`, keys with `route_details: true` only (every caller when no keys are "
+        "configured: one tenant); `everyone`, every caller (a fleet whose keys are all one tenant's). The "
+        "others get `policy` and `backend` only.")
+    cache_isolation: Literal["shared", "per_key"] = Field(
+        "shared", description="`per_key`: keep each client key's prompts apart from every other key's, in "
+        "the gateway's prefix placement (the key folded into the block-hash seed) and in the engines' prefix "
+        "caches (a per-key `cache_salt` sent to the engine, before any `cache_salt` the caller gave), so that "
+        "no key can learn from a cache hit what another sent. Costs the hits keys would share (one system "
+        "prompt used by many keys is cached once per key: docs/security.md). The engine must honour "
+        "`cache_salt` (vLLM); for others only the placement is kept apart. `shared`: one cache for all.")
 
     @model_validator(mode="after")
     def _unique(self) -> Auth:

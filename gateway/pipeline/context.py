@@ -83,6 +83,7 @@ class RequestContext:
     tokens: int | None = None  # prompt + completion tokens of a completed response (per-key token limits)
     usage: tuple[int, int, int] | None = None  # (prompt, cached prompt, completion) tokens of a completed response
     key_name: str = ANONYMOUS  # the caller's key name, whose usage ledger counts it (gateway.tenancy.usage_ledger)
+    route_details: bool = True  # x-turbo-route carries the cache details (auth.route_details)
     served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
     ttft_s: float | None = None  # arrival to the answer's first byte (s), once it went out
     subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any

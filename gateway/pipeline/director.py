@@ -39,6 +39,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
+import orjson
+
 from gateway.errors import ClientError, internal_error_answer
 from gateway.ops import access_log
 from gateway.pipeline import attempt, fallback, prefill, prompt, settlement
@@ -86,8 +88,12 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
         # the batch class: the gateway's own lines, or a key granted it (auth.keys[].batch_priority)
         batch = state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch" and caller.batch_priority
         arrival = await ticket.admit(state, caller, parsed, batch, in_process, arrival)  # 429, 503
+        ring = state.keyring
+        if ring.isolate:  # auth.cache_isolation: per_key
+            isolate_cache(parsed, ring.cache_salt(caller.name if batch_owner is None else batch_owner))
         ctx = RequestContext(down, parsed, request_id, arrival, send, parsed.model, parsed.data, body=parsed.body,
-                             key_name=caller.name if batch_owner is None else batch_owner, subset=subset)
+                             key_name=caller.name if batch_owner is None else batch_owner, subset=subset,
+                             route_details=ring.route_details_all or caller.route_details)
         t0 = state.loop.time()  # the retry budget counts from here
         tried = [parsed.model]
         if parsed.stream and down.keepalive:
@@ -144,6 +150,17 @@ async def parse(state: GatewayState, endpoint: str, headers: Mapping[str, str],
     parsed = await off_loop(len(body), parse_body, endpoint, body, caller.held_back, state.keyring.strip)
     check_model(state, parsed.model)
     return parsed
+
+
+def isolate_cache(parsed: ParsedRequest, key_salt: str) -> None:
+    """Keep ``parsed`` apart from every other key's prompts (``auth.cache_isolation:
+    per_key``): its ``cache_salt`` becomes its key's salt, followed by the one the
+    caller gave, if any (so a caller can split its own cache further, never join
+    another key's); it seeds the prefix placement and is sent to the engine."""
+    salt = key_salt if parsed.cache_salt is None else f"{key_salt}:{parsed.cache_salt}"
+    parsed.data = {**parsed.data, "cache_salt": salt}
+    parsed.body = orjson.dumps(parsed.data)
+    parsed.cache_salt = salt
 
 
 def check_model(state: GatewayState, model: str) -> None:

@@ -35,19 +35,26 @@ class Routed(Protocol):
     @property
     def decision(self) -> Decision | None: ...
 
+    @property
+    def route_details(self) -> bool: ...
 
-def route_header(decision: Decision, fallback: str = "", fallback_reason: str = "") -> str:
-    """The explanation header: policy, backend, reason, matched prefix tokens and the
-    kind of evidence behind them (``precise``, ``speculative`` or ``approximate``), the
-    estimate that decided (when the policy made one) and, for a request served by a
-    fallback model, that model and the failure that sent it there."""
-    d = decision.detail
-    parts = [f"policy={decision.policy}", f"backend={decision.backend.name}", f"reason={decision.reason}",
-             f"matched_tokens={int(d.get('matched_tokens', 0))}", f"evidence={decision.evidence}"]
-    if "ttft_est_s" in d:
-        parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
-    if "metrics_stale" in d:
-        parts.append("metrics_stale=1")
+
+def route_header(decision: Decision, fallback: str = "", fallback_reason: str = "", details: bool = True) -> str:
+    """The explanation header: policy, backend and, with ``details`` (a caller allowed
+    to see the cache: ``auth.route_details``), the reason, matched prefix tokens and
+    the kind of evidence behind them (``precise``, ``speculative`` or ``approximate``)
+    and the estimate that decided (when the policy made one), each of which tells
+    whether the prompt's prefix is cached; for a request served by a fallback model,
+    that model and the failure that sent it there."""
+    parts = [f"policy={decision.policy}", f"backend={decision.backend.name}"]
+    if details:
+        d = decision.detail
+        parts += [f"reason={decision.reason}", f"matched_tokens={int(d.get('matched_tokens', 0))}",
+                  f"evidence={decision.evidence}"]
+        if "ttft_est_s" in d:
+            parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
+        if "metrics_stale" in d:
+            parts.append("metrics_stale=1")
     if fallback_reason:
         parts.append(f"fallback={fallback}; fallback_reason={fallback_reason}")
     return "; ".join(parts)
@@ -57,7 +64,7 @@ def answer_headers(r: Routed, content_type: str) -> dict[str, str]:
     """The headers of a routed request's 200 answer (``content_type``: the backend's)."""
     assert r.decision is not None
     return {"Content-Type": content_type, BACKEND_HEADER: r.backend, REQUEST_ID_HEADER: r.request_id,
-            ROUTE_HEADER: route_header(r.decision, r.model, r.fallback_reason)}
+            ROUTE_HEADER: route_header(r.decision, r.model, r.fallback_reason, r.route_details)}
 
 
 def stream_headers(r: Routed, content_type: str) -> dict[str, str]:
@@ -75,7 +82,7 @@ def keepalive_headers(r: Routed) -> dict[str, str]:
          REQUEST_ID_HEADER: r.request_id}
     if r.decision is not None:
         h[BACKEND_HEADER] = r.backend
-        h[ROUTE_HEADER] = route_header(r.decision, r.model, r.fallback_reason)
+        h[ROUTE_HEADER] = route_header(r.decision, r.model, r.fallback_reason, r.route_details)
     return h
 
 
@@ -83,4 +90,4 @@ def response_headers(r: Routed, backend: str) -> dict[str, str]:
     """The headers the endpoint picker adds to a response Envoy relays from ``backend``."""
     assert r.decision is not None
     return {BACKEND_HEADER: backend, REQUEST_ID_HEADER: r.request_id,
-            ROUTE_HEADER: route_header(r.decision, r.model, r.fallback_reason)}
+            ROUTE_HEADER: route_header(r.decision, r.model, r.fallback_reason, r.route_details)}

@@ -43,6 +43,12 @@ class Caller:
         return self.key.weight if self.key is not None else 1.0
 
     @property
+    def route_details(self) -> bool:
+        """Whether its answers carry ``x-turbo-route``'s cache details by its key's grant
+        (``auth.keys[].route_details``); see :attr:`KeyRing.route_details_all`."""
+        return self.key is not None and self.key.route_details
+
+    @property
     def batch_priority(self) -> bool:
         """Whether its ``x-turbo-priority: batch`` is honoured: a key granted it
         (``auth.keys[].batch_priority``), or any caller when no keys are configured
@@ -86,6 +92,19 @@ class KeyRing:
         self.by_name: dict[str, Caller] = {c.name: c for _, c in self.callers.values()}
         self.anonymous = Caller(ANONYMOUS, None, held)
         self.strip = limits is not None and limits.engine_fields_action == "strip"
+        # x-turbo-route's cache details for every caller: one tenant (no keys), or told so
+        self.route_details_all = not cfg.keys or cfg.route_details == "everyone"
+        # auth.cache_isolation per_key: each key's cache_salt, from its name (stable across key rotation)
+        self.isolate = bool(cfg.keys) and cfg.cache_isolation == "per_key"
+        self._salts: dict[str, str] = {}
+
+    def cache_salt(self, name: str) -> str:
+        """The ``cache_salt`` of key ``name`` under ``auth.cache_isolation: per_key``:
+        derived from the name (stable across a key's rotation), cached."""
+        salt = self._salts.get(name)
+        if salt is None:
+            salt = self._salts[name] = hashlib.sha256(f"turbo-gateway cache_salt\0{name}".encode()).hexdigest()[:32]
+        return salt
 
     def named(self, name: str) -> Caller:
         """The caller of the key called ``name`` (a batch's owner, whose lines are
