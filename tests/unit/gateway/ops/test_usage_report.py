@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from gateway.config import Usage
 from gateway.ops import admin
 from gateway.tenancy.usage_ledger import HOUR_S, UsageLedger
 
@@ -21,7 +22,7 @@ async def test_the_default_window_includes_the_current_hour_from_its_first_insta
     ledger = UsageLedger(clock=lambda: now)
     ledger.record("anonymous", "m", 10, 0, 2, False, 0)
     state = SimpleNamespace(usage=ledger, usage_sync=None,
-                            cfg=SimpleNamespace(usage=SimpleNamespace(retention_days=90)))
+                            cfg=SimpleNamespace(usage=Usage(retention_days=90)))
     with mock.patch.object(admin.time, "time", lambda: now):
         report = await admin.usage_report(state, None, make_mocked_request("GET", "/admin/usage"))
     assert report["totals"]["requests"] == 1
