@@ -7,14 +7,8 @@ fleet view with other replicas is the gateway's (:mod:`gateway.store`), through 
 interface in :mod:`routing.store`. The data planes enter through :mod:`routing.core`.
 """
 
-from routing.fleet import (
-    BackendSpec,
-    BackendState,
-    Fleet,
-    NoBackendAvailable,
-    Reservation,
-    UnknownModel,
-)
+from routing.backend import BackendSpec, BackendState
+from routing.fleet import Fleet, NoBackendAvailable, Reservation, UnknownModel
 from routing.policies import POLICIES, Decision, Policy, RouteRequest, make_policy
 from routing.router import Router
 

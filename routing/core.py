@@ -38,17 +38,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from routing.backend import BackendSpec, BackendState, LoraActivity, ServedModel
 from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt, chain_seed, token_block_keys
-from routing.fleet import (
-    BackendSpec,
-    BackendState,
-    Fleet,
-    LoraActivity,
-    NoBackendAvailable,
-    Reservation,
-    ServedModel,
-    UnknownModel,
-)
+from routing.fleet import Fleet, NoBackendAvailable, Reservation, UnknownModel
 from routing.kv_event_decoding import (
     DUPLICATE,
     GAP,

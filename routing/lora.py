@@ -75,12 +75,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import xxhash
 
-if TYPE_CHECKING:
-    from routing.fleet import BackendState
+from routing.backend import BackendState
 
 # A placement set at its share of the traffic may still grow while even its least loaded
 # member carries more than this many times the mean in-flight requests per backend (past
@@ -90,7 +88,7 @@ if TYPE_CHECKING:
 LOAD_FACTOR = 1.25
 
 # (estimated TTFT in seconds, uncached prompt tokens), backend: what the policy scored
-Scored = tuple[tuple[float, float], "BackendState"]
+Scored = tuple[tuple[float, float], BackendState]
 
 
 def rendezvous(adapter: str, backend: str) -> int:
@@ -172,7 +170,7 @@ class AdapterSets:
         """A request for ``adapter`` was dispatched to ``backend`` at monotonic time
         ``now`` (s); ``backends``: the fleet's backends by name. A new backend joins the
         set; otherwise the latest joined other member that no longer runs the adapter
-        (:meth:`routing.fleet.BackendState.active_adapters`), or that left the fleet,
+        (:meth:`routing.backend.BackendState.active_adapters`), or that left the fleet,
         leaves."""
         s = self.sets.get(adapter)
         if s is None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from routing.fleet import BackendState, Fleet, NoBackendAvailable, Reservation
+from routing.backend import BackendState
+from routing.fleet import Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Policy, RouteRequest
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex

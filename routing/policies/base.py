@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from routing.fleet import BackendState
+from routing.backend import BackendState
 
 
 @dataclass(slots=True)

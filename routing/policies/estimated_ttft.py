@@ -59,7 +59,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from routing.fleet import BackendState
+from routing.backend import BackendState
 from routing.lora import place
 from routing.policies.base import BasePolicy, Decision, RouteRequest
 

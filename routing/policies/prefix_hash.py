@@ -45,7 +45,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from hashlib import blake2b
 
-from routing.fleet import BackendState
+from routing.backend import BackendState
 from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 _MASK64 = (1 << 64) - 1

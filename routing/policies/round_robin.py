@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from routing.fleet import BackendState
+from routing.backend import BackendState
 from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 

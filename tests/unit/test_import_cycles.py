@@ -227,22 +227,7 @@ def project_graph() -> dict[str, set[str]]:
     return module_graph(ROOT, PACKAGES, type_checking=COUNT_TYPE_CHECKING)
 
 
-# Cycles through TYPE_CHECKING imports that other branches of the reorganisation remove:
-# routing's split (routing.fleet <-> routing.lora). Drop a mark when its cycles are gone:
-# strict xfail fails the run as soon as they are.
-_ROUTING = "routing.fleet <-> routing.lora (the routing split branch)"
-
-
-def _left_to(*owners: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(COUNT_TYPE_CHECKING, strict=True, reason="cycles left to: " + "; ".join(owners))
-
-
-@pytest.mark.parametrize("scope", [
-    "gateway",
-    pytest.param("routing", marks=_left_to(_ROUTING)),
-    "loadtest",
-    pytest.param("project", marks=_left_to(_ROUTING)),
-])
+@pytest.mark.parametrize("scope", ["gateway", "routing", "loadtest", "project"])
 def test_no_import_cycles(project_graph, scope):
     graph = project_graph if scope == "project" else restrict(project_graph, scope)
     assert graph, f"no modules found for {scope}"
