@@ -146,12 +146,12 @@ def tokenize_us(name: str, reqs: list[TraceRequest], system_blocks: int, path: s
     """(mean microseconds per request, mean prompt tokens) of the model's own tokenizer
     (``path``: a ``tokenizer.json`` or model directory) turning the workload's requests
     (the first ``sample``, or all), in order, into token ids as the gateway does
-    (:mod:`routing.tokenize`: template, prefix cache, encoding; the process CPU it
+    (:mod:`routing.tokenizer`: template, prefix cache, encoding; the process CPU it
     takes, as :func:`loadtest.routing_cost._tokenize_us` times it, like the other CPU
     columns), starting from an empty prefix cache of
     the gateway's default size, as a gateway starts."""
     from loadtest.routing_cost import _tokenize_us
-    from routing.tokenize import DEFAULT_CACHE_TOKENS, SegmentCache, load_tokenizer
+    from routing.tokenizer import DEFAULT_CACHE_TOKENS, SegmentCache, load_tokenizer
 
     bodies = [http_request(name, r, i, system_blocks) for i, r in enumerate(reqs[:sample])]
     tok = load_tokenizer(path)

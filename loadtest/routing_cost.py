@@ -17,7 +17,7 @@
    the other's load and prefix blocks 50 ms late, as the Redis store's default bound)
    and once with private state: TTFT and load imbalance side by side.
 4. **tokenize**: microseconds per request of the model's own tokenizer
-   (:mod:`routing.tokenize`: render the chat template, look up the prefix cache,
+   (:mod:`routing.tokenizer`: render the chat template, look up the prefix cache,
    encode, assemble the ids) for a short chat, an 8k-token completion prompt and a
    20-turn conversation with a 2k-token system prompt, with the prefix cache on and
    off, and how much of it runs on the event loop when long encodings go to the
@@ -225,7 +225,7 @@ def _tokenize_us(tok, requests: list[tuple[str, dict]], offload: bool = False,
 def part_tokenize(path: str | None = None) -> None:
     from pathlib import Path
 
-    from routing.tokenize import load_tokenizer
+    from routing.tokenizer import load_tokenizer
 
     path = path or str(Path(__file__).resolve().parent.parent / "tests" / "support" / "data" / "tiny-tokenizer")
     rng = random.Random(5)

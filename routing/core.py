@@ -67,8 +67,8 @@ from routing.retry import (
 )
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
 from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
-from routing.tokenize import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
-from routing.tokenize import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
+from routing.tokenizer import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
+from routing.tokenizer import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
 
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
@@ -204,7 +204,7 @@ class DecisionCore:
         prefix cache, its encoding still to do (:meth:`Tokenization.encode`, off the
         event loop when :attr:`Tokenization.offload`). ``None`` when the model has no
         tokenizer or the prompt cannot be reproduced exactly (images, a per-request
-        chat template, a template that raises: see :mod:`routing.tokenize`); the
+        chat template, a template that raises: see :mod:`routing.tokenizer`); the
         request is then estimated as without a tokenizer."""
         tok = self.tokenizers.get(model)
         if tok is None:

@@ -1,6 +1,6 @@
 """Token estimation, canonical prompt rendering and chained block hashes.
 
-Without the model's own tokenizer (:mod:`routing.tokenize`, configured per model), the
+Without the model's own tokenizer (:mod:`routing.tokenizer`, configured per model), the
 gateway estimates prompt tokens from the canonical prompt's UTF-8 length with a
 bytes-per-token ratio learned per model from the ``usage`` that backends return (seeded
 with 4.0 bytes per token, OpenAI's rule of thumb for English: "one token generally

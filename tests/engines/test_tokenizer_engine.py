@@ -1,6 +1,6 @@
 """Token-exact prompts against a real engine: llama.cpp ``llama-server``.
 
-The gateway's chat rendering and token ids (``routing/tokenize.py``, with the tiny
+The gateway's chat rendering and token ids (``routing/tokenizer/``, with the tiny
 model's own ``tokenizer.json`` and chat template from ``tests/support/data/tiny-tokenizer``)
 are compared with what ``llama-server`` itself renders (``POST /apply-template``) and
 tokenizes (``POST /tokenize``) for the same requests: with its built-in ChatML
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 BIN = engines.require_llama_server()
 
-from routing.tokenize import load_tokenizer  # noqa: E402
+from routing.tokenizer import load_tokenizer  # noqa: E402
 from tests.support.chat_cases import (  # noqa: E402
     COMPLETIONS,
     CONVERSATIONS,

@@ -3,7 +3,7 @@
 ``tests/support/vllm_render.py`` runs in the vLLM CPU virtualenv of the real-vLLM suite
 (:func:`tests.support.engines.vllm_python`, built once by ``scripts/ci_build_vllm_cpu.sh``) and
 takes each chat request through vLLM's own request model, message parsing, template kwargs and
-``apply_chat_template``; the gateway's ``routing/tokenize.py`` must give the same text
+``apply_chat_template``; the gateway's ``routing/tokenizer/`` must give the same text
 and the same token ids, or refuse what vLLM refuses. Without that virtualenv the
 module skips.
 """
@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from routing.tokenize import Unsupported, load_tokenizer
+from routing.tokenizer import Unsupported, load_tokenizer
 from tests.support import engines
 from tests.support.chat_cases import PARTS_TEMPLATE, TINY, TOOLS_TEMPLATE, chat_bodies
 

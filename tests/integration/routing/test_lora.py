@@ -452,7 +452,7 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_sent():
     ``context_length_exceeded`` from the gateway; the engine never sees it."""
     import openai
 
-    from routing.tokenize import load_tokenizer
+    from routing.tokenizer import load_tokenizer
     from tests.support.chat_cases import TINY
 
     sims, urls = await start_backends([SimBackendConfig(name="s", models=["tiny"], speed=50.0,

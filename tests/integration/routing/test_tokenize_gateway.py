@@ -15,7 +15,7 @@ import pytest
 
 from gateway.runtime import model_tokenizers
 from loadtest.sim.server import SimBackendConfig, start_backends
-from routing.tokenize import OFFLOAD_CHARS, load_tokenizer
+from routing.tokenizer import OFFLOAD_CHARS, load_tokenizer
 from tests.support.chat_cases import TINY
 from tests.support.servers import gateway_config, running_gateway
 

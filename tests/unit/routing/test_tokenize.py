@@ -1,4 +1,4 @@
-"""routing/tokenize.py: a model's own tokenizer and chat template, without sockets.
+"""routing/tokenizer/: a model's own tokenizer and chat template, without sockets.
 
 The tokenizer is the real byte-level BPE of the real-engine suite's tiny model
 (``tests/support/data/tiny-tokenizer``: ``scripts/tokenizer.json`` and the ChatML template
@@ -16,16 +16,8 @@ from tokenizers import Tokenizer
 
 from loadtest.sim.server import render_chat as sim_render_chat
 from routing.core import BackendSpec, DecisionCore
-from routing.tokenize import (
-    _SEPARABLE_SPLITS,
-    CHUNK_CHARS,
-    MIN_SEGMENT_CHARS,
-    OFFLOAD_CHARS,
-    ModelTokenizer,
-    TokenizerError,
-    Unsupported,
-    load_tokenizer,
-)
+from routing.tokenizer import ModelTokenizer, TokenizerError, Unsupported, load_tokenizer
+from routing.tokenizer.prefix_cache import _SEPARABLE_SPLITS, CHUNK_CHARS, MIN_SEGMENT_CHARS, OFFLOAD_CHARS
 from tests.support.chat_cases import TINY, TOOLS_TEMPLATE
 
 TINY_JSON = json.loads((TINY / "tokenizer.json").read_text())
