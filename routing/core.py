@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from routing.backend import BackendSpec, BackendState, LoraActivity, ServedModel
 from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt, chain_seed, token_block_keys
@@ -68,7 +67,7 @@ from routing.retry import (
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
 from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 from routing.tokenizer import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
-from routing.tokenizer import ModelTokenizer, Tokenization, TokenizerError, Unsupported, load_tokenizer
+from routing.tokenizer import ModelTokenizer, Tokenization, TokenizerError, TokenizeStats, Unsupported, load_tokenizer
 
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
@@ -82,16 +81,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("routing.kv_event_decoding")
-
-
-@dataclass(slots=True)
-class TokenizeStats:
-    """What one model's tokenizer did: requests tokenized exactly, requests it could
-    not reproduce (estimated instead), and the exact prompt tokens counted."""
-
-    exact: int = 0
-    unsupported: int = 0
-    prompt_tokens: int = 0
 
 
 class DecisionCore:

@@ -22,7 +22,8 @@ completions request, a template that raises.
 One module per concept:
 
 - :mod:`routing.tokenizer.model_tokenizer`: :class:`ModelTokenizer`, a request's
-  tokenization and the special tokens around a prompt;
+  tokenization and the special tokens around a prompt, and :class:`TokenizeStats`, what
+  a model's tokenizer did;
 - :mod:`routing.tokenizer.chat_template`: chat template rendering (transformers' Jinja
   environment, vLLM's message parsing);
 - :mod:`routing.tokenizer.prefix_cache`: the prefix cache of encodings (segments cut at
@@ -35,8 +36,8 @@ One module per concept:
 from routing.tokenizer.chat_template import compile_chat_template
 from routing.tokenizer.errors import TokenizerError, Unsupported
 from routing.tokenizer.loading import load_tokenizer
-from routing.tokenizer.model_tokenizer import ModelTokenizer
+from routing.tokenizer.model_tokenizer import ModelTokenizer, TokenizeStats
 from routing.tokenizer.prefix_cache import DEFAULT_CACHE_TOKENS, OFFLOAD_CHARS, SegmentCache, Tokenization
 
-__all__ = ["DEFAULT_CACHE_TOKENS", "OFFLOAD_CHARS", "ModelTokenizer", "SegmentCache", "Tokenization",
+__all__ = ["DEFAULT_CACHE_TOKENS", "OFFLOAD_CHARS", "ModelTokenizer", "SegmentCache", "TokenizeStats", "Tokenization",
            "TokenizerError", "Unsupported", "compile_chat_template", "load_tokenizer"]

@@ -129,3 +129,13 @@ class ModelTokenizer(ChatTemplateRenderer, PrefixCachedEncoder):
         """``text``'s ids in one encoding, no cache (the reference the cached path
         equals)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+@dataclass(slots=True)
+class TokenizeStats:
+    """What one model's tokenizer did: requests tokenized exactly, requests it could
+    not reproduce (estimated instead), and the exact prompt tokens counted."""
+
+    exact: int = 0
+    unsupported: int = 0
+    prompt_tokens: int = 0
