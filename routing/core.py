@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from routing.backend import BackendSpec, BackendState, LoraActivity, ServedModel
 from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt, chain_seed, token_block_keys
@@ -187,7 +188,7 @@ class DecisionCore:
 
     # ---- one request -----------------------------------------------------------------
 
-    def tokenization(self, model: str, endpoint: str, data: dict) -> Tokenization | None:
+    def tokenization(self, model: str, endpoint: str, data: dict[str, Any]) -> Tokenization | None:
         """The start of request ``data``'s tokenization by ``model``'s own tokenizer
         (``endpoint``: ``chat`` or ``completions``): rendered and looked up in the
         prefix cache, its encoding still to do (:meth:`Tokenization.encode`, off the

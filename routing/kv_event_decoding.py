@@ -166,7 +166,8 @@ def decode_event(raw: bytes | msgspec.Raw) -> KVEvent:
     fields = dict(zip(names, ev[1:]))
     fields["type"] = ev[0]
     # builtin_types: a str is no bytes hash (convert would read it as base64)
-    return msgspec.convert(fields, KVEvent, builtin_types=(bytes,))
+    event: KVEvent = msgspec.convert(fields, KVEvent, builtin_types=(bytes,))  # mypy reads a union's TypeForm as Any
+    return event
 
 
 def decode_batch(payload: bytes) -> EventBatch:

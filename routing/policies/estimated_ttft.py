@@ -60,7 +60,7 @@ import random
 from collections.abc import Sequence
 
 from routing.backend import BackendState
-from routing.lora import place
+from routing.lora import Scored, place
 from routing.policies.base import BasePolicy, Decision, RouteRequest
 
 # vLLM's default token budget per step with chunked prefill (max_num_batched_tokens
@@ -132,7 +132,7 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
     return est, uncached
 
 
-def _probe(request: RouteRequest, scored: list, limit: float) -> tuple | None:
+def _probe(request: RouteRequest, scored: list[Scored], limit: float) -> Scored | None:
     """The candidate to measure again, if any (see :data:`PROBE_AFTER_S`): idle here,
     unmeasured for that long or unsettled, and by its peers' speed (else its prior) at
     least as fast as the best (within ``limit``, the tie band)."""

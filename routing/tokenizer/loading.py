@@ -48,18 +48,22 @@ def _config_template(cfg: dict[str, Any], path: Path) -> str | None:
         return t
     if isinstance(t, list):  # named templates: the default one, as vLLM picks without a request override
         for item in t:
-            if isinstance(item, dict) and item.get("name") == "default" and isinstance(item.get("template"), str):
-                return item["template"]
+            if isinstance(item, dict) and item.get("name") == "default":
+                template = item.get("template")
+                if isinstance(template, str):
+                    return template
         return None
     raise TokenizerError(f"{path}: `chat_template` must be a string or a list of {{name, template}}")
 
 
+Versions = tuple[tuple[int, int] | None, ...]  # each file's (mtime ns, size), or None when absent
+
 # (tokenizer.json, template file, cache bound) -> (the files' versions, the tokenizer)
-_loaded: dict[tuple[str, str | None, int], tuple[tuple, ModelTokenizer]] = {}
+_loaded: dict[tuple[str, str | None, int], tuple[Versions, ModelTokenizer]] = {}
 _loaded_lock = threading.Lock()
 
 
-def _versions(*paths: Path | None) -> tuple:
+def _versions(*paths: Path | None) -> Versions:
     """Each file's (mtime, size), or ``None`` when absent: what says a file changed."""
     out = []
     for p in paths:

@@ -69,9 +69,9 @@ class SegmentCache:
         self.max_tokens = max_tokens
         self.tokens = 0
         self.hits = self.misses = 0
-        self._lru: OrderedDict[bytes, array] = OrderedDict()
+        self._lru: OrderedDict[bytes, array[int]] = OrderedDict()
 
-    def get(self, key: bytes) -> array | None:
+    def get(self, key: bytes) -> array[int] | None:
         ids = self._lru.get(key)
         if ids is None:
             self.misses += 1
@@ -80,7 +80,7 @@ class SegmentCache:
         self.hits += 1
         return ids
 
-    def put(self, key: bytes, ids: array) -> None:
+    def put(self, key: bytes, ids: array[int]) -> None:
         if len(ids) > self.max_tokens or key in self._lru:
             return
         self._lru[key] = ids
@@ -93,7 +93,7 @@ class SegmentCache:
         return len(self._lru)
 
 
-def id_array(values: Sequence[int]) -> array:
+def id_array(values: Sequence[int]) -> array[int]:
     """``values`` as the token-id array of a cached segment (``array('I')``)."""
     return array("I", values)
 
@@ -109,7 +109,7 @@ class Tokenization:
 
     __slots__ = ("_tok", "_parts", "_todo", "_encoded", "_add_special", "_truncate", "uncached_chars")
 
-    def __init__(self, tok: PrefixCachedEncoder, parts: list[array | int], todo: list[tuple[bytes, str]],
+    def __init__(self, tok: PrefixCachedEncoder, parts: list[array[int] | int], todo: list[tuple[bytes, str]],
                  add_special: bool, truncate: int | None) -> None:
         self._tok = tok
         self._parts = parts  # cached ids, or the index in ``todo`` of a segment to encode
@@ -131,7 +131,7 @@ class Tokenization:
             encs = self._tok.tokenizer.encode_batch_fast([t for _, t in self._todo], add_special_tokens=False)
             self._encoded = [e.ids for e in encs]
 
-    def token_ids(self) -> array:
+    def token_ids(self) -> array[int]:
         """The prompt's token ids (``array('I')``), encoding first if :meth:`encode`
         was not called. New segments go into the model's prefix cache."""
         self.encode()
@@ -241,7 +241,7 @@ class PrefixCachedEncoder:
         if cache is None:
             _check_unicode(text)
             return Tokenization(self, [0] if text else [], [(b"", text)] if text else [], add_special_tokens, truncate)
-        parts: list[array | int] = []
+        parts: list[array[int] | int] = []
         todo: list[tuple[bytes, str]] = []
         start = 0
         cuts = [m.start() for m in self._cuts.finditer(text)] if self._cuts is not None else []
