@@ -756,8 +756,9 @@ class ClientKey(_Strict):
         "`state.url`; over it: 429 `rate_limit_exceeded` with `Retry-After`. Unset: unlimited.")
     tokens_per_minute: int | None = Field(
         None, ge=1, description="Tokens per minute: a request is charged its estimated prompt plus "
-        "`max_tokens` up front, corrected to the reported `usage` when it completes, refunded when it "
-        "never reached a backend. Unset: unlimited.")
+        "`max_tokens` up front, corrected to the reported `usage` when it completes (to its prompt and the "
+        "completion tokens relayed when its client left or its stream broke, as the usage ledger counts it), "
+        "refunded when it never reached a backend. Unset: unlimited.")
     max_concurrent: int | None = Field(
         None, ge=1, description="Requests in flight at once for this key. Unset: unlimited.")
     priority: int = Field(

@@ -24,6 +24,7 @@ from gateway.pipeline import engine_errors, relay, settlement
 from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone
+from gateway.pipeline.openai_request import request_usage
 from gateway.pipeline.retry import Retrier, parse_retry_after
 from gateway.request_ids import upstream_id
 from gateway.upstream.client import BackendClient, header_value
@@ -152,10 +153,13 @@ async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, r
     name = client.state.name
     deadlines = Deadlines(name, client.timeouts, state.loop.time())
     early = relay.EarlyAnswer(state, ctx, reservation, deadlines) if parsed.stream and not ctx.down.may_wait else None
+    body = ctx.body
+    if parsed.stream and not parsed.include_usage:  # counted exactly; the relay withholds it from the client
+        body = request_usage(body, ctx.data or parsed.data)
     up: Upstream | None = None
     try:
         up = await client.pool.request(PATHS[parsed.endpoint], _request_headers(client, ctx.request_id, parsed.stream),
-                                       ctx.body, deadlines.first_byte_at, early, not parsed.stream,
+                                       body, deadlines.first_byte_at, early, not parsed.stream,
                                        deadlines.first_byte_error)
         if up.status != 200:
             await _raise_status(client, up, PATHS[parsed.endpoint])

@@ -2,7 +2,9 @@
 
 Validation is permissive by design (DESIGN.md section 1): the few fields the gateway
 reads are checked, and every other field passes through to the backend untouched,
-because the gateway forwards the original body bytes, never a re-serialization.
+because the gateway forwards the original body bytes, never a re-serialization (a
+stream's body gets ``stream_options.include_usage`` spliced in when the client did not
+ask for it: :func:`request_usage`).
 """
 
 from __future__ import annotations
@@ -201,6 +203,29 @@ def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any],
     salt = data.get("cache_salt")
     return ParsedRequest(endpoint, body, data, model, stream, include_usage, max_tokens,
                          canonical_prompt(endpoint, data), salt if isinstance(salt, str) else None)
+
+
+_ASK_USAGE = b'"stream_options":{"include_usage":true},'
+
+
+def request_usage(body: bytes, data: dict[str, Any]) -> bytes:
+    """The streamed request ``body`` (a JSON object; ``data``: its fields, or those of
+    the object it was serialized from) asking the engine for the final usage chunk
+    (``stream_options.include_usage``) that the client did not ask for. A body without
+    ``stream_options`` gets it by one splice, the body bytes otherwise forwarded as
+    they are; one with other stream options is re-serialized with ``include_usage``
+    set and ``continuous_usage_stats`` (vLLM's usage in every chunk) removed."""
+    if "stream_options" not in data:
+        i = body.find(b"{") + 1
+        return body[:i] + _ASK_USAGE + body[i:]
+    obj = parse_json_object(body)
+    opts = obj.get("stream_options")
+    opts = {k: v for k, v in opts.items() if k != "continuous_usage_stats"} if isinstance(opts, dict) else {}
+    obj["stream_options"] = {**opts, "include_usage": True}
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # an integer beyond 64 bits, which orjson does not write
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def prompt_token_ids(data: dict[str, Any]) -> list[int] | None:

@@ -9,6 +9,11 @@ last bytes go out together with the end of the chunked response. When the head a
 first bytes of a stream arrive in one read, the client is answered inside that read
 (:class:`EarlyAnswer`, the director's one early-answer hook) rather than a loop turn
 later. What the answer teaches and counts is :mod:`~gateway.pipeline.settlement`'s.
+
+A client that did not ask for ``usage`` gets the stream it asked for, although the
+attempt asked the engine for it (:func:`~gateway.pipeline.openai_request.request_usage`)
+so that what was generated is counted exactly: the scan withholds the usage-only event
+(``StreamScan(withhold=True)``).
 """
 
 from __future__ import annotations
@@ -71,16 +76,17 @@ class StreamRelay:
             now = self.last_at
         self.itl.observe(now - self.last_at)
         self.last_at = now
-        self.scan.feed(data)
+        data = self.scan.feed(data)
         t = self.transport
         if t is None or t.is_closing():
             self.up.abort(ClientGone())
             return
-        t.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-        if t.get_write_buffer_size() > _HIGH_WATER_BYTES and not self.paused:
-            self.paused = True
-            self.up.pause_reading()
-            self.loop.call_later(_DRAIN_POLL_S, self._drain)
+        if data:  # empty: a partial line withheld
+            t.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+            if t.get_write_buffer_size() > _HIGH_WATER_BYTES and not self.paused:
+                self.paused = True
+                self.up.pause_reading()
+                self.loop.call_later(_DRAIN_POLL_S, self._drain)
 
     def _drain(self) -> None:
         t = self.transport
@@ -124,14 +130,13 @@ def whole(state: GatewayState, ctx: RequestContext, up: Upstream, data: bytes, r
 
 
 def _start(state: GatewayState, ctx: RequestContext, reservation: Reservation,
-           chunk: bytes) -> tuple[float, StreamScan]:
-    """The stream's first bytes are going to the client now: record the first token
-    and scan them."""
+           chunk: bytes) -> tuple[float, StreamScan, bytes]:
+    """The stream's first bytes ``chunk`` are going to the client now: record the first
+    token and scan them. Returns the time, the scan and the bytes to send."""
     first_at = state.loop.time()
     settlement.first_byte(state, ctx, reservation, first_at)
-    scan = ctx.scan = StreamScan()
-    scan.feed(chunk)
-    return first_at, scan
+    scan = ctx.scan = StreamScan(withhold=not ctx.parsed.include_usage)
+    return first_at, scan, scan.feed(chunk)
 
 
 def _relay(state: GatewayState, ctx: RequestContext, up: Upstream, scan: StreamScan, first_at: float,
@@ -151,7 +156,7 @@ def open_now(state: GatewayState, ctx: RequestContext, up: Upstream, chunk: byte
     up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
     if ctx.keepalive is not None:
         ctx.keepalive.discard(ctx)  # a downstream that never waits has no comment in flight
-    first_at, scan = _start(state, ctx, reservation, chunk)
+    first_at, scan, chunk = _start(state, ctx, reservation, chunk)
     ctx.down.start_stream_now(stream_headers(ctx, up.headers.get("content-type", "text/event-stream")), chunk)
     return _relay(state, ctx, up, scan, first_at, deadlines)
 
@@ -207,14 +212,14 @@ async def stream(state: GatewayState, ctx: RequestContext, name: str, up: Upstre
         task = ctx.keepalive.discard(ctx)
         if task is not None:
             await task  # Downstream.start_stream: raises ClientGone
-    first_at, scan = _start(state, ctx, reservation, chunk)
+    first_at, scan, chunk = _start(state, ctx, reservation, chunk)
     headers = stream_headers(ctx, up.headers.get("content-type", "text/event-stream"))
     if up.complete and scan.done:  # the whole stream arrived at once: one write
         settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
-        await down.start_stream(headers, chunk, end=True)
+        await down.start_stream(headers, chunk + scan.flush(), end=True)
         settlement.finish(state, ctx, 200)
         return
-    last = b""
+    last = scan.flush() if up.complete else b""
     if not up.complete:
         if down.may_wait:  # the relay is not installed yet: nothing else would stop reading the backend
             up.pause_reading()
@@ -229,15 +234,13 @@ async def stream(state: GatewayState, ctx: RequestContext, name: str, up: Upstre
 
 
 async def _relayed(up: Upstream, scan: StreamScan, relay: StreamRelay, fut: asyncio.Future[None]) -> bytes:
-    """Wait for the relay to end and return the response's last bytes, scanned, not
-    yet sent."""
+    """Wait for the relay to end and return the response's last bytes (and those
+    withheld until its end), scanned, not yet sent."""
     try:
         await fut
     finally:
         relay.stop()
-    chunk = up.take()
-    scan.feed(chunk)
-    return chunk
+    return scan.feed(up.take()) + scan.flush()
 
 
 async def _end(state: GatewayState, ctx: RequestContext, name: str, scan: StreamScan, last: bytes,

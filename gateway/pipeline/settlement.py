@@ -20,7 +20,9 @@ every data plane is a call into this module:
 
 A reservation's release is idempotent (:class:`routing.core.Reservation`), so
 :func:`release`, the safety net, may follow any of them; the usage ledger gets one entry
-per request (:func:`finish`).
+per request (:func:`finish`). A request that ended before it completed (the client left,
+its stream broke) is charged what it cost: its prompt and the completion tokens relayed
+to the client (:func:`_charge_relayed`).
 """  # noqa: E501 - a table, one row a line
 
 from __future__ import annotations
@@ -93,15 +95,14 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     prompt: int | None = None
     cached = 0
     if isinstance(usage, dict):
-        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if isinstance(pt, int):
+        pt, reported_cached, ct = _reported(usage)
+        if pt is not None:
             prompt = pt
             s.prompt_tokens.inc(pt)
-        if isinstance(ct, int):
+        if ct is not None:
             completion = ct
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            cached = max(details["cached_tokens"], 0)
+        if reported_cached is not None:
+            cached = reported_cached
             m.child(m.cached_tokens, model).inc(cached)
             if ctx.decision is not None:
                 predicted = ctx.decision.detail.get("matched_tokens", 0)
@@ -109,7 +110,7 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
                 m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
                 evidence = ctx.decision.evidence
                 m.child(m.prefix_predicted_tokens, evidence).inc(predicted)
-                m.child(m.prefix_reported_tokens, evidence).inc(details["cached_tokens"])
+                m.child(m.prefix_reported_tokens, evidence).inc(cached)
     if completion:
         s.completion_tokens.inc(completion)
     est = ctx.estimate
@@ -121,6 +122,38 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     ctx.usage = (counted_prompt, min(cached, counted_prompt), max(completion or 0, 0))
     ctx.tokens = counted_prompt + (completion or 0)
     reservation.release(now, completion, whole)
+
+
+def _reported(usage: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """The (prompt, cached prompt, completion) tokens a backend's ``usage`` object
+    reports, each ``None`` when it does not (a negative cached count is 0)."""
+    pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (pt if isinstance(pt, int) else None, max(cached, 0) if isinstance(cached, int) else None,
+            ct if isinstance(ct, int) else None)
+
+
+def _charge_relayed(ctx: RequestContext) -> None:
+    """A request that reached a backend ended before it completed (the client left,
+    its stream broke): count what it cost in ``ctx.usage`` and ``ctx.tokens`` (the
+    ledger's entry, the per-key token limit): its prompt and the completion tokens
+    relayed to the client, as the engine's ``usage`` says when the stream got that far,
+    else one per content event relayed (the prompt: the estimate). A request that
+    completed keeps its counts."""
+    if ctx.usage is not None or not ctx.attempts:
+        return
+    scan = ctx.scan
+    prompt = cached = completion = None
+    if scan is not None and scan.usage is not None:
+        prompt, cached, completion = _reported(scan.usage)
+    if prompt is None:
+        prompt = ctx.estimate.prompt_tokens if ctx.estimate is not None else 0
+    if completion is None:
+        completion = scan.content_events if scan is not None else 0
+    prompt, completion = max(int(prompt), 0), max(completion, 0)
+    ctx.usage = (prompt, min(cached or 0, prompt), completion)
+    ctx.tokens = prompt + completion
 
 
 def proxied_status(state: GatewayState, ctx: RequestContext, backend: str, reservation: Reservation,
@@ -218,8 +251,10 @@ def account(state: GatewayState, ctx: RequestContext, status: int) -> None:
 
 
 def client_left(state: GatewayState, ctx: RequestContext, backend: str) -> None:
-    """The client went away during an attempt on ``backend`` (status 499)."""
+    """The client went away during an attempt on ``backend`` (status 499); it is
+    charged its prompt and what was relayed to it."""
     state.metrics.child(state.metrics.client_disconnects, backend).inc()
+    _charge_relayed(ctx)
     finish(state, ctx, 499)
 
 
@@ -247,8 +282,11 @@ async def failed(state: GatewayState, ctx: RequestContext, err: UpstreamError | 
 
 async def stream_failed(state: GatewayState, ctx: RequestContext, err: UpstreamError) -> None:
     """A stream failed after its first event reached the client: end it with an error
-    event (no ``[DONE]``) and count it."""
-    prefix = b"\n\n" if ctx.scan is not None and ctx.scan.tail else b""
+    event (no ``[DONE]``), after the bytes withheld until then (a partial line, ended),
+    and count it, charged its prompt and what was relayed."""
+    scan = ctx.scan
+    prefix = scan.flush() + b"\n\n" if scan is not None and scan.tail else b""
+    _charge_relayed(ctx)
     await _end_stream(state, ctx, err.reason, err.status, err.message,
                       prefix + sse_error_event(err.message, err.reason))
 

@@ -2,8 +2,10 @@
 
 :class:`StreamScan` scans a server-sent-event stream incrementally as it is relayed
 (events, the final ``usage``, ``data: [DONE]``) without parsing the events it does not
-need; :func:`whole_usage` finds ``usage`` in a whole (non-streamed) answer. The gateway's
-own relay and the endpoint picker's response phase both use them.
+need, and, when the gateway asked the engine for ``usage`` on the client's behalf,
+withholds the usage-only event from the client; :func:`whole_usage` finds ``usage`` in a
+whole (non-streamed) answer. The gateway's own relay and the endpoint picker's response
+phase both use them.
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ _EMPTY_CONTENT = re.compile(rb'"content":\s*(""|null)')
 class StreamScan:
     """Incremental scan of an SSE byte stream: counts ``data:`` events, keeps the last
     ``usage`` object seen and whether ``data: [DONE]`` arrived. Only complete lines are
-    inspected; a partial line waits in ``tail``."""
+    inspected; a partial line waits in ``tail``.
 
-    __slots__ = ("done", "events", "overflow", "role_only", "tail", "usage")
+    ``withhold``: the client did not ask for ``usage`` (``stream_options.include_usage``)
+    but the engine was asked for it, so the event that carries only ``usage`` (its
+    ``choices`` empty) is kept from the client; :meth:`feed` then returns complete lines
+    only, and a partial line is held back until its end arrives (or :meth:`flush`)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("done", "drop_blank", "events", "overflow", "role_only", "tail", "usage", "withhold")
+
+    def __init__(self, withhold: bool = False) -> None:
+        self.withhold = withhold
+        self.drop_blank = False  # the withheld event's blank line is still to come
         self.tail = b""
         self.events = 0
         self.done = False
@@ -32,25 +41,37 @@ class StreamScan:
         self.overflow = False
         self.role_only = 0  # 1 when the first event only announced the role (vLLM, llama.cpp)
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
+        """Scan the next bytes of the stream, ``chunk``; returns the bytes to relay to
+        the client: ``chunk`` itself unless withholding (see the class doc)."""
         if self.overflow:
-            return
+            return chunk
         # the usual read of a stream: one whole JSON event ("data: {...}\n\n", no other
         # line) without usage; this is what the general scan concludes for it, at the
         # cost of one substring search and three cheap checks
         if not self.tail and self.events and chunk.endswith(b"}\n\n") and chunk.count(b"\n") == 2 and \
                 chunk.startswith(b"data:") and chunk.find(b'"usage"') < 0:
             self.events += 1
-            return
-        self._feed_general(chunk)
+            return chunk
+        return self._feed_general(chunk)
 
-    def _feed_general(self, chunk: bytes) -> None:
+    def flush(self) -> bytes:
+        """The bytes held back from the client (withholding: a partial last line), to be
+        relayed now that the stream ended or broke; withholding stops."""
+        if not self.withhold:
+            return b""
+        self.withhold = False
+        return self.tail
+
+    def _feed_general(self, chunk: bytes) -> bytes:
         nl = chunk.rfind(b"\n")
         if nl < 0:
             self.tail += chunk
-            if len(self.tail) > _MAX_SCAN_TAIL_BYTES:
-                self.overflow, self.tail = True, b""
-            return
+            if len(self.tail) > _MAX_SCAN_TAIL_BYTES:  # no line this long is scanned: relay it as it is
+                out = self.tail if self.withhold else chunk
+                self.overflow, self.tail, self.withhold = True, b"", False
+                return out
+            return b"" if self.withhold else chunk
         if nl == len(chunk) - 1:  # whole events: no copy
             complete = self.tail + chunk if self.tail else chunk
             self.tail = b""
@@ -69,16 +90,44 @@ class StreamScan:
             line = complete[complete.rfind(b"\n", 0, i) + 1:complete.find(b"\n", i)].rstrip(b"\r ")
             if line == b"data: [DONE]" or line == b"data:[DONE]":
                 self.done = True
-        if complete.find(b'"usage"') >= 0:
-            for line in reversed(complete.split(b"\n")):
-                if line.startswith(b"data:") and b'"usage"' in line:
-                    try:
-                        obj = orjson.loads(line[5:])
-                    except orjson.JSONDecodeError:
-                        continue
-                    if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                        self.usage = obj["usage"]
-                        break
+        skip = 0
+        if self.drop_blank:  # the blank line after a usage-only event withheld
+            self.drop_blank = False
+            if complete.startswith((b"\n", b"\r\n")):
+                skip = complete.find(b"\n") + 1
+        if complete.find(b'"usage"') < 0:  # the usual read
+            if not self.withhold:
+                return chunk
+            return complete[skip:] if skip else complete
+        return self._usage(chunk, complete, skip)
+
+    def _usage(self, chunk: bytes, complete: bytes, skip: int) -> bytes:
+        """Read the last ``usage`` object of the lines ``complete`` (of which the read
+        ``chunk`` is the end); returns what :meth:`feed` returns: withholding,
+        ``complete`` without its first ``skip`` bytes and the usage-only event."""
+        end = len(complete)
+        cut = stop = 0
+        while (i := complete.rfind(b'"usage"', 0, end)) >= 0:  # the last line with a usage object
+            start = end = complete.rfind(b"\n", 0, i) + 1
+            if not complete.startswith(b"data:", start):
+                continue
+            line_end = complete.find(b"\n", i) + 1  # complete ends with a line end
+            try:
+                obj = orjson.loads(complete[start + 5:line_end])
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+                if self.withhold and not obj.get("choices"):  # the usage-only event: not the client's
+                    cut, stop = start, line_end
+                    if stop == len(complete):  # its blank line comes with the next read
+                        self.drop_blank = True
+                    elif complete.startswith(b"\n", stop) or complete.startswith(b"\r\n", stop):
+                        stop = complete.find(b"\n", stop) + 1
+                break
+        if not self.withhold:
+            return chunk
+        return complete[skip:cut] + complete[stop:] if stop else complete[skip:]
 
     @property
     def content_events(self) -> int:

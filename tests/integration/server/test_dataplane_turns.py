@@ -24,7 +24,8 @@ from gateway.server.listener import listen
 from gateway.upstream.client import UpstreamPool
 from tests.support.servers import gateway_config, raw_backend, running_gateway, sse_chunk, wait_until
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "stream_options": {"include_usage": True}}
 HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
         b"Cache-Control: no-cache\r\n\r\n")
 ROLE = (b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,'

@@ -81,6 +81,8 @@ def _post(path: str, body: bytes, *extra: str, version: str = "1.1") -> bytes:
 
 BODY = orjson.dumps(CHAT)
 STREAM_BODY = orjson.dumps({**CHAT, "stream": True})
+# what the engine gets for it: asked for the usage chunk the client did not ask for
+STREAM_UPSTREAM = b'{"stream_options":{"include_usage":true},' + STREAM_BODY[1:]
 
 
 async def test_plain_completions_are_served_by_the_data_plane_and_the_rest_by_aiohttp():
@@ -193,7 +195,7 @@ async def test_connection_close_is_honoured_and_a_body_in_pieces_waits():
             assert done[0][0] == 200 and done[0][1]["server"] == "turbo-gateway"
             assert done[0][1]["connection"] == "close" and closed
             assert done[0][2].endswith(b"data: [DONE]\n\n")
-            assert be.bodies == [STREAM_BODY]
+            assert be.bodies == [STREAM_UPSTREAM]
 
 
 async def test_fast_path_off_serves_everything_through_aiohttp():

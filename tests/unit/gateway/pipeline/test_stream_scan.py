@@ -64,3 +64,41 @@ def test_stream_scan_single_event_fast_path_agrees_with_the_general_scan():
             c.feed(e)
         fed += len(events)
     assert fed - len(general_calls) > 100  # the one-event reads took the shortcut
+
+
+def test_a_withholding_scan_keeps_only_the_usage_only_event_from_the_client():
+    """The gateway asked the engine for ``usage`` that the client did not ask for: the
+    bytes relayed are the stream without the usage-only event, however the stream is
+    split into reads (a partial line waits for its end), and ``usage`` is still read.
+    An event that carries ``choices`` besides ``usage`` is the client's and passes."""
+    import random
+
+    from gateway.pipeline.stream_scan import StreamScan
+
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    usage = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":8}}\n\n'
+    crlf_usage = b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":8}}\r\n\r\n'
+    content = b"".join(sse_chunk(i, f'w{i} usage ') for i in range(4))
+    done = b"data: [DONE]\n\n"
+    rng = random.Random(11)
+    for stream, expected in ((role + content + usage + done, role + content + done),
+                             (content + crlf_usage + done, content + done),
+                             (content + usage, content)):  # no [DONE]: the stream broke after usage
+        for _ in range(60):
+            cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(0, 8)))
+            scan = StreamScan(withhold=True)
+            out = b"".join(scan.feed(stream[a:b]) for a, b in zip([0, *cuts], [*cuts, len(stream)]))
+            assert out + scan.flush() == expected, cuts
+            assert scan.usage == {"prompt_tokens": 9, "completion_tokens": 8} and scan.content_events == 4
+    # a stream whose last event carries both its last token and usage (older llama.cpp): relayed as it is
+    both = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}],"usage":{"completion_tokens":5}}\n\n'
+    scan = StreamScan(withhold=True)
+    assert scan.feed(content + both + done) == content + both + done and scan.usage == {"completion_tokens": 5}
+    # a partial line is held until it ends, or until the stream ends (flush)
+    scan = StreamScan(withhold=True)
+    assert scan.feed(content + b'data: {"cho') == content and scan.feed(b'ices"') == b""
+    assert scan.flush() == b'data: {"choices"' and scan.flush() == b""
+    # without withholding every byte is relayed as it comes
+    scan = StreamScan()
+    assert scan.feed(content + usage[:20]) == content + usage[:20] and scan.feed(usage[20:]) == usage[20:]
+    assert scan.usage is not None and scan.flush() == b""
