@@ -120,8 +120,12 @@ def cli() -> None:
     """The command (``turbo-gateway``, ``python -m gateway``): :func:`main`, then exit at
     once. Everything the gateway opened is closed by then; the interpreter's own
     teardown of every imported module would only keep the process alive for a second
-    or so after its last log line. The exit handlers (log flush, coverage) still run."""
+    or so after its last log line. The exit handlers (log flush, coverage) still run.
+    Under a profiler (``python -m cProfile -o OUT -m gateway``) the interpreter exits
+    normally, so that the profiler writes its output."""
     code = main()
+    if sys.getprofile() is not None:
+        sys.exit(code)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
