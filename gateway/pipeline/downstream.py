@@ -1,7 +1,7 @@
 """Where a request's answer goes: one interface, :class:`Downstream`, three kinds.
 
 :class:`AiohttpDownstream` (a completion served by the aiohttp app),
-:class:`gateway.server.listener.LeanDownstream` (one served by the lean HTTP/1.1 protocol) and
+:class:`gateway.server.lean_downstream.LeanDownstream` (one served by the lean HTTP/1.1 protocol) and
 :class:`CollectDownstream` (an in-process batch line, no socket).
 
 - :meth:`respond` answers at once with a whole body (bytes) and headers;

@@ -1,30 +1,29 @@
 """The lean HTTP/1.1 protocol of the listening socket: completion requests served
 without aiohttp's server (see :mod:`gateway.server.listener` for what it serves and what it
-hands over), and :class:`LeanDownstream`, where their answers go. A request it serves
-goes to :func:`gateway.pipeline.director.handle`, the front door the aiohttp routes use
-too.
+hands over). A request it serves goes to :func:`gateway.pipeline.director.handle`, the
+front door the aiohttp routes use too; its answer goes to a
+:class:`~gateway.server.lean_downstream.LeanDownstream`, and a compressed body is decoded
+by :mod:`gateway.server.content_coding`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import time
-import zlib
 from collections.abc import Awaitable, Callable
-from email.utils import formatdate
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from multidict import CIMultiDict
 
-from gateway.errors import REQUEST_ID_HEADER, ClientError
+from gateway.errors import ClientError
 from gateway.eventloop import eager_tasks
 from gateway.eventloop.batched_writes import Sends
 from gateway.ops import access_log
 from gateway.pipeline import director
 from gateway.pipeline.downstream import ClientGone
 from gateway.request_ids import request_id
+from gateway.server.content_coding import decode_body
+from gateway.server.lean_downstream import LeanDownstream
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
@@ -50,101 +49,6 @@ _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pau
 _HANDED_OVER = {"transfer-encoding", "expect", "upgrade"}
 # request body codings decoded here (zlib); others (br, several codings) go to aiohttp
 _CODINGS = {"identity", "gzip", "x-gzip", "deflate"}
-_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-
-
-class _Date:
-    """The ``Date`` header value, formatted at most once a second."""
-
-    second = -1
-    value = b""
-
-    @classmethod
-    def get(cls) -> bytes:
-        now = int(time.time())
-        if now != cls.second:
-            cls.second, cls.value = now, formatdate(now, usegmt=True).encode()
-        return cls.value
-
-
-def _head(status: int, headers: dict[str, str], tail: bytes) -> bytes:
-    """The response head; CR, LF and NUL are dropped from header values (no injected lines)."""
-    block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
-    n = len(headers)
-    if block.count(b"\r") != n or block.count(b"\n") != n or b"\x00" in block:
-        block = b"".join([b"%s: %s\r\n" % (k.encode("latin-1"),
-                                              v.encode("latin-1", "replace").translate(None, b"\r\n\x00"))
-                          for k, v in headers.items()])
-    return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\nServer: turbo-gateway\r\n%s\r\n" % (
-        status, _REASONS.get(status, b"Unknown"), block, _Date.get(), tail)
-
-
-class LeanDownstream:
-    """Answers one request of a :class:`DataPlaneProtocol` connection (the interface:
-    :class:`gateway.pipeline.downstream.Downstream`)."""
-
-    __slots__ = ("proto", "request_id", "started", "finished")
-    chunked = True
-    may_wait = False
-    keepalive = True
-
-    def __init__(self, proto: DataPlaneProtocol, request_id: str) -> None:
-        self.proto = proto
-        self.request_id = request_id
-        self.started = False
-        self.finished = False
-
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        return self.proto.transport
-
-    def _write(self, data: bytes) -> None:
-        t = self.proto.transport
-        if t is None or t.is_closing():
-            raise ClientGone()
-        t.write(data)
-
-    def respond(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        if self.finished:
-            return
-        headers.setdefault(REQUEST_ID_HEADER, self.request_id)
-        tail = b"Content-Length: %d\r\n" % len(body)
-        if not self.proto.keep_alive:
-            tail += b"Connection: close\r\n"
-        self.started = self.finished = True
-        t = self.proto.transport
-        # a whole response: sent with this turn's others (gateway/eventloop/batched_writes.py)
-        if t is not None and not t.is_closing():
-            Sends.of(self.proto.loop).send(t, _head(status, headers, tail) + body)
-
-    async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
-        self.start_stream_now(headers, first, end)
-
-    def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
-        if self.started:  # the head went out already (a keep-alive commit): the body goes on
-            data = b""
-        else:
-            tail = b"Transfer-Encoding: chunked\r\n"
-            if not self.proto.keep_alive:
-                tail += b"Connection: close\r\n"
-            self.started = True
-            data = _head(200, headers, tail)
-        if first:
-            data += b"%x\r\n%b\r\n" % (len(first), first)
-        if end:
-            data += b"0\r\n\r\n"
-            self.finished = True
-        self._write(data)
-
-    async def write(self, data: bytes) -> None:
-        if data:
-            self._write(b"%x\r\n%b\r\n" % (len(data), data))
-
-    async def end_stream(self, last: bytes = b"") -> None:
-        self.finished = True
-        self._write((b"%x\r\n%b\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
-
-
 class DataPlaneHost(Protocol):
     """What a :class:`DataPlaneProtocol` needs of the server that accepted its connection
     (:class:`gateway.server.listener.DataPlaneServer`), named here so that this module
@@ -419,7 +323,7 @@ class DataPlaneProtocol(asyncio.Protocol):
             raw, limit = body, server.max_body_bytes()
 
             async def decoded() -> bytes:
-                return _decode(raw, coding, limit)
+                return decode_body(raw, coding, limit)
             payload = decoded
         try:
             await director.handle(server.state, endpoint, headers, payload, down, arrival, rid, caller=caller)
@@ -480,25 +384,3 @@ class HandedOver(asyncio.Protocol):
         self.transport = None
         self.handler.connection_lost(exc)
         self.owner.server.release(self.owner)
-
-
-def _decode(body: bytes, coding: str, limit: int) -> bytes:
-    """A ``gzip`` or ``deflate`` request body, decompressed (zlib), at most ``limit``
-    bytes. Raises :class:`ClientError` 400 (not a valid stream of that coding) or 413."""
-    modes = (16 + zlib.MAX_WBITS,) if coding in ("gzip", "x-gzip") else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
-    why = ""
-    for wbits in modes:  # "deflate" is the zlib format (RFC 9110); some clients send raw deflate
-        d = zlib.decompressobj(wbits)
-        try:
-            out = d.decompress(body, limit + 1)
-        except zlib.error as e:
-            why = str(e)
-            continue
-        if len(out) > limit:
-            raise ClientError(413, f"Request body exceeds the limit of {limit} bytes once decompressed.",
-                              code="request_too_large")
-        if d.eof and not d.unused_data:
-            return out
-        why = "the compressed stream is truncated or followed by other bytes"
-    raise ClientError(400, f"The request body could not be read (Content-Encoding: {coding}): "
-                           f"{why}", code="invalid_body")

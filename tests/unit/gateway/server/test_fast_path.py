@@ -3,11 +3,11 @@ sockets."""
 
 from __future__ import annotations
 
-from gateway.server.fast_path import _head
+from gateway.server.lean_downstream import response_head
 
 
 def test_response_head_drops_cr_lf_nul_and_replaces_non_latin1():
-    head = _head(200, {"x-a": "a\r\nSet-Cookie: evil", "x-b": "caf\xe9\u20ac\x00z", "x-c": ""}, b"Tail: 1\r\n")
+    head = response_head(200, {"x-a": "a\r\nSet-Cookie: evil", "x-b": "caf\xe9\u20ac\x00z", "x-c": ""}, b"Tail: 1\r\n")
     lines = head.split(b"\r\n")
     assert b"x-a: aSet-Cookie: evil" in lines and b"x-b: caf\xe9?z" in lines and b"x-c: " in lines
     assert not any(line.startswith(b"Set-Cookie") for line in lines)
