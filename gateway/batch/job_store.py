@@ -64,7 +64,7 @@ Owners: a batch hash and a file record hold ``owner``, the name of the client ke
 created it (``anonymous`` without keys); a batch's output and error files get the
 batch's. Records written before owners were kept have none (``None``); an output or
 error file of that time takes its batch's (:meth:`BatchStore.get_file`). Who may see
-what is decided in :mod:`gateway.batch.api` (:func:`~gateway.batch.api.visible`).
+what is decided in :mod:`gateway.batch.api_common` (:func:`~gateway.batch.api_common.visible`).
 """
 
 from __future__ import annotations
