@@ -7,7 +7,7 @@ backoff, the attempts cap, the budget, ``Retry-After``; the retryable set is
 :data:`routing.retry.RETRYABLE_STATUSES`, documented there). Every loop that retries a
 backend uses it: the director's attempts (:func:`gateway.pipeline.attempt.with_retries`),
 the prefill leg (:mod:`gateway.pipeline.prefill`) and the batch consumers' lines
-(:func:`gateway.batch.worker.run_with_retries`); the offline replay models the same
+(:func:`gateway.batch.line_attempts.run_with_retries`); the offline replay models the same
 policy with the same defaults. Failures are classified once, as
 :class:`~gateway.errors.UpstreamError` subclasses with ``retryable``, or by status with
 :func:`~routing.retry.retryable_status`.
