@@ -185,10 +185,10 @@ def _run_main(argv: list[str]) -> int:
 
 
 async def run_local(raw: bytes, args: argparse.Namespace) -> int:
+    from gateway.batch.line_attempts import run_with_retries
     from gateway.batch.manager import parse_input
     from gateway.batch.output_lines import output_line
     from gateway.batch.senders import HttpSender
-    from gateway.batch.line_attempts import run_with_retries
     from routing.core import RetryPolicy
 
     out_path = Path(args.output)
