@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from gateway.config import ConfigError, load_config
-from gateway.ops.demo_fleet import DemoFleetError
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.ops.demo_fleet import DemoFleetError, InvalidSimulateSection
 from gateway.server.app import create_app
 from gateway.server.run import serve, setup_logging
 
@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
             return 2
+        except InvalidSimulateSection as e:
+            print(f"error: {_invalid_section(args.config, cfg, e)}", file=sys.stderr)
+            return 2
         except DemoFleetError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
+    except InvalidSimulateSection as e:
+        print(f"error: {_invalid_section(args.config, cfg, e)}", file=sys.stderr)
+        return 2
     except DemoFleetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -114,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.debug("ran for %.1f s", time.monotonic() - started)
     return 0
+
+
+def _invalid_section(path: str, cfg: GatewayConfig, e: InvalidSimulateSection) -> str:
+    """A ``simulate:`` section the simulator refused, said as a config error is."""
+    i = next((i for i, b in enumerate(cfg.backends) if b.name == e.backend), None)
+    return f"{path}: invalid config at `backends.{i}.simulate`: {e.message}"
 
 
 def cli() -> None:

@@ -199,8 +199,8 @@ class Backend(_Strict):
     environment variable holding the key sent to this backend as ``Authorization:
     Bearer``. Exactly one of ``url`` and ``simulate`` must be set: ``simulate`` holds
     the options of a demo backend that the gateway starts itself with
-    ``python -m loadtest.sim`` (checked at load by the simulator's own rules; see
-    ``loadtest/README.md``).
+    ``python -m loadtest.sim``, which checks the section by its own rules when it starts
+    (see ``loadtest/README.md``): the gateway imports nothing from ``loadtest``.
     """
 
     name: str = Field(
@@ -238,18 +238,13 @@ class Backend(_Strict):
         "`h100-llama3-8b`, `a100-llama3-8b`, ...), `speed` (emulated GPU time runs this many times faster "
         "than real time), `eos_after` (natural answer length in tokens, or `[lo, hi]`), `role`, "
         "`max_tokens_default`, `profile_overrides`, `faults`, `kv_events`, `tokenizer`, `lora` (see "
-        "`loadtest/README.md`, \"Backend spec fields\"). Checked with the rest of the config by the "
-        "simulator's own rules: a bad field is a config error. It serves the backend's `models`; with "
+        "`loadtest/README.md`, \"Backend spec fields\"). Checked by the simulator's own rules when the "
+        "gateway starts it: a bad field is a config error naming this section. It serves the backend's `models`; with "
         "`models: [auto]` alone, the simulator's default model `demo-model` (and its `lora.adapters`), which "
         "`auto` discovers. With `kv_events` the gateway subscribes to the "
-        "backend's KV-cache events by itself (the addresses from its `GET /kv_event_sources`, the block size "
-        "from its profile) unless this backend's own `kv_events` is set; with `tokenizer` its models get that "
+        "backend's KV-cache events by itself (the addresses, block size and base model from its "
+        "`GET /kv_event_sources`) unless this backend's own `kv_events` is set; with `tokenizer` its models get that "
         "tokenizer in `models` unless they name one. Adding or changing one needs a restart.")
-    # a simulated backend that publishes KV events: its profile's KV block size, and the
-    # model its blocks without a LoRA adapter belong to (the simulator's first model)
-    _simulated_block_size: int | None = PrivateAttr(None)
-    _simulated_base_model: str | None = PrivateAttr(None)
-
     @field_validator("models", mode="before")
     @classmethod
     def _auto_alone(cls, v: Any) -> Any:
@@ -284,47 +279,27 @@ class Backend(_Strict):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")
 
-    @field_validator("simulate")
-    @classmethod
-    def _check_simulate(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
-        if v is None or "name" not in info.data or "models" not in info.data:
-            return v  # nothing to check, or the backend's own fields already failed
-        # The simulator's spec module is pure data (no sockets), imported only when a
-        # config has a demo backend: the data plane itself never depends on loadtest.
-        from loadtest.sim.spec import check_simulate
-        check_simulate(info.data["name"], [m for m in info.data["models"] if m != AUTO_MODELS], v)
-        return v
-
-    @model_validator(mode="after")
-    def _simulated_kv_events(self) -> Backend:
-        if self.simulate is not None and self.simulate.get("kv_events") is not None:
-            from loadtest.sim.spec import check_simulate
-            spec = check_simulate(self.name, self.static_models, self.simulate)
-            self._simulated_block_size = spec.build_profile().block_size
-            self._simulated_base_model = spec.models[0]
-        return self
-
-    def simulate_spec(self) -> dict[str, Any]:
-        """The simulator's spec entry of this ``simulate:`` backend (what ``python -m
-        loadtest.sim --spec`` takes): its name, its configured models (none with
-        ``models: [auto]`` alone: the simulator's default model, discovered), the
-        section's fields."""
+    def simulate_entry(self) -> dict[str, Any]:
+        """What the demo fleet's child (``python -m loadtest.sim --gateway-backends``)
+        is told of this ``simulate:`` backend, and validates: ``{name, models, simulate}``
+        (its configured models: none with ``models: [auto]`` alone, for the
+        simulator's default model, discovered)."""
         assert self.simulate is not None
-        from loadtest.sim.spec import simulate_spec
-        return simulate_spec(self.name, self.static_models, self.simulate)
+        return {"name": self.name, "models": self.static_models, "simulate": self.simulate}
 
     @property
     def simulated_kv_events(self) -> bool:
         """Whether the gateway wires this backend's KV events itself: a ``simulate:``
         section that publishes them, and no ``kv_events`` of the backend's own."""
-        return self._simulated_block_size is not None and self.kv_events is None
+        return self.simulate is not None and self.simulate.get("kv_events") is not None and self.kv_events is None
 
-    def simulated_kv_source(self, endpoint: str, replay_endpoint: str | None, topic: str) -> KVEvents:
-        """The ``kv_events`` of this simulated backend, from the addresses and topic its
-        ``GET /kv_event_sources`` gives, in its profile's block size."""
-        assert self._simulated_block_size is not None
-        return KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, topic=topic,
-                        block_size=self._simulated_block_size, base_model=self._simulated_base_model)
+    def simulated_kv_source(self, endpoint: str, replay_endpoint: str | None, topic: str, block_size: int,
+                            base_model: str) -> KVEvents:
+        """The ``kv_events`` of this simulated backend, from what its ``GET
+        /kv_event_sources`` gives: the addresses, the topic, its profile's block size
+        (tokens) and the model its blocks without a LoRA adapter belong to."""
+        return KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, topic=topic, block_size=block_size,
+                        base_model=base_model)
 
     @model_validator(mode="after")
     def _kv_events_base_model(self) -> Backend:

@@ -1,10 +1,12 @@
 """The demo fleet: simulated backends (``simulate:`` in ``backends.yaml``) that the
 gateway starts itself, as a ``python -m loadtest.sim`` child process.
 
-The gateway does not import ``loadtest`` to run them (DESIGN.md section 2; only the
-config loader checks ``simulate:`` sections with :mod:`loadtest.sim.spec`): it talks to
-the child over its standard streams and to the backends over HTTP. The child exits when the
-gateway closes its standard input, so a killed gateway leaves no orphans behind.
+The gateway imports nothing from ``loadtest`` (DESIGN.md section 2): it tells the child
+each backend's name, models and ``simulate:`` section (``--gateway-backends``), the
+child validates them by the simulator's own rules, and the gateway talks to it over its
+standard streams and to the backends over HTTP. An invalid section is reported as
+:class:`InvalidSimulateSection`, a config error naming that backend. The child exits when
+the gateway closes its standard input, so a killed gateway leaves no orphans behind.
 
 A simulated backend that publishes KV-cache events binds free ports for them; once it
 listens, :func:`simulated_kv_sources` reads where from its ``GET /kv_event_sources``
@@ -35,6 +37,35 @@ class DemoFleetError(Exception):
     """The simulated fleet did not start; the message says why."""
 
 
+class InvalidSimulateSection(DemoFleetError):
+    """The ``simulate:`` section of backend ``backend`` breaks the simulator's rules;
+    ``message`` says how (the simulator's own words)."""
+
+    def __init__(self, backend: str, message: str) -> None:
+        super().__init__(f"backend {backend!r}: invalid `simulate` section: {message}")
+        self.backend, self.message = backend, message
+
+
+def _command(backends: list[Backend]) -> list[str]:
+    """The child's command line for the simulated ``backends``."""
+    entries = [b.simulate_entry() for b in backends if b.simulate]
+    return [sys.executable, "-m", "loadtest.sim", "--gateway-backends", json.dumps(entries), "--exit-on-stdin-eof"]
+
+
+def _urls(line: bytes | None) -> dict[str, str] | None:
+    """The child's first line of output: the backends' URLs by name, or ``None`` when
+    it said nothing readable. Raises :class:`InvalidSimulateSection` when it refused a
+    section."""
+    try:
+        answer = json.loads(line) if line else None
+    except ValueError:
+        return None
+    if isinstance(answer, dict) and isinstance(answer.get("invalid"), dict):
+        bad = answer["invalid"]
+        raise InvalidSimulateSection(str(bad.get("backend")), str(bad.get("message")))
+    return answer if isinstance(answer, dict) else None
+
+
 def _failed(stderr: bytes | None) -> DemoFleetError:
     """The error of a child that did not start, with the end of what it said on its
     standard error (its own message, or the last lines of a traceback)."""
@@ -48,16 +79,14 @@ def start_demo_fleet_sync(backends: list[Backend]) -> tuple[subprocess.Popen, di
     """Blocking variant of :meth:`DemoFleet.start` for a parent process without an
     event loop (``--workers``). Close the child's stdin to stop it. Raises
     :class:`DemoFleetError`."""
-    spec = [b.simulate_spec() for b in backends if b.simulate]
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(_command(backends), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None  # stdout=PIPE
-    line = proc.stdout.readline()
     try:
-        urls = json.loads(line) if line else None
-    except ValueError:
-        urls = None
-    if not isinstance(urls, dict):
+        urls = _urls(proc.stdout.readline())
+    except InvalidSimulateSection:
+        proc.wait()
+        raise
+    if urls is None:
         proc.kill()
         proc.wait()
         # the child's standard error is this process's: its message is already printed
@@ -86,8 +115,8 @@ async def simulated_kv_sources(backends: list[Backend], urls: dict[str, str],
     """The ``kv_events`` of every listening simulated backend whose events the gateway
     wires itself (:attr:`Backend.simulated_kv_events`; ``urls``: base URLs by name),
     from its ``GET {url}/kv_event_sources`` (vLLM's answer: ``{rank: {endpoint,
-    replay_endpoint, topic, ...}}``, one rank per simulated backend) and its profile's
-    block size. Raises :class:`DemoFleetError` when one cannot be read."""
+    replay_endpoint, topic, ...}}``, one rank per simulated backend, with the simulator's
+    ``block_size`` and ``base_model``). Raises :class:`DemoFleetError` when one cannot be read."""
     wanted = [b for b in backends if b.simulated_kv_events and b.name in urls]
     out: dict[str, KVEvents] = {}
     if not wanted:
@@ -101,7 +130,8 @@ async def simulated_kv_sources(backends: list[Backend], urls: dict[str, str],
                     (src,) = (await r.json()).values()
                 host = urlsplit(url).hostname or "127.0.0.1"
                 out[b.name] = b.simulated_kv_source(_reachable(src["endpoint"], host),
-                                                    _reachable(src.get("replay_endpoint"), host), src.get("topic", ""))
+                                                    _reachable(src.get("replay_endpoint"), host), src.get("topic", ""),
+                                                    int(src["block_size"]), str(src["base_model"]))
             except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise DemoFleetError(f"simulated backend {b.name!r}: cannot read where it publishes its KV events "
                                      f"({url}/kv_event_sources): {e or type(e).__name__}") from None
@@ -128,17 +158,18 @@ class DemoFleet:
         """Start every backend with a ``simulate`` section on a free loopback port.
         Returns the fleet with ``urls`` = ``{name: base_url}``. Raises
         :class:`DemoFleetError`."""
-        spec = [b.simulate_spec() for b in backends if b.simulate]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "loadtest.sim", "--spec", json.dumps(spec), "--exit-on-stdin-eof",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            *_command(backends), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
         assert proc.stdout is not None and proc.stderr is not None  # both PIPE
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
-            urls = json.loads(line) if line else None
-        except (TimeoutError, ValueError):
+            urls = _urls(await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S))
+        except TimeoutError:
             urls = None
-        if not isinstance(urls, dict):
+        except InvalidSimulateSection:
+            await proc.wait()
+            raise
+        if urls is None:
             # the child may have exited without being reaped yet: returncode says nothing
             if proc.returncode is None:
                 proc.kill()

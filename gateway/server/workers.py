@@ -51,14 +51,14 @@ def run_workers(cfg, config_path: str, host: str, port: int, n: int, log_level: 
     """Start ``n`` workers on ``host:port`` and wait for them. Returns the exit code."""
     with socket.socket() as probe:  # say "address in use" once, before forking
         probe.bind((host, port))
+    demo = None
+    urls: dict[str, str] = {}
+    if any(b.simulate for b in cfg.backends):  # first: it validates the `simulate:` sections
+        from gateway.ops.demo_fleet import start_demo_fleet_sync
+        demo, urls = start_demo_fleet_sync([b for b in cfg.backends if b.simulate])
     if cfg.state.url is None:
         log.warning("--workers %d without state.url: each worker routes on its own private view; "
                     "set state.url (Redis) to share load and prefix placement between them", n)
-    demo = None
-    urls: dict[str, str] = {}
-    if any(b.simulate for b in cfg.backends):
-        from gateway.ops.demo_fleet import start_demo_fleet_sync
-        demo, urls = start_demo_fleet_sync([b for b in cfg.backends if b.simulate])
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(config_path, host, port, log_level, urls, i), name=f"worker-{i}")
              for i in range(n)]

@@ -7,7 +7,11 @@ Prints one JSON line ``{"sim-a": "http://127.0.0.1:PORT", ...}`` on standard out
 every backend listens (a human-readable table goes to standard error), then serves until
 SIGINT/SIGTERM, or until standard input closes when ``--exit-on-stdin-eof`` is given
 (how the gateway ties a demo fleet to its own life). ``--spec`` entries and fleet-file
-backends take the fields of :class:`loadtest.sim.spec.SimBackendConfig`.
+backends take the fields of :class:`loadtest.sim.spec.SimBackendConfig`. The gateway
+starts its demo fleet with ``--gateway-backends``: each backend's name, models and
+``simulate:`` section, which this process validates itself
+(:func:`loadtest.sim.spec.check_simulate`), so that the gateway imports nothing from
+``loadtest``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from loadtest.sim.fleet import Fleet, dump_gateway_config, gateway_config, load_fleet
 from loadtest.sim.server import SimBackend, SimBackendConfig, start_backends
+from loadtest.sim.spec import check_simulate
 
 
 async def _serve(configs: list[SimBackendConfig], exit_on_eof: bool, fleet: Fleet | None,
@@ -79,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--spec", help="JSON list of backend objects (SimBackendConfig fields)")
     src.add_argument("--fleet", help="fleet YAML file (see loadtest/fleets/)")
+    src.add_argument("--gateway-backends", metavar="JSON",
+                     help="JSON list of a gateway's simulated backends ({name, models, simulate}: the "
+                     "`simulate:` section of each); an invalid section is reported as one JSON line on "
+                     "standard output, {\"invalid\": {\"backend\": NAME, \"message\": ...}}, exit code 2")
     ap.add_argument("--write-gateway-config", metavar="OUT.yaml",
                     help="with --fleet: write a gateway config fronting the fleet")
     ap.add_argument("--speed", type=float, help="override every backend's speed factor")
@@ -95,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.fleet:
             fleet = load_fleet(args.fleet)
             configs = [b.sim for b in fleet.backends]
+        elif args.gateway_backends:
+            configs = []
+            for b in json.loads(args.gateway_backends):
+                try:
+                    configs.append(check_simulate(b["name"], b["models"], b["simulate"]))
+                except ValueError as e:
+                    print(json.dumps({"invalid": {"backend": b["name"], "message": str(e)}}), flush=True)
+                    return 2
         else:
             spec = json.loads(args.spec)
             if not isinstance(spec, list):

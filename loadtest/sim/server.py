@@ -694,14 +694,18 @@ class SimBackend:
         """The publisher's config by data-parallel rank, shaped as vLLM 0.32's answer
         (``{"0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...,
         "replay_endpoint": ..., "buffer_steps": ..., "topic": ...}}``) with the bound
-        addresses; ``{}`` when KV events are off."""
+        addresses, plus what a gateway wiring these events needs that vLLM's answer
+        leaves to its own config: ``block_size`` (tokens per KV block) and
+        ``base_model`` (the model the blocks without a LoRA adapter are keyed under);
+        ``{}`` when KV events are off."""
         pub = self.kv_publisher
         if pub is None:
             return web.json_response({}, dumps=_dumps)
         c = pub.cfg
         return web.json_response({str(c.data_parallel_rank): {
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub.endpoint,
-            "replay_endpoint": pub.replay_endpoint, "buffer_steps": c.buffer_steps, "topic": c.topic}},
+            "replay_endpoint": pub.replay_endpoint, "buffer_steps": c.buffer_steps, "topic": c.topic,
+            "block_size": self.profile.block_size, "base_model": self.cfg.models[0]}},
             dumps=_dumps)
 
     async def get_faults(self, request: web.Request) -> web.Response:

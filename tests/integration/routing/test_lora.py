@@ -61,7 +61,7 @@ async def test_a_simulated_backend_with_models_auto_serves_the_simulators_model_
     cfg = gateway_config([{"name": "s", "models": ["auto"], "simulate": {
         "speed": 50.0, "lora": {"adapters": ["ops-lora"], "load_s": 0.01}, "kv_events": {}}}],
         health={"interval_s": 0.05})
-    assert cfg.backends[0].simulate_spec() == {"name": "s", **cfg.backends[0].simulate}
+    assert cfg.backends[0].simulate_entry() == {"name": "s", "models": [], "simulate": cfg.backends[0].simulate}
     async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
         fleet = gw.state.fleet
         await wait_until(lambda: {"demo-model", "ops-lora"} <= set(fleet.by_model))

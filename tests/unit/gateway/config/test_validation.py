@@ -150,7 +150,7 @@ def test_kv_events_config_defaults_and_base_model():
 
 def test_simulated_backends_wire_their_kv_events_and_tokenizer():
     """A ``simulate:`` section with ``kv_events`` is wired by the gateway (unless the
-    backend has its own ``kv_events``), in its profile's block size; its ``tokenizer``
+    backend has its own ``kv_events``), in the block size its simulator says; its ``tokenizer``
     is its models' unless ``models`` names one; two simulated tokenizers for one model
     are a config error that says what to do."""
     from gateway.config import KVEvents
@@ -164,8 +164,9 @@ def test_simulated_backends_wire_their_kv_events_and_tokenizer():
         {"name": "d", "models": ["n"], "simulate": {"tokenizer": str(TINY_TOKENIZER)}}]})
     assert [b.simulated_kv_events for b in cfg.backends] == [True, True, False, False]
     assert cfg.models["m"].tokenizer == cfg.models["n"].tokenizer == str(TINY_TOKENIZER)
-    src = {n: KVEvents(endpoint=f"tcp://127.0.0.1:{p}", topic="t") for n, p in (("a", 1), ("b", 2), ("c", 3))}
-    wired = cfg.with_kv_events({n: cfg.backends[i].simulated_kv_source(s.endpoint, None, s.topic)
+    # what each simulated backend's GET /kv_event_sources says: addresses, its profile's block size
+    src = {n: KVEvents(endpoint=f"tcp://127.0.0.1:{p}", topic="t") for n, p in (("a", 1), ("b", 2))}
+    wired = cfg.with_kv_events({n: cfg.backends[i].simulated_kv_source(s.endpoint, None, s.topic, 32 // (i + 1), "m")
                                 for i, (n, s) in enumerate(src.items())})
     assert [(b.kv_events.endpoint, b.kv_events.block_size) if b.kv_events else None for b in wired.backends] == \
         [("tcp://127.0.0.1:1", 32), ("tcp://127.0.0.1:2", 16), ("tcp://127.0.0.1:5557", 16), None]
