@@ -1,5 +1,5 @@
-"""docs/configuration.md is generated from the models of gateway/config.py
-(``python -m gateway.config_reference``); these tests keep the two in step and every
+"""docs/configuration.md is generated from the models of gateway/config/
+(``python -m gateway.config.reference``); these tests keep the two in step and every
 field described."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import inspect
 from pydantic import BaseModel
 
 import gateway.config
-from gateway import config_reference
+from gateway.config import reference as config_reference
 from gateway.config import GatewayConfig
-from gateway.config_reference import DOC_PATH, REGENERATE, render, rows
+from gateway.config.reference import DOC_PATH, REGENERATE, render, rows
 
 
 def _config_models() -> list[type[BaseModel]]:
@@ -26,7 +26,7 @@ def test_configuration_md_is_generated_from_the_models():
         first = next((i for i, (a, b) in enumerate(zip((current or "").splitlines(), expected.splitlines()), 1)
                       if a != b), None)
         where = f" (first difference at line {first})" if first else ""
-        raise AssertionError(f"docs/configuration.md does not match gateway/config.py{where}; "
+        raise AssertionError(f"docs/configuration.md does not match gateway/config/{where}; "
                              f"regenerate it with `{REGENERATE}`")
 
 

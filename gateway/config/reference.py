@@ -2,9 +2,9 @@
 :mod:`gateway.config`, so that a key's type, default and meaning have one source: the
 ``Field(description=...)`` beside its validation.
 
-    python -m gateway.config_reference           # print the markdown
-    python -m gateway.config_reference --write   # write docs/configuration.md
-    python -m gateway.config_reference --check   # exit 1 when docs/configuration.md is stale
+    python -m gateway.config.reference           # print the markdown
+    python -m gateway.config.reference --write   # write docs/configuration.md
+    python -m gateway.config.reference --check   # exit 1 when docs/configuration.md is stale
 
 Every field of :class:`~gateway.config.GatewayConfig` becomes one row: the dotted key
 (``[]`` marks a list of objects, as in ``backends[].name``), its type with the bounds
@@ -29,13 +29,13 @@ from pydantic.fields import FieldInfo
 
 from gateway.config import GatewayConfig
 
-DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
-REGENERATE = "python -m gateway.config_reference --write"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+REGENERATE = "python -m gateway.config.reference --write"
 
 PREAMBLE = f"""\
 # Configuration reference (`backends.yaml`)
 
-<!-- Generated from gateway/config.py by `{REGENERATE}`; do not edit by hand. -->
+<!-- Generated from gateway/config/ by `{REGENERATE}`; do not edit by hand. -->
 
 The gateway reads one YAML file, `python -m gateway --config FILE` (the repository's
 [`backends.yaml`](../backends.yaml) is a commented example). It is validated at start-up and on
@@ -227,9 +227,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gateway.config_reference",
+    ap = argparse.ArgumentParser(prog="python -m gateway.config.reference",
                                  description="Print (or write, or check) docs/configuration.md, generated "
-                                             "from gateway/config.py.")
+                                             "from gateway/config/.")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help=f"write {DOC_PATH.name} into docs/")
     mode.add_argument("--check", action="store_true",
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             current = None
         if current != text:
-            state = "is missing" if current is None else "is stale (gateway/config.py changed)"
+            state = "is missing" if current is None else "is stale (gateway/config/ changed)"
             print(f"{DOC_PATH}: {state}; regenerate it with `{REGENERATE}`", file=sys.stderr)
             return 1
         return 0
