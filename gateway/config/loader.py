@@ -12,6 +12,7 @@ from pydantic import (
 
 from gateway.config.base import ConfigError
 from gateway.config.errors import describe, explain
+from gateway.config.resolve import resolve
 from gateway.config.root import GatewayConfig
 
 
@@ -20,15 +21,18 @@ def _format_validation_error(path: Path, err: ValidationError) -> str:
 
 
 def parse_config(data: object, path: Path | str = "<config>") -> GatewayConfig:
-    """Validate an already-parsed YAML document; relative file paths in it are
-    relative to ``path``'s directory. Raises :class:`ConfigError`."""
+    """Validate an already-parsed YAML document (no I/O), then resolve what it names
+    (:func:`gateway.config.resolve.resolve`: environment variables, tokenizer files);
+    relative file paths in it are relative to ``path``'s directory. Raises
+    :class:`ConfigError`."""
     path = Path(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a YAML mapping at the top level")
     try:
-        return GatewayConfig.model_validate(data, context={"config_dir": str(path.parent)})
+        cfg = GatewayConfig.model_validate(data, context={"config_dir": str(path.parent)})
     except ValidationError as e:
         raise ConfigError(_format_validation_error(path, e)) from None
+    return resolve(cfg, path)
 
 
 def load_config(path: str | os.PathLike[str]) -> GatewayConfig:

@@ -161,13 +161,6 @@ class GatewayConfig(Strict):
         return self.model_copy(update={"backends": backends})
 
     @model_validator(mode="after")
-    def _admin_key_is_no_client_key(self) -> GatewayConfig:
-        admin = self.admin.digest()
-        if admin is not None and any(k.digest() == admin for k in self.auth.keys):
-            raise ValueError("the admin key equals a client key (auth.keys); give the admin its own key")
-        return self
-
-    @model_validator(mode="after")
     def _batch_needs_redis(self) -> GatewayConfig:
         if self.batch.enabled and not (self.batch.redis_url or self.state.url):
             raise ValueError("batch.enabled needs Redis: set batch.redis_url or state.url")

@@ -17,8 +17,6 @@ from gateway.config.base import Strict
 from routing.core import (
     DEFAULT_TOKENIZER_CACHE_TOKENS,
     POLICIES,
-    TokenizerError,
-    load_tokenizer,
 )
 
 
@@ -153,12 +151,7 @@ class ModelSettings(Strict):
         return str(p)
 
     @model_validator(mode="after")
-    def _load(self) -> ModelSettings:
+    def _template_needs_tokenizer(self) -> ModelSettings:
         if self.chat_template is not None and self.tokenizer is None:
             raise ValueError("`chat_template` needs `tokenizer`")
-        if self.tokenizer is not None:
-            try:
-                load_tokenizer(self.tokenizer, self.chat_template, self.prefix_cache_tokens)
-            except TokenizerError as e:
-                raise ValueError(str(e)) from None
         return self

@@ -3,7 +3,6 @@ the fleet is saturated."""
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import (
@@ -13,22 +12,6 @@ from pydantic import (
 )
 
 from gateway.config.base import Strict
-
-
-def _key_digest(key_sha256: str | None, key_env: str | None) -> bytes:
-    """The SHA-256 digest of a key given as its hex digest or in an environment
-    variable (read and hashed here, once). A key must be printable ASCII, as a bearer
-    token is (RFC 6750): every server stack then reads it from a header alike."""
-    import hashlib
-
-    if key_sha256 is not None:
-        return bytes.fromhex(key_sha256)
-    value = os.environ.get(key_env or "")
-    if not value:
-        raise ValueError(f"key_env names the environment variable {key_env!r}, which is not set")
-    if not (value.isascii() and value.isprintable()) or " " in value:
-        raise ValueError(f"the key in {key_env!r} must be printable ASCII without spaces (a bearer token)")
-    return hashlib.sha256(value.encode()).digest()
 
 
 class ClientKey(Strict):
@@ -82,11 +65,14 @@ class ClientKey(Strict):
     def _one_source(self) -> ClientKey:
         if (self.key_sha256 is None) == (self.key_env is None):
             raise ValueError("set exactly one of `key_sha256` or `key_env`")
-        self._digest = _key_digest(self.key_sha256, self.key_env)
+        if self.key_sha256 is not None:
+            self._digest = bytes.fromhex(self.key_sha256)
         return self
 
     def digest(self) -> bytes:
-        """The SHA-256 digest of the key (32 bytes), computed once at load."""
+        """The SHA-256 digest of the key (32 bytes): from ``key_sha256``, or computed
+        once at load from the variable ``key_env`` names
+        (:func:`gateway.config.resolve.resolve`)."""
         return self._digest
 
 
@@ -148,12 +134,13 @@ class Admin(Strict):
     def _at_most_one(self) -> Admin:
         if self.key_sha256 is not None and self.key_env is not None:
             raise ValueError("set at most one of `key_sha256` or `key_env`")
-        if self.key_sha256 is not None or self.key_env is not None:
-            self._digest = _key_digest(self.key_sha256, self.key_env)
+        if self.key_sha256 is not None:
+            self._digest = bytes.fromhex(self.key_sha256)
         return self
 
     def digest(self) -> bytes | None:
-        """The admin key's SHA-256 digest (computed once at load), or ``None``."""
+        """The admin key's SHA-256 digest (from ``key_sha256``, or computed once at load
+        from ``key_env``: :func:`gateway.config.resolve.resolve`), or ``None``."""
         return self._digest
 
 

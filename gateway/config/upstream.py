@@ -3,7 +3,6 @@ hints, KV events and LoRA, health checks and the circuit breaker."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from pydantic import (
@@ -285,8 +284,6 @@ class Backend(Strict):
     def _url_or_simulate(self) -> Backend:
         if (self.url is None) == (self.simulate is None):
             raise ValueError("set exactly one of `url` (a real server) or `simulate` (a demo backend)")
-        if self.api_key_env is not None and self.api_key_env not in os.environ:
-            raise ValueError(f"api_key_env names the environment variable {self.api_key_env!r}, which is not set")
         return self
 
 
