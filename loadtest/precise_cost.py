@@ -100,8 +100,7 @@ def apply(path: str, part: str, repeat: int) -> dict:
                                    block_hashes=e.hashes, prompt_tokens=e.prompt_tokens,
                                    output_tokens=e.output_tokens,
                                    tokens_per_block=est.block_bytes / est.stats("m").bytes_per_token,
-                                   token_ids=tokens)
-                core.set_token_keys(req)
+                                   token_ids=tokens, token_keys=core.token_keys("m", tokens))
                 d, res = core.route(req, now)
                 res.release(now)
                 route_s += clock() - c0

@@ -69,7 +69,7 @@ from routing import POLICIES, BackendSpec, BackendState, NoBackendAvailable, Rou
 from routing.core import DecisionCore, Reservation
 from routing.estimate import TokenEstimator
 from routing.load import RemoteLoad
-from routing.policies.base import Decision
+from routing.policies.base import Decision, Match
 from routing.policies.estimated_ttft import EstimatedTTFT
 from routing.retry import DEFAULT_FAILED_BACKEND_COOLDOWN_S, DEFAULT_MAX_ATTEMPTS, RetryPolicy
 
@@ -155,15 +155,15 @@ class OracleTTFT(EstimatedTTFT):
         super().__init__(rng=rng)
         self.truth = truth
 
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> Decision:
         per_block = request.prompt_tokens / request.tokens_per_block if request.tokens_per_block else 0.0
         matched: dict[str, float] = {}
         for b in candidates:
             f = self.truth(b.name)
             if f > 0:
                 matched[b.name] = f * per_block
-        request.matched_blocks = matched  # type: ignore[assignment]  # fractional blocks: exact tokens
-        decision = super().choose(request, candidates)
+        match.matched_blocks = matched  # type: ignore[assignment]  # fractional blocks: exact tokens
+        decision = super().choose(request, candidates, match)
         decision.policy = ORACLE
         return decision
 
@@ -538,9 +538,8 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             req = RouteRequest("m", exclude=frozenset(excluded.get(i, ())), prompt_text=text,
                                prompt_bytes=est.size_bytes, block_hashes=est.hashes, prompt_tokens=est.prompt_tokens,
                                output_tokens=est.output_tokens, tokens_per_block=tpb,
-                               token_ids=tokens if precise else None)
-            if precise:
-                core.set_token_keys(req)
+                               token_ids=tokens if precise else None,
+                               token_keys=core.token_keys("m", tokens) if precise else None)
             if router_inputs is not None:
                 router_inputs.append(("route", text, tokens, r.output_tokens, tuple(sorted(req.exclude)), t))
             decision, res = core.route(req, t)

@@ -9,7 +9,7 @@ interface in :mod:`routing.store`. The data planes enter through :mod:`routing.c
 
 from routing.backend import BackendSpec, BackendState
 from routing.fleet import Fleet, NoBackendAvailable, Reservation, UnknownModel
-from routing.policies import POLICIES, Decision, Policy, RouteRequest, make_policy
+from routing.policies import POLICIES, Decision, Match, Policy, RouteRequest, make_policy
 from routing.router import Router
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "BackendState",
     "Decision",
     "Fleet",
+    "Match",
     "NoBackendAvailable",
     "POLICIES",
     "Policy",

@@ -53,7 +53,7 @@ from routing.kv_event_decoding import (
     decode_batch,
 )
 from routing.load import EngineSample
-from routing.policies import POLICIES, Decision, RouteRequest, make_policy
+from routing.policies import POLICIES, Decision, Match, RouteRequest, make_policy
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from routing.retry import (
@@ -73,7 +73,7 @@ from routing.tokenizer import ModelTokenizer, Tokenization, TokenizerError, Toke
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
     "BackendSpec", "BackendState", "Decision", "DecisionCore", "EngineSample", "Fleet", "KVEventStats", "LoraActivity",
-    "ModelTokenizer",
+    "Match", "ModelTokenizer",
     "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "RoutingStore",
     "SequenceTracker", "ServedModel", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel",
     "canonical_prompt", "clear_remote_loads", "estimate_ttft", "fold_remote_loads", "load_snapshot", "load_tokenizer",
@@ -210,39 +210,44 @@ class DecisionCore:
 
     def request(self, model: str, prompt_text: str, max_tokens: int | None,
                 cache_salt: str | None = None, stream: bool = True,
-                token_ids: Sequence[int] | None = None) -> tuple[PromptEstimate, RouteRequest]:
+                token_ids: Sequence[int] | None = None,
+                subset: frozenset[str] | None = None) -> tuple[PromptEstimate, RouteRequest]:
         """Estimate a request (prompt tokens, prefix block hashes, expected output
         tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take
-        (``stream``: its first token will be seen). ``token_ids``: the prompt's ids (from
-        :meth:`tokenization`, or a completions prompt given as token ids), when there are:
-        its token count is then exact, and ``token_keys`` holds its token-exact block keys
-        for the block size of each backend of ``model`` that publishes KV events."""
+        (``stream``: its first token will be seen; ``subset``: the backends it may go to
+        at all). ``token_ids``: the prompt's ids (from :meth:`tokenization`, or a
+        completions prompt given as token ids), when there are: its token count is then
+        exact, and ``token_keys`` holds its token-exact block keys for the block size of
+        each backend of ``model`` that publishes KV events."""
         estimator = self.estimator
         est = estimator.estimate(model, prompt_text, max_tokens, cache_salt, token_ids)
-        if token_ids is not None and model in self.tokenize_stats:
-            self.tokenize_stats[model].prompt_tokens += len(token_ids)
-        tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
-        req = RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
-                           est.output_tokens, tokens_per_block, stream=stream, token_ids=token_ids)
+        token_keys = None
         if token_ids is not None:
-            self.set_token_keys(req, cache_salt)
-        return est, req
+            if model in self.tokenize_stats:
+                self.tokenize_stats[model].prompt_tokens += len(token_ids)
+            token_keys = self.token_keys(model, token_ids, cache_salt)
+        tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
+        return est, RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
+                                 est.output_tokens, tokens_per_block, None, None, subset, False, stream, token_ids,
+                                 token_keys)
 
     def wants_token_ids(self, model: str) -> bool:
         """Whether a backend of ``model`` publishes KV events (its requests' token ids,
         when known, make token-exact prefix keys); ``False`` costs a request nothing."""
         return model in self.router.event_backends
 
-    def set_token_keys(self, req: RouteRequest, cache_salt: str | None = None) -> None:
-        """Fill ``req.token_keys`` from ``req.token_ids`` for the block sizes of the
-        backends of ``req.model`` that publish KV events (nothing when none does),
-        keyed as the engines' events are (:func:`routing.estimate.token_block_keys`
-        chained from ``chain_seed(model, cache_salt)``)."""
-        sizes = self.router.event_backends.get(req.model)
-        if not sizes or req.token_ids is None:
-            return
-        seed = chain_seed(req.model, cache_salt)
-        req.token_keys = {size: token_block_keys(req.token_ids, size, seed) for size in sizes}
+    def token_keys(self, model: str, token_ids: Sequence[int],
+                   cache_salt: str | None = None) -> dict[int, tuple[int, ...]] | None:
+        """The token-exact block keys of a prompt of ``model`` given as ``token_ids``, for
+        the block sizes of the backends of ``model`` that publish KV events (``None``
+        when none does): ``{block_size: keys}``, keyed as the engines' events are
+        (:func:`routing.estimate.token_block_keys` chained from ``chain_seed(model,
+        cache_salt)``)."""
+        sizes = self.router.event_backends.get(model)
+        if not sizes:
+            return None
+        seed = chain_seed(model, cache_salt)
+        return {size: token_block_keys(token_ids, size, seed) for size in sizes}
 
     def context_exceeded(self, model: str, prompt_tokens: int, max_tokens: int | None) -> int | None:
         """``model``'s context length in tokens when an exactly counted prompt of

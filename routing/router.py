@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from routing.backend import BackendState
 from routing.fleet import Fleet, NoBackendAvailable, Reservation
-from routing.policies import Decision, Policy, RouteRequest
+from routing.policies import Decision, Match, Policy, RouteRequest
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from routing.store import RoutingStore
@@ -55,6 +55,10 @@ class Router:
         self.event_backends: dict[str, dict[int, list[str]]] = {}
         self.canaries: dict[str, tuple[str, str, float]] = {}
         self._kv_turnover = self.kv_turnover  # one bound method for every request
+        # the last match made, for the plan, route and reservation of one request
+        self._last_request: RouteRequest | None = None
+        self._last_now = 0.0
+        self._last_match = Match()
         self._canary_rng = random.Random()
         for b in fleet.backends.values():
             self.index.set_capacity(b.name, self.capacity_blocks(b))
@@ -128,28 +132,33 @@ class Router:
             return frozenset({canary}), frozenset({stable})
         return frozenset({stable}), None
 
-    def _match(self, request: RouteRequest, now: float) -> None:
-        if request.matched_at == now:
-            return
+    def match(self, request: RouteRequest, now: float) -> Match:
+        """What the prefix index holds of ``request`` at monotonic time ``now``
+        (seconds): the :class:`~routing.policies.Match` that planning, choosing and
+        reserving read. The same request at the same time gets the same match (a plan,
+        then a route, then a reservation make one)."""
+        if self._last_request is request and self._last_now == now:
+            return self._last_match
         if now >= self._next_expire:
             self.index.expire(now)
             self.index.expire_speculative(now)
             self.refresh_speeds(now)
             self._next_expire = now + EXPIRE_EVERY_S
-        request.now = now
-        request.matched_blocks = self.index.match(request.block_hashes, now)
-        request.kv_turnover = self._kv_turnover
+        m = Match(now, request.prompt_tokens, request.tokens_per_block, request.remote_prefill,
+                  self.index.match(request.block_hashes, now), kv_turnover=self._kv_turnover)
         if request.token_keys:
-            self._match_tokens(request, request.token_keys, now)
-        request.matched_at = now
+            m.exact_tokens = self._match_tokens(request, request.token_keys, now)
+        self._last_request, self._last_now, self._last_match = request, now, m
+        return m
 
-    def _match_tokens(self, request: RouteRequest, token_keys: dict[int, tuple[int, ...]], now: float) -> None:
+    def _match_tokens(self, request: RouteRequest, token_keys: dict[int, tuple[int, ...]],
+                      now: float) -> dict[str, int]:
         """Token-exact evidence for the backends whose KV events are live: it decides
         their matched tokens (none held is a precise zero); the others keep the
         approximate match."""
         by_size = self.event_backends.get(request.model)
         if not by_size:
-            return
+            return {}
         engines = self.index.engines
         exact: dict[str, int] = {}
         # an engine computes at least the prompt's last token: a prompt of whole blocks
@@ -166,20 +175,20 @@ class Router:
             cap = len(keys) if usable is None else max(usable, 0) // size
             for n in live:
                 exact[n] = min(held.get(n, 0), cap) * size
-        request.exact_tokens = exact
+        return exact
 
     def kv_turnover(self, b: BackendState) -> tuple[float, float]:
         """(KV tokens ``b``'s cache can take without evicting, share of its evicted
         blocks asked for again): the prefix index's
-        :meth:`~routing.prefix_index.PrefixIndex.turnover`, O(1). Routed requests
-        carry it as ``RouteRequest.kv_turnover``."""
+        :meth:`~routing.prefix_index.PrefixIndex.turnover`, O(1). A router's matches
+        carry it as ``Match.kv_turnover``."""
         return self.index.turnover(b.name, self.block_tokens, b.load.kv_capacity_tokens)
 
-    def evidence(self, request: RouteRequest, backend: str) -> str:
-        """What stands behind ``request``'s matched tokens on ``backend``: ``precise``
-        (every matched block confirmed by its engine; a zero of a live backend too),
-        ``speculative`` (some only dispatched) or ``approximate``."""
-        tokens = request.exact_tokens.get(backend) if request.exact_tokens else None
+    def evidence(self, request: RouteRequest, match: Match, backend: str) -> str:
+        """What stands behind ``request``'s matched tokens on ``backend`` (its
+        ``match``): ``precise`` (every matched block confirmed by its engine; a zero of
+        a live backend too), ``speculative`` (some only dispatched) or ``approximate``."""
+        tokens = match.exact_tokens.get(backend) if match.exact_tokens else None
         if tokens is None:
             return "approximate"
         e = self.index.engines[backend]
@@ -233,8 +242,8 @@ class Router:
         """
         candidates = self.fleet.candidates(request.model)
         roles = {b.spec.role for b in candidates}
-        self._match(request, now)
-        best = max((request.cached_tokens(b.name) for b in candidates), default=0.0)
+        match = self.match(request, now)
+        best = max((match.cached_tokens(b.name) for b in candidates), default=0.0)
         uncached = request.prompt_tokens - best
         long = uncached > long_prompt_tokens
         if "prefill" in roles and "decode" in roles:
@@ -253,13 +262,13 @@ class Router:
         index (approximate blocks always; token-exact blocks, speculatively, when the
         backend publishes KV events). Raises what :meth:`eligible` raises."""
         candidates = self.eligible(request, now)
-        self._match(request, now)
+        match = self.match(request, now)
         if candidates[0].adapter_base(request.model) is not None:
-            request.adapter_set = self.fleet.adapter_sets.members(request.model)
-        decision = self.policy.choose(request, candidates)
-        decision.detail.setdefault("matched_tokens", request.cached_tokens(decision.backend.name))
-        if request.exact_tokens:
-            decision.evidence = self.evidence(request, decision.backend.name)
+            match.adapter_set = self.fleet.adapter_sets.members(request.model)
+        decision = self.policy.choose(request, candidates, match)
+        decision.detail.setdefault("matched_tokens", match.cached_tokens(decision.backend.name))
+        if match.exact_tokens:
+            decision.evidence = self.evidence(request, match, decision.backend.name)
         reservation = self.reserve(request, decision.backend, now)
         self.policy.on_dispatch(request, decision)
         return decision, reservation
@@ -270,8 +279,7 @@ class Router:
         speculatively when ``b`` publishes KV events): what :meth:`route`
         does once it chose, and what a data plane does when a request was served by
         another backend than the one routed to (a proxy's own retry)."""
-        self._match(request, now)
-        cached = request.cached_tokens(b.name)
+        cached = self.match(request, now).cached_tokens(b.name)
         load = b.load.admit(uncached_tokens=request.prompt_tokens - cached, prompt_tokens=request.prompt_tokens,
                             output_tokens=request.output_tokens, now=now, stream=request.stream)
         self.index.record(b.name, request.block_hashes, now)
@@ -296,6 +304,6 @@ class Router:
             candidates = [b for b in self.eligible(request, now) if b is not chosen]
         except NoBackendAvailable:
             return []
-        self._match(request, now)
-        candidates.sort(key=lambda b: estimate_ttft(b, request)[0])
+        match = self.match(request, now)
+        candidates.sort(key=lambda b: estimate_ttft(b, request, match)[0])
         return candidates[:limit]

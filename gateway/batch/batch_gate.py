@@ -37,7 +37,7 @@ from gateway.config import Batch
 from gateway.errors import ClientError, retry_later_headers
 from gateway.pipeline.director import PRIORITY_HEADER
 from gateway.pipeline.openai_request import ParsedRequest
-from routing.core import RouteRequest, estimate_ttft
+from routing.core import Match, RouteRequest, estimate_ttft
 
 __all__ = ["PRIORITY_HEADER", "DEFERRED_CODE", "BatchGate", "GateCollector"]
 DEFERRED_CODE = "batch_deferred"
@@ -64,8 +64,9 @@ class BatchGate:
                  if b.healthy and b.cooldown_until <= now and b.spec.role in _SERVING_ROLES]
         if not cands:
             return None
-        probe = RouteRequest(model, prompt_tokens=self.cfg.interactive_prompt_tokens, output_tokens=64, now=now)
-        return min(estimate_ttft(b, probe)[0] for b in cands)
+        probe = RouteRequest(model, prompt_tokens=self.cfg.interactive_prompt_tokens, output_tokens=64)
+        match = Match.of(probe, now)  # a new prompt: nothing cached
+        return min(estimate_ttft(b, probe, match)[0] for b in cands)
 
     def kv_capacity(self, model: str) -> float:
         cands = [b for b in self.state.fleet.by_model.get(model, ()) if b.healthy and b.spec.role in _SERVING_ROLES]

@@ -57,13 +57,12 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
     req = ctx.request
     assert req is not None
     pools, stable_pools = core.canary_pools(ctx.model)
-    req.roles, req.remote_prefill = roles, remote_prefill
     excluded: set[str] = set()
     last: UpstreamError | None = None
     while True:
-        req.pools = pools
-        if excluded:
-            req.exclude = frozenset(excluded)
+        if (roles, remote_prefill, pools) != (req.roles, req.remote_prefill, req.pools) or excluded:
+            req = ctx.request = req._replace(roles=roles, remote_prefill=remote_prefill, pools=pools,
+                                             exclude=frozenset(excluded))
         try:
             decision, reservation = core.route(req, now)
         except NoBackendAvailable as e:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from routing.policies.base import BasePolicy, Decision, Policy, RouteRequest
+from routing.policies.base import BasePolicy, Decision, Match, Policy, RouteRequest
 from routing.policies.cache_aware import CacheAware, CacheAwareMinLoad
 from routing.policies.estimated_ttft import EstimatedTTFT
 from routing.policies.least_requests import LeastRequests
@@ -22,7 +22,7 @@ from routing.policies.power_of_two import PowerOfTwo
 from routing.policies.prefix_hash import PrefixHash
 from routing.policies.round_robin import RoundRobin
 
-__all__ = ["POLICIES", "BasePolicy", "Decision", "Policy", "RouteRequest", "make_policy"]
+__all__ = ["POLICIES", "BasePolicy", "Decision", "Match", "Policy", "RouteRequest", "make_policy"]
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     p.name: p for p in (RoundRobin, LeastRequests, PowerOfTwo, PrefixHash, CacheAware, CacheAwareMinLoad,

@@ -1,18 +1,22 @@
-"""The policy interface: what a policy may know of a request (:class:`RouteRequest`),
-what it answers (:class:`Decision`) and the :class:`Policy` protocol itself."""
+"""The policy interface: what a policy may know of a request (:class:`RouteRequest`)
+and of the fleet's caches for it (:class:`Match`), what it answers (:class:`Decision`)
+and the :class:`Policy` protocol itself."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
 
 from routing.backend import BackendState
 
 
-@dataclass(slots=True)
-class RouteRequest:
-    """What a policy may know about a request.
+class RouteRequest(NamedTuple):
+    """What a policy may know about a request: immutable, built once by the decision
+    core (:meth:`routing.core.DecisionCore.request`) and given a new scope with
+    ``_replace`` when an attempt changes it. What the router finds for it at one
+    moment (prefix matches, the time) is a :class:`Match`, not part of it.
 
     - ``model``: the requested model name.
     - ``exclude``: backend names that must not be chosen (they already failed it).
@@ -31,23 +35,13 @@ class RouteRequest:
       a proxy's subset hint; unlike ``exclude`` it is never relaxed.
     - ``remote_prefill``: the prompt's KV arrives by transfer (decode leg of a
       disaggregated request): the backend computes no prefill for it.
+    - ``stream``: the answer is streamed, so its first token will be seen (a whole
+      answer shows only its end).
     - ``token_ids``: the prompt's token ids as the engine will see them, when the
       model's tokenizer is known (``None`` otherwise).
     - ``token_keys``: the token-exact keys of the prompt's full blocks per engine
       block size (``{block_size: keys}``, see :func:`routing.estimate.token_block_keys`),
       computed from ``token_ids``: the key of precise prefix entries.
-    - ``stream``: the answer is streamed, so its first token will be seen (a whole
-      answer shows only its end).
-    - Set by the router before ``choose``: ``now`` (monotonic seconds),
-      ``matched_blocks`` (per backend, leading approximate blocks it probably holds)
-      and, for backends whose KV events are live and whose block size ``token_keys``
-      has, ``exact_tokens`` (leading prompt tokens held, from token-exact entries,
-      precise or speculative), which overrides ``matched_blocks``; for a LoRA
-      adapter, ``adapter_set``: the backends it is placed on, in join order
-      (:mod:`routing.lora`; empty before its first placement; ``None`` for a base model);
-      and ``kv_turnover``, a function of a candidate giving (KV tokens its cache can
-      take without evicting, share of its evicted blocks asked for again)
-      (:meth:`routing.router.Router.kv_turnover`; ``None``: not known).
     """
 
     model: str
@@ -65,12 +59,45 @@ class RouteRequest:
     stream: bool = True
     token_ids: Sequence[int] | None = None
     token_keys: dict[int, tuple[int, ...]] | None = None
+
+
+NOTHING: Mapping[str, int] = MappingProxyType({})  # no backend holds anything
+
+
+@dataclass(slots=True)
+class Match:
+    """What the router found for one :class:`RouteRequest` at one moment, which the
+    policy chooses on (the router's own working state, built by
+    :meth:`routing.router.Router.match`):
+
+    - ``now``: the monotonic time (seconds) of the match;
+    - ``prompt_tokens``, ``tokens_per_block``, ``remote_prefill``: the request's, for
+      :meth:`cached_tokens`;
+    - ``matched_blocks``: per backend, leading approximate blocks it probably holds;
+    - ``exact_tokens``: for backends whose KV events are live and whose block size the
+      request's ``token_keys`` has, leading prompt tokens held, from token-exact entries
+      (precise or speculative); it overrides ``matched_blocks``;
+    - ``adapter_set``: for a LoRA adapter, the backends it is placed on, in join order
+      (:mod:`routing.lora`; empty before its first placement; ``None`` for a base model);
+    - ``kv_turnover``: a function of a candidate giving (KV tokens its cache can take
+      without evicting, share of its evicted blocks asked for again)
+      (:meth:`routing.router.Router.kv_turnover`; ``None``: not known).
+    """
+
     now: float = 0.0
-    matched_blocks: dict[str, int] = field(default_factory=dict)
-    matched_at: float | None = None
-    exact_tokens: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    tokens_per_block: float = 64.0
+    remote_prefill: bool = False
+    matched_blocks: Mapping[str, int] = field(default_factory=lambda: NOTHING)
+    exact_tokens: Mapping[str, int] = field(default_factory=lambda: NOTHING)
     adapter_set: tuple[str, ...] | None = None
     kv_turnover: Callable[[BackendState], tuple[float, float]] | None = None
+
+    @classmethod
+    def of(cls, request: RouteRequest, now: float = 0.0) -> Match:
+        """A match of ``request`` at ``now`` that found nothing cached anywhere (a
+        probe's, or a policy's outside a router)."""
+        return cls(now, request.prompt_tokens, request.tokens_per_block, request.remote_prefill)
 
     def cached_tokens(self, backend: str) -> float:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
@@ -107,13 +134,14 @@ class Policy(Protocol):
     """The policy interface.
 
     ``choose`` gets a non-empty list of eligible candidates (healthy, not excluded, not
-    cooling down) and returns the decision without side effects; ``on_dispatch`` is
-    called once after the router reserved the chosen backend.
+    cooling down) and what the router found for the request (``match``) and returns
+    the decision without side effects; ``on_dispatch`` is called once after the router
+    reserved the chosen backend.
     """
 
     name: str
 
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision: ...
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> Decision: ...
 
     def on_dispatch(self, request: RouteRequest, decision: Decision) -> None: ...
 

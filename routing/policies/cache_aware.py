@@ -58,7 +58,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from routing.backend import BackendState
-from routing.policies.base import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, Match, RouteRequest
 from routing.radix_tree import ApproxRadixTree, _Node
 
 #: ``RouterArgs`` defaults, sgl-router/py_src/sglang_router/router_args.py.
@@ -106,7 +106,7 @@ class CacheAware(BasePolicy):
         # The match made by the last ``choose``, replayed as a touch in ``on_dispatch``.
         self._pending: tuple[RouteRequest, _Node, str] | None = None
 
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> Decision:
         self._pending = None
         max_load = max(b.requests for b in candidates)
         min_load = min(b.requests for b in candidates)

@@ -31,7 +31,7 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
   plus what moving would evict, so prefixes are not duplicated needlessly. Nothing
   is added where the request fits in the free KV or where evicted blocks never
   come back (``reuse_b`` 0: one-off prompts). Cost per scored candidate: O(1) (the
-  router gives ``RouteRequest.kv_turnover``); without it (a request built outside the
+  router gives ``Match.kv_turnover``); without it (a match built outside the
   router) the term is absent.
 - Decode interference: with chunked prefill each engine step also runs one token of every
   running stream, so the prefill's ``steps = ceil(work / CHUNK_TOKENS)`` steps each cost
@@ -61,7 +61,7 @@ from collections.abc import Sequence
 
 from routing.backend import BackendState
 from routing.lora import Scored, place
-from routing.policies.base import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, Match, RouteRequest
 
 # vLLM's default token budget per step with chunked prefill (max_num_batched_tokens
 # 2048 for online serving: vllm/engine/arg_utils.py, "default_max_num_batched_tokens").
@@ -84,15 +84,16 @@ SAMPLE_RANDOM = 16
 PROBE_AFTER_S = 30.0
 
 
-def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]:
-    """(estimated TTFT in seconds, uncached prompt tokens) of ``request`` on ``b``."""
+def estimate_ttft(b: BackendState, request: RouteRequest, match: Match) -> tuple[float, float]:
+    """(estimated TTFT in seconds, uncached prompt tokens) of ``request`` on ``b``, as
+    ``match`` (the router's, at ``match.now``) says what ``b`` holds of it."""
     load = b.load
     remote = load.remote
-    uncached = request.prompt_tokens - request.cached_tokens(b.name)
+    uncached = request.prompt_tokens - match.cached_tokens(b.name)
     work = load.queued_prefill_tokens + remote.queued_prefill_tokens + uncached  # total_queued_prefill_tokens
     running = load.running + remote.running  # total_running
     if load.engine is not None:
-        now = request.now
+        now = match.now
         work += load.external_queued_tokens(now)
         running += load.external_running(now)
     overhead, rate = load.ttft_params()
@@ -102,19 +103,19 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
         # prefill rate from above: the work ahead of and including its own is not done
         # after the time it has waited (a right-censored TTFT). With nothing to prefill
         # its wait says nothing of the rate.
-        waited = request.now - oldest.dispatched_at - overhead
+        waited = match.now - oldest.dispatched_at - overhead
         done_by = oldest.queued_ahead_tokens + oldest.uncached_tokens
         if waited > 0 and 0 < done_by < rate * waited:
             rate = done_by / waited
     est = overhead + work / rate
-    turnover = request.kv_turnover
+    turnover = match.kv_turnover
     if turnover is not None:
         free, reuse = turnover(b)
         evicted = uncached + request.output_tokens - free
         if evicted > 0 and reuse > 0:
             est += evicted * reuse / rate
     if running:
-        now = request.now
+        now = match.now
         est += math.ceil(work / CHUNK_TOKENS) * load.itl_per_stream_s * running
         need = request.prompt_tokens + request.output_tokens
         overflow = load.kv_used_tokens(now) + need - load.kv_capacity_tokens
@@ -122,21 +123,21 @@ def estimate_ttft(b: BackendState, request: RouteRequest) -> tuple[float, float]
             mean_remaining = load.total_decode_tokens_remaining / max(load.total_running, 1)
             est += min(overflow / load.kv_capacity_tokens, 1.0) * mean_remaining * load.itl_s()
     if (b.discovered or b.spec.loadable) and b.adapter_base(request.model) is not None:
-        active, max_lora = b.active_adapters(request.now)
+        active, max_lora = b.active_adapters(match.now)
         resident = b.adapter_resident(request.model, active, max_lora)
         est += load.adapter_wait_s(request.model, active, resident, max_lora, request.output_tokens)
     if load.engine is not None:
-        stale = load.metrics_staleness(request.now)
+        stale = load.metrics_staleness(match.now)
         if stale:
             est *= 1.0 + stale
     return est, uncached
 
 
-def _probe(request: RouteRequest, scored: list[Scored], limit: float) -> Scored | None:
+def _probe(match: Match, scored: list[Scored], limit: float) -> Scored | None:
     """The candidate to measure again, if any (see :data:`PROBE_AFTER_S`): idle here,
     unmeasured for that long or unsettled, and by its peers' speed (else its prior) at
     least as fast as the best (within ``limit``, the tie band)."""
-    now = request.now
+    now = match.now
     for (est, uncached), b in scored:
         load = b.load
         fit = load.ttft_fit
@@ -157,12 +158,12 @@ class EstimatedTTFT(BasePolicy):
         self._rng = rng or random.Random()
         self._probe_at = 0.0  # probes are looked for at most once a second (they are 30 s apart)
 
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> Decision:
         if len(candidates) > FULL_SCAN_MAX:
-            candidates = self._sample(request, candidates)
-        scored = [(estimate_ttft(b, request), b) for b in candidates]
-        if request.adapter_set is not None and len(scored) > 1:  # a LoRA adapter: its placement set
-            ((est, uncached), chosen), reason = place(request.model, request.adapter_set, scored,
+            candidates = self._sample(request, candidates, match)
+        scored = [(estimate_ttft(b, request, match), b) for b in candidates]
+        if match.adapter_set is not None and len(scored) > 1:  # a LoRA adapter: its placement set
+            ((est, uncached), chosen), reason = place(request.model, match.adapter_set, scored,
                                                       TIE_RELATIVE, TIE_ABSOLUTE_S)
         elif len(scored) == 1:
             (est, uncached), chosen = scored[0]
@@ -172,9 +173,9 @@ class EstimatedTTFT(BasePolicy):
             limit = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
             ties = [s for s in scored if s[0][0] <= limit]
             probe = None
-            if request.now >= self._probe_at:
-                self._probe_at = request.now + 1.0
-                probe = _probe(request, scored, limit)
+            if match.now >= self._probe_at:
+                self._probe_at = match.now + 1.0
+                probe = _probe(match, scored, limit)
             (est, uncached), chosen = probe or (ties[0] if len(ties) == 1 else self._rng.choice(ties))
             if probe is not None:
                 reason = "probe"
@@ -187,13 +188,13 @@ class EstimatedTTFT(BasePolicy):
                 reason = "least_load"
         cached = request.prompt_tokens - uncached
         detail = {"ttft_est_s": est, "matched_tokens": cached, "uncached_tokens": uncached}
-        if chosen.load.engine is not None and chosen.load.metrics_staleness(request.now):
+        if chosen.load.engine is not None and chosen.load.metrics_staleness(match.now):
             detail["metrics_stale"] = 1  # its estimate counted its stale engine metrics as uncertainty
         return Decision(chosen, self.name, reason, detail)
 
-    def _sample(self, request: RouteRequest, candidates: Sequence[BackendState]) -> list[BackendState]:
-        matched = request.matched_blocks
-        exact = request.exact_tokens
+    def _sample(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> list[BackendState]:
+        matched = match.matched_blocks
+        exact = match.exact_tokens
         holders: list[tuple[float, BackendState]] = []
         rest: list[BackendState] = []
         for b in candidates:
@@ -202,13 +203,13 @@ class EstimatedTTFT(BasePolicy):
             if m is None:
                 rest.append(b)
             else:
-                holders.append((request.cached_tokens(name), b))
+                holders.append((match.cached_tokens(name), b))
         holders.sort(key=lambda mb: -mb[0])
         picked = [b for _, b in holders[:SAMPLE_MATCHED]]
         rest = rest or [b for _, b in holders[SAMPLE_MATCHED:]]
         picked += self._rng.sample(rest, min(SAMPLE_RANDOM, len(rest)))
-        if request.adapter_set:  # a LoRA adapter's placement set is always scored
+        if match.adapter_set:  # a LoRA adapter's placement set is always scored
             have = {b.name for b in picked}
-            members = set(request.adapter_set) - have
+            members = set(match.adapter_set) - have
             picked += [b for b in candidates if b.name in members]
         return picked

@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from routing.backend import BackendState
-from routing.policies.base import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, Match, RouteRequest
 
 
 class LeastRequests(BasePolicy):
@@ -22,7 +22,7 @@ class LeastRequests(BasePolicy):
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> Decision:
         best: list[BackendState] = []
         best_load = float("inf")
         for b in candidates:

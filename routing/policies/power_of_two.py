@@ -22,7 +22,7 @@ import random
 from collections.abc import Sequence
 
 from routing.backend import BackendState
-from routing.policies.base import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, Match, RouteRequest
 
 
 class PowerOfTwo(BasePolicy):
@@ -37,7 +37,7 @@ class PowerOfTwo(BasePolicy):
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> Decision:
         n = len(candidates)
         if n == 1:
             only = candidates[0]

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 from routing.backend import BackendState
-from routing.policies.base import BasePolicy, Decision, RouteRequest
+from routing.policies.base import BasePolicy, Decision, Match, RouteRequest
 
 _MASK64 = (1 << 64) - 1
 
@@ -104,7 +104,7 @@ class PrefixHash(BasePolicy):
 
     # -- policy ------------------------------------------------------------------
 
-    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState], match: Match) -> Decision:
         missing = [b for b in candidates if b.name not in self._members]
         if missing:
             self._add(missing)

@@ -265,8 +265,8 @@ def _estimates(core, model: str, prompt: str, now: float):
     as the policy will see them when it is routed at ``now``."""
     from routing.policies.estimated_ttft import estimate_ttft
     _, req = core.request(model, prompt, 16)
-    core.plan(req, now, 10**9)  # matches the prefix index at ``now``, as route does
-    return req, {b.name: estimate_ttft(b, req)[0] for b in core.fleet.backends.values()}
+    match = core.router.match(req, now)  # the match route makes at ``now``
+    return req, {b.name: estimate_ttft(b, req, match)[0] for b in core.fleet.backends.values()}
 
 
 def _one_at_a_time(core, adapter: str, n: int, start: float) -> list[str]:
@@ -366,7 +366,8 @@ def test_a_base_model_request_is_routed_by_its_estimate_alone():
         req, est = _estimates(core, "base", f"base {i} " * 200, 1.0)
         decision, res = core.route(req, 1.0)
         held.append(res)
-        assert req.adapter_set is None and decision.reason in {"least_load", "tie", "prefix_hit"}
+        assert core.router.match(req, 1.0).adapter_set is None and decision.reason in {"least_load", "tie",
+                                                                                        "prefix_hit"}
         assert est[decision.backend.name] <= min(est.values()) * 1.02 + 0.0005
     assert "base" not in core.fleet.adapter_sets.sets
 

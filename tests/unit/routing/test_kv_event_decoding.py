@@ -140,8 +140,8 @@ def held(c: DecisionCore, ids: list[int], now: float = 0.0, salt: str | None = N
     prompt of ``ids`` followed (``question``) by one more token: an engine computes at
     least the last prompt token, so ``ids`` alone would reuse one block less."""
     req = request(c, ids + [0] if question else ids, salt)
-    c.router._match(req, now)
-    return req.exact_tokens, {b: c.router.evidence(req, b) for b in req.exact_tokens}
+    m = c.router.match(req, now)
+    return m.exact_tokens, {b: c.router.evidence(req, m, b) for b in m.exact_tokens}
 
 
 def test_block_stored_makes_precise_entries_chained_from_the_parent():
@@ -176,11 +176,11 @@ def test_bytes_hashes_and_lora_and_salt_keys():
     h = [b"\xaa" * 32, b"\xbb" * 32]
     c.kv_event_batch("a", 0, batch([stored(h, None, ids, BS, extra_keys=[["ad", "s1"], ["ad"]], lora_name="ad")]))
     req = c.request("ad", "x", 16, "s1", token_ids=ids + [0])[1]
-    c.router._match(req, 0.0)
-    assert req.exact_tokens == {"a": 8}
+    m = c.router.match(req, 0.0)
+    assert m.exact_tokens == {"a": 8}
     req = c.request("ad", "x", 16, None, token_ids=ids + [0])[1]  # another salt: another chain
-    c.router._match(req, 0.0)
-    assert req.exact_tokens == {"a": 0}
+    m = c.router.match(req, 0.0)
+    assert m.exact_tokens == {"a": 0}
     c.kv_event_batch("a", 0, batch([removed([h[1]])]))
     assert c.index.counts("a") == (1, 0)
 
@@ -217,7 +217,7 @@ def test_speculative_entries_at_dispatch_are_confirmed_or_decay():
     assert held(c, ids, now=102.0) == ({"a": 8}, {"a": "speculative"})
     # unconfirmed past the bound: it decays, the precise block stays
     assert held(c, ids, now=105.5) == ({"a": 4}, {"a": "precise"})
-    c.router._match(request(c, tokens(4, 500)), 106.5)  # the periodic sweep drops it from memory
+    c.router.match(request(c, tokens(4, 500)), 106.5)  # the periodic sweep drops it from memory
     assert c.index.counts("a") == (1, 0) and keys[1] not in c.index.token_owners
 
 
@@ -250,12 +250,12 @@ def test_gap_unfilled_falls_back_to_approximate_and_restart_clears():
     c.kv_event_batch("a", 0, batch([stored(range(1, 17), None, ids, BS)]))
     req = request(c, ids + [0], text=text)
     c.router.index.record("a", req.block_hashes, 0.0)  # a dispatch seen by the approximate entries
-    c.router._match(req, 0.0)
-    assert req.exact_tokens == {"a": 64} and c.router.evidence(req, "a") == "precise"
+    m = c.router.match(req, 0.0)
+    assert m.exact_tokens == {"a": 64} and c.router.evidence(req, m, "a") == "precise"
     c.kv_event_gap("a", 0, filled=False)
     req = request(c, ids, text=text)
-    c.router._match(req, 0.0)
-    assert req.exact_tokens == {} and req.matched_blocks["a"] > 0  # approximate decides again
+    m = c.router.match(req, 0.0)
+    assert m.exact_tokens == {} and m.matched_blocks["a"] > 0  # approximate decides again
     d, r = c.route(req, 0.0)
     assert d.evidence == "approximate"
     r.release()
@@ -316,8 +316,8 @@ def test_mixed_fleet_compares_exact_and_approximate_matches():
     c.kv_event_batch("a", 0, batch([cleared()]))
     req = request(c, ids, text=text)
     c.index.record("b", req.block_hashes, 0.0)
-    c.router._match(req, 0.0)
-    assert req.exact_tokens == {"a": 0} and req.cached_tokens("b") > 0 and req.cached_tokens("a") == 0
+    m = c.router.match(req, 0.0)
+    assert m.exact_tokens == {"a": 0} and m.cached_tokens("b") > 0 and m.cached_tokens("a") == 0
     d, _r = c.route(req, 0.0)
     assert d.backend.name == "b" and d.evidence == "approximate"
 
@@ -338,7 +338,8 @@ def test_the_approximate_path_is_unchanged_without_events():
             assert not c.wants_token_ids("p")
             _, req = c.request("p", prompt, 16)
             d, r = c.route(req, float(i))
-            seen.append((d.backend.name, dict(req.matched_blocks), req.exact_tokens, req.token_keys, d.evidence,
+            m = c.router.match(req, float(i))  # the match the route was made on
+            seen.append((d.backend.name, dict(m.matched_blocks), m.exact_tokens, req.token_keys, d.evidence,
                          d.detail["matched_tokens"]))
             r.release(float(i))
         assert seen[0] == seen[1]

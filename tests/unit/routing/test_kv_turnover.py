@@ -7,6 +7,7 @@ import pytest
 
 from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
 from routing.core import DecisionCore
+from routing.policies import Match
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from tests.support.kv_payloads import batch, cleared, removed, stored
@@ -108,14 +109,15 @@ def backend(rate: float = 10_000.0, capacity: int = 100_000):
 def test_eviction_cost_is_the_recompute_time_of_what_the_request_evicts():
     b = backend(rate=10_000.0)
     req = RouteRequest(MODEL, prompt_tokens=6_000, output_tokens=1_000)
-    base, uncached = estimate_ttft(b, req)
+    m = Match.of(req)
+    base, uncached = estimate_ttft(b, req, m)
     assert uncached == 6_000
-    req.kv_turnover = lambda _: (2_000.0, 0.5)  # 7,000 tokens into 2,000 free: 5,000 evicted, half asked again
-    assert estimate_ttft(b, req)[0] == pytest.approx(base + 5_000 * 0.5 / 10_000)
-    req.kv_turnover = lambda _: (7_000.0, 0.5)  # fits in the free KV: evicts nothing
-    assert estimate_ttft(b, req)[0] == base
-    req.kv_turnover = lambda _: (0.0, 0.0)  # what it evicts is never asked for again
-    assert estimate_ttft(b, req)[0] == base
+    m.kv_turnover = lambda _: (2_000.0, 0.5)  # 7,000 tokens into 2,000 free: 5,000 evicted, half asked again
+    assert estimate_ttft(b, req, m)[0] == pytest.approx(base + 5_000 * 0.5 / 10_000)
+    m.kv_turnover = lambda _: (7_000.0, 0.5)  # fits in the free KV: evicts nothing
+    assert estimate_ttft(b, req, m)[0] == base
+    m.kv_turnover = lambda _: (0.0, 0.0)  # what it evicts is never asked for again
+    assert estimate_ttft(b, req, m)[0] == base
 
 
 def router(capacity_blocks: int) -> Router:
@@ -138,15 +140,15 @@ def test_a_new_prefix_goes_where_it_evicts_nothing_reusable():
     assert free_a == 0.0 and reuse_a > 0.5
     queued = b.load.admit(uncached_tokens=300, prompt_tokens=300, output_tokens=8, now=12.0)  # b: empty, a queue
     new = prompt(9, 99)
-    r._match(new, 12.0)
-    assert new.kv_turnover(b) == (42 * 64.0, 0.0)
-    est_a, est_b = estimate_ttft(a, new)[0], estimate_ttft(b, new)[0]
-    with_term, new.kv_turnover = new.kv_turnover, None
-    plain_a, plain_b = estimate_ttft(a, new)[0], estimate_ttft(b, new)[0]
+    m = r.match(new, 12.0)
+    assert m.kv_turnover is not None and m.kv_turnover(b) == (42 * 64.0, 0.0)
+    est_a, est_b = estimate_ttft(a, new, m)[0], estimate_ttft(b, new, m)[0]
+    with_term, m.kv_turnover = m.kv_turnover, None
+    plain_a, plain_b = estimate_ttft(a, new, m)[0], estimate_ttft(b, new, m)[0]
     assert plain_a < plain_b  # by its own TTFT alone, a's empty queue wins
     assert est_b == plain_b and est_a == pytest.approx(plain_a + (new.prompt_tokens + 8) * reuse_a / 10_000)
     assert est_b < est_a  # b's queue costs less than recomputing what the prompt would evict on a
-    new.kv_turnover = with_term
+    m.kv_turnover = with_term
     d, res = r.route(new, 12.0)
     assert d.backend is b
     res.release(12.0)
@@ -160,10 +162,11 @@ def test_a_tenant_stays_with_its_partial_prefix_when_moving_would_evict():
         r.reserve(prompt(i % 2, 100 + i), a, float(i)).release(float(i))
         r.reserve(prompt(2 + i % 2, 200 + i), b, float(i)).release(float(i))
     req = prompt(0, 500)
-    r._match(req, 6.0)
-    held = req.cached_tokens("a")
-    assert req.cached_tokens("b") == 0 and 0 < held < req.prompt_tokens - 64  # a kept the head of tenant 0's prompt
-    (_, reuse_a), (_, reuse_b) = req.kv_turnover(a), req.kv_turnover(b)
+    m = r.match(req, 6.0)
+    held = m.cached_tokens("a")
+    assert m.cached_tokens("b") == 0 and 0 < held < req.prompt_tokens - 64  # a kept the head of tenant 0's prompt
+    assert m.kv_turnover is not None
+    (_, reuse_a), (_, reuse_b) = m.kv_turnover(a), m.kv_turnover(b)
     assert reuse_a > 0.5 and reuse_b > 0.5
     stay_s = held / 10_000  # what staying saves in prefill
     evicted_b, evicted_a = req.prompt_tokens + 8, req.prompt_tokens - held + 8  # both caches are full
@@ -172,9 +175,9 @@ def test_a_tenant_stays_with_its_partial_prefix_when_moving_would_evict():
     # a is busier than b by more than its held prefix saves, by less than it saves with the eviction cost
     queued = a.load.admit(uncached_tokens=(stay_s + stay_with_eviction_s) / 2 * 10_000, prompt_tokens=100,
                           output_tokens=8, now=6.0)
-    with_term, req.kv_turnover = req.kv_turnover, None
-    assert estimate_ttft(b, req)[0] < estimate_ttft(a, req)[0]  # greedy on its own TTFT: it moves
-    req.kv_turnover = with_term
+    with_term, m.kv_turnover = m.kv_turnover, None
+    assert estimate_ttft(b, req, m)[0] < estimate_ttft(a, req, m)[0]  # greedy on its own TTFT: it moves
+    m.kv_turnover = with_term
     d, res = r.route(req, 6.0)
     assert d.backend is a and d.detail["matched_tokens"] == held
     res.release(6.0)

@@ -12,6 +12,7 @@ import pytest
 
 from routing.core import BackendSpec, BackendState, DecisionCore, EngineSample, RouteRequest
 from routing.load import BackendLoad
+from routing.policies import Match
 from routing.policies.estimated_ttft import PROBE_AFTER_S, estimate_ttft
 from tests.unit.routing.test_router_model import VirtualFleet
 
@@ -68,10 +69,10 @@ def test_a_request_waiting_longer_than_predicted_says_the_backend_is_slower():
     b = core.fleet.backends["b"]
     _, req = core.request("m", "x" * 40000, 10)
     _, res = core.route(req, 0.0)  # 10k tokens: about 1 s at the hinted rate
-    probe = RouteRequest("m", prompt_tokens=1000, output_tokens=10, now=0.5)
-    on_time = estimate_ttft(b, probe)[0]
-    probe.now = 5.0  # still no first token 5 s later: the backend is 5x slower than it was thought
-    late = estimate_ttft(b, probe)[0]
+    probe = RouteRequest("m", prompt_tokens=1000, output_tokens=10)
+    on_time = estimate_ttft(b, probe, Match.of(probe, 0.5))[0]
+    # still no first token 5 s later: the backend is 5x slower than it was thought
+    late = estimate_ttft(b, probe, Match.of(probe, 5.0))[0]
     assert late > 3 * on_time
     res.release(5.0)
 
@@ -97,11 +98,10 @@ def test_stale_engine_metrics_count_as_uncertain_not_idle():
     core = DecisionCore([BackendSpec("b", frozenset({"m"}), prefill_tokens_per_s=10000.0)], "estimated_ttft")
     load = core.fleet.backends["b"].load
     load.metrics_max_age_s = 6.0
-    req = RouteRequest("m", prompt_tokens=1000, output_tokens=10, now=1.0)
+    req = RouteRequest("m", prompt_tokens=1000, output_tokens=10)
     load.observe_engine(EngineSample(0.0, waiting=0.0, running=0.0, kv_usage=0.0))  # "idle", then silence
-    fresh = estimate_ttft(core.fleet.backends["b"], req)[0]
-    req.now = 30.0
-    stale = estimate_ttft(core.fleet.backends["b"], req)[0]
+    fresh = estimate_ttft(core.fleet.backends["b"], req, Match.of(req, 1.0))[0]
+    stale = estimate_ttft(core.fleet.backends["b"], req, Match.of(req, 30.0))[0]
     assert stale == 2 * fresh  # counted up to twice while its metrics are stale
     assert load.metrics_staleness(30.0) == 1.0 and load.metrics_staleness(1.0) == 0.0
 

@@ -12,10 +12,16 @@ from collections import Counter, deque
 import pytest
 
 from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
+from routing.policies import Match
 from routing.policies.cache_aware import CacheAware
 from routing.policies.power_of_two import PowerOfTwo
 from routing.policies.prefix_hash import PrefixHash
 from routing.radix_tree import ApproxRadixTree, _common_prefix_len
+
+
+def choose(policy, request, candidates):
+    """``policy``'s choice for ``request`` outside a router: nothing cached anywhere."""
+    return policy.choose(request, candidates, Match.of(request))
 
 ALPHABET = string.ascii_letters + "     .,"
 
@@ -46,12 +52,12 @@ def test_power_of_two_prefers_the_less_loaded_of_its_two():
     a, b, c = backends(f)
     a.in_flight, b.in_flight, c.in_flight = 10, 5, 0
     p = PowerOfTwo(random.Random(1))
-    picks = Counter(p.choose(RouteRequest("m"), [a, b, c]).backend.name for _ in range(3000))
+    picks = Counter(choose(p, RouteRequest("m"), [a, b, c]).backend.name for _ in range(3000))
     # the two samples are distinct, so the most loaded backend never wins; each of the
     # others wins every pair it is in: c 2/3 of the time, b 1/3
     assert "a" not in picks
     assert picks["c"] > 1.7 * picks["b"] > 0
-    with_two = Counter(p.choose(RouteRequest("m"), [a, b]).backend.name for _ in range(200))
+    with_two = Counter(choose(p, RouteRequest("m"), [a, b]).backend.name for _ in range(200))
     assert with_two == {"b": 200}
 
 
@@ -60,8 +66,8 @@ def test_power_of_two_normalises_by_weight():
     a, b = backends(f)
     a.in_flight, b.in_flight = 2, 1  # 0.5 vs 1.0 per unit of weight
     p = PowerOfTwo(random.Random(2))
-    assert {p.choose(RouteRequest("m"), [a, b]).backend.name for _ in range(50)} == {"a"}
-    assert p.choose(RouteRequest("m"), [b]).backend is b
+    assert {choose(p, RouteRequest("m"), [a, b]).backend.name for _ in range(50)} == {"a"}
+    assert choose(p, RouteRequest("m"), [b]).backend is b
 
 
 def test_power_of_two_through_the_router_spreads_held_load():
@@ -87,24 +93,24 @@ def test_prefix_hash_same_key_same_backend():
     p, q = PrefixHash(), PrefixHash()
     cands = backends(f)
     for i in range(50):
-        first = p.choose(hashed(i), cands).backend.name
-        assert all(p.choose(hashed(i), cands).backend.name == first for _ in range(3))
-        assert q.choose(hashed(i), list(reversed(cands))).backend.name == first  # no state, no order
+        first = choose(p, hashed(i), cands).backend.name
+        assert all(choose(p, hashed(i), cands).backend.name == first for _ in range(3))
+        assert choose(q, hashed(i), list(reversed(cands))).backend.name == first  # no state, no order
     # the key is the first 16 blocks: requests that agree on them go together
     base = tuple(range(100, 116))
     r1 = RouteRequest("m", block_hashes=base + (1, 2, 3))
     r2 = RouteRequest("m", block_hashes=base + (7,))
-    assert p.choose(r1, cands).backend is p.choose(r2, cands).backend
+    assert choose(p, r1, cands).backend is choose(p, r2, cands).backend
     # no blocks: the first key_chars characters of the prompt text
     t = "x" * 5000
-    assert (p.choose(RouteRequest("m", prompt_text=t + "tail one"), cands).backend
-            is p.choose(RouteRequest("m", prompt_text=t + "another"), cands).backend)
+    assert (choose(p, RouteRequest("m", prompt_text=t + "tail one"), cands).backend
+            is choose(p, RouteRequest("m", prompt_text=t + "another"), cands).backend)
 
 
 def test_prefix_hash_spreads_distinct_keys_by_weight():
     f = fleet("a", "b", "c", "d", weights={"d": 2.0})
     p = PrefixHash()
-    counts = Counter(p.choose(hashed(i), backends(f)).backend.name for i in range(5000))
+    counts = Counter(choose(p, hashed(i), backends(f)).backend.name for i in range(5000))
     share = {k: v / 5000 for k, v in counts.items()}
     for name in "abc":
         assert 0.13 < share[name] < 0.27, share  # 1/5 each
@@ -121,7 +127,7 @@ def test_prefix_hash_bounds_the_load_under_skewed_keys():
     worst = 0.0
     for _ in range(4000):
         key = rng.choices(range(40), weights)[0]
-        b = p.choose(hashed(key), cands).backend
+        b = choose(p, hashed(key), cands).backend
         held.append(f.reserve(b))
         # the bound holds for the backend just chosen, at the moment of the choice
         mean = sum(x.in_flight for x in cands) / len(cands)
@@ -134,7 +140,7 @@ def test_prefix_hash_bounds_the_load_under_skewed_keys():
         res.release()
     unbounded = PrefixHash(load_factor=1e9)
     for _ in range(400):
-        b = unbounded.choose(hashed(rng.choices(range(40), weights)[0]), cands).backend
+        b = choose(unbounded, hashed(rng.choices(range(40), weights)[0]), cands).backend
         f.reserve(b)
     loads = [x.in_flight for x in cands]
     assert max(loads) > 2 * (sum(loads) / len(loads))
@@ -144,16 +150,16 @@ def test_prefix_hash_remaps_about_one_nth_when_a_backend_leaves():
     f = fleet("a", "b", "c", "d", "e")
     cands = backends(f)
     p = PrefixHash()
-    before = {i: p.choose(hashed(i), cands).backend.name for i in range(4000)}
+    before = {i: choose(p, hashed(i), cands).backend.name for i in range(4000)}
     without_c = [b for b in cands if b.name != "c"]
-    after = {i: p.choose(hashed(i), without_c).backend.name for i in range(4000)}
+    after = {i: choose(p, hashed(i), without_c).backend.name for i in range(4000)}
     moved = [i for i in before if before[i] != after[i]]
     # only the keys that were on c move (the ring is not rebuilt), about 1/5 of them
     assert all(before[i] == "c" for i in moved)
     assert len(moved) == sum(1 for v in before.values() if v == "c")
     assert 0.12 < len(moved) / 4000 < 0.28
     # and they come back when c does
-    assert {i: p.choose(hashed(i), cands).backend.name for i in range(4000)} == before
+    assert {i: choose(p, hashed(i), cands).backend.name for i in range(4000)} == before
 
 
 def test_prefix_hash_rejects_a_load_factor_of_one():
@@ -242,7 +248,7 @@ def test_cache_aware_defaults_are_the_sglang_router_cli_defaults():
 
 def route(p: CacheAware, cands: list, t: str):
     r = RouteRequest("m", prompt_text=t)
-    d = p.choose(r, cands)
+    d = choose(p, r, cands)
     p.on_dispatch(r, d)
     return d
 
@@ -375,7 +381,7 @@ def test_cache_aware_shared_first_block_trap_observation(capsys):
         counts: Counter = Counter()
         for t in prompts:
             r = RouteRequest("m", prompt_text=t)
-            d = p.choose(r, cands)
+            d = choose(p, r, cands)
             held.append(f.reserve(d.backend))
             p.on_dispatch(r, d)
             counts[d.backend.name] += 1

@@ -9,8 +9,8 @@ import inspect
 from pydantic import BaseModel
 
 import gateway.config
-from gateway.config import reference as config_reference
 from gateway.config import GatewayConfig
+from gateway.config import reference as config_reference
 from gateway.config.reference import DOC_PATH, REGENERATE, render, rows
 
 
