@@ -28,8 +28,8 @@ kubernetes-sigs/gateway-api-inference-extension). A request's life:
 
 A subset hint (filter metadata ``envoy.lb.subset_hint`` /
 ``x-gateway-destination-endpoint-subset``, a list of ``ip:port``) limits the choice to
-those endpoints. The gRPC health service reports ``liveness``, ``readiness`` and the
-ext_proc service name.
+those endpoints. The gRPC server that carries the streams, with its health service, is
+:mod:`gateway.epp.grpc_server`.
 
 The protocol's names and message helpers are :mod:`gateway.epp.ext_proc`; what the
 response phase's messages teach, and its settlement, :mod:`gateway.epp.response_phase`.
@@ -45,10 +45,8 @@ import grpc
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
 from gateway.epp.ext_proc import (
@@ -57,7 +55,6 @@ from gateway.epp.ext_proc import (
     DESTINATION,
     HEADERS_UNCHANGED,
     LB_NAMESPACE,
-    SERVICE,
     UNCHANGED,
     header_option,
     headers_of,
@@ -68,7 +65,6 @@ from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, 
 from gateway.paths import canonical_path
 from gateway.pipeline import director, settlement
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.openai_request import hold_back, model_card, models_list
 from gateway.request_ids import request_id, upstream_id
 from routing.core import Reservation
@@ -379,55 +375,3 @@ async def hand_off(state: GatewayState, ctx: RequestContext, client: BackendClie
         raise
     finally:
         settlement.release(state, served.reservation)
-
-
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The ext_proc service: one :class:`EppStream` per call."""
-
-    def __init__(self, state: GatewayState) -> None:
-        self.state = state
-
-    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # gRPC's name
-        try:
-            await EppStream(self.state, context).run()
-        except ClientGone:
-            pass
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("endpoint picker: unhandled error in a stream")
-            await context.abort(grpc.StatusCode.INTERNAL, "the endpoint picker hit an internal error")
-
-
-class EndpointPicker:
-    """The gRPC server: ext_proc and the health service, in the gateway's loop."""
-
-    def __init__(self, state: GatewayState) -> None:
-        self.state = state
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(state), self.server)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = 0
-
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: any free port) and report serving. Returns the
-        port. Raises ``OSError`` when the address cannot be bound."""
-        try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {host}:{port} for gRPC: {e}") from e
-        await self.server.start()
-        for name in ("", "liveness", "readiness", SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return self.port
-
-    async def drain(self) -> None:
-        """Not ready any more (new streams still served): Envoy's health checks steer away."""
-        await self.health.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    async def stop(self, grace_s: float) -> None:
-        """Stop: streams in flight get up to ``grace_s`` seconds to end."""
-        await self.drain()
-        await self.server.stop(grace_s)

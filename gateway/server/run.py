@@ -45,14 +45,14 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
     module doc); SIGHUP reloads the config file. Raises ``OSError`` when the address
     cannot be bound."""
     server = await listen(app, host, port, reuse_port=reuse_port)
-    picker = None  # gateway.epp.picker.EndpointPicker, with listen.epp
+    picker = None  # gateway.epp.grpc_server.EndpointPicker, with listen.epp
     try:
         addr = server.addresses[0]
         log.info("turbo-gateway listening on http://%s:%d", addr[0], addr[1])
         print(f"turbo-gateway listening on http://{addr[0]}:{addr[1]}", file=sys.stderr, flush=True)
         epp = app[STATE].cfg.listen.epp
         if epp.enabled:
-            from gateway.epp.picker import EndpointPicker  # grpc and Envoy's protos load only when used
+            from gateway.epp.grpc_server import EndpointPicker  # grpc and Envoy's protos load only when used
             picker = EndpointPicker(app[STATE])
             epp_host = epp.host or host
             epp_port = await picker.start(epp_host, epp.port)

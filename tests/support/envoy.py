@@ -18,7 +18,7 @@ import aiohttp
 import yaml
 
 from gateway.epp.envoy_config import render
-from gateway.epp.picker import EndpointPicker
+from gateway.epp.grpc_server import EndpointPicker
 from loadtest.procs import envoy_exe
 from tests.support.servers import RunningGateway, free_port, running_gateway
 

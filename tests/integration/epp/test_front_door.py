@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from gateway.epp.envoy_config import render
-from gateway.epp.picker import EndpointPicker
+from gateway.epp.grpc_server import EndpointPicker
 from tests.support.envoy import envoy, picker_stack
 from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway
 
