@@ -29,7 +29,11 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   timeout), global values only (Envoy has no first-byte timeout: ``ttft_s`` does not
   apply);
 - the picker's message timeout covers the admission queue's wait
-  (``admission.queue_timeout_s``): a request may wait there before it is handed off.
+  (``admission.queue_timeout_s``): a request may wait there before it is handed off;
+- Envoy's own failures (a timeout, no endpoint that answers) answered as the gateway
+  answers them: an OpenAI error body and ``x-should-retry: false``
+  (``local_reply_config``); a request head must arrive whole within
+  ``listen.head_timeout_s`` (``request_headers_timeout``).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from gateway.epp.ext_proc import (
     SUBSET_NAMESPACE,
     UPSTREAM_ADDRESS,
 )
-from gateway.errors import error_body
+from gateway.errors import SHOULD_RETRY_HEADER, error_body
 from gateway.upstream.client import endpoint_of
 from routing.core import RETRYABLE_STATUSES
 
@@ -60,6 +64,34 @@ _T = "type.googleapis.com/envoy.extensions"
 _NOT_FOUND = error_body("Unknown route: this gateway does not serve this path behind Envoy "
                         "(listen.epp.pass_through_paths lists the paths it passes on).", 404,
                         code="unknown_route").decode()
+
+
+# Envoy's own failures (its response flags), answered as the gateway answers them: an
+# OpenAI error body and ``x-should-retry: false`` (Envoy has retried already; a client
+# SDK that retried too would multiply the attempts). Replies of the picker itself
+# (ext_proc immediate responses) carry no such flag and pass unchanged.
+_LOCAL_REPLIES = (
+    # (response flags, status, code, message)
+    (["UT"], 504, "timeout", "The backend did not answer within timeouts.total_s (Envoy: %LOCAL_REPLY_BODY%)."),
+    (["SI"], 504, "idle_timeout", "The backend's stream went idle past timeouts.idle_s (Envoy: %LOCAL_REPLY_BODY%)."),
+    (["UF", "UC", "URX", "UO", "UH", "NC"], 503, "no_backend_available",
+     "No backend could serve the request (Envoy: %LOCAL_REPLY_BODY%)."),
+)
+
+
+def _local_reply_config() -> dict[str, Any]:
+    """The HTTP connection manager's ``local_reply_config``: each of Envoy's own
+    failures (:data:`_LOCAL_REPLIES`) as the gateway's failure answer."""
+    mappers = []
+    for flags, status, code, message in _LOCAL_REPLIES:
+        body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        mappers.append({
+            "filter": {"response_flag_filter": {"flags": flags}},
+            "status_code": status,
+            "headers_to_add": [{"header": {"key": SHOULD_RETRY_HEADER, "value": "false"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            "body_format_override": {"json_format": body, "content_type": "application/json"}})
+    return {"mappers": mappers}
 
 
 def _address(hostport: str) -> dict[str, Any]:
@@ -154,6 +186,9 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
            "normalize_path": True, "merge_slashes": True,
            "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
            "preserve_external_request_id": True,  # the caller's x-request-id, as the gateway keeps it
+           # a request head must arrive whole within listen.head_timeout_s, as on the gateway's own stacks
+           "request_headers_timeout": _seconds(cfg.listen.head_timeout_s),
+           "local_reply_config": _local_reply_config(),
            "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
            "http_filters": [ext_proc, router]}
     override_host = {"typed_extension_config": {
