@@ -201,8 +201,9 @@ class EppStream:
         model list are answered here, as the gateway's own data plane answers them;
         a path of ``listen.epp.pass_through_paths`` is authenticated (and its JSON
         body held to ``limits.engine_fields``), then goes to the ready backend with
-        the fewest requests in flight, nothing reserved; any other path is refused
-        (404, or 401 first under ``/v1/`` without a valid key), its body unread."""
+        the fewest requests in flight, nothing reserved; a completion path not POSTed
+        is a 405; any other path is refused (404); under ``/v1/`` a 401 comes first
+        without a valid key; a refused request's body is not read."""
         state = self.state
         try:
             if method == "GET" and path in ("/health", "/ready"):
@@ -210,6 +211,8 @@ class EppStream:
             caller = state.keyring.authenticate(self.headers) if path.startswith("/v1/") else None
             if method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
                 return await self._models(path[len("/v1/models/"):], rid)
+            if path in COMPLETION_PATHS:  # not a POST: as the gateway's own stacks answer it
+                raise ClientError(405, f"Method {method} is not allowed on {path}.", headers={"Allow": "POST"})
             if path not in state.cfg.listen.epp.pass_through_paths:
                 raise ClientError(404, f"Unknown route {method} {path}: this gateway does not serve it behind "
                                        "Envoy (listen.epp.pass_through_paths lists the paths it passes on).",

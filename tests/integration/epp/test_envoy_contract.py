@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from tests.support.envoy import picker_stack
-from tests.support.servers import ScriptedBackend, free_port, gateway_config
+from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +96,20 @@ async def test_a_request_head_that_trickles_is_cut_at_the_head_timeout():
                 writer.close()
             assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:80]
             assert not a.bodies
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_completion_path_not_posted_is_a_405_on_both_data_planes(path):
+    a = ScriptedBackend()
+    async with a.running():
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}])
+        answers = []
+        async with running_gateway(cfg) as gw, picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
+            for url in (gw.url, stack.url):
+                async with s.get(url + path) as r:
+                    answers.append((r.status, r.headers.get("Allow"), r.headers.get("content-type", "").split(";")[0],
+                                    r.headers.get("x-should-retry"), (await r.json())["error"]))
+        own, behind = answers
+        assert own[:4] == behind[:4] == (405, "POST", "application/json", "false")
+        assert own[4]["message"] == behind[4]["message"] == f"Method GET is not allowed on {path}."
+        assert not a.bodies and not a.paths
