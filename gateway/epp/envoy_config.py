@@ -23,7 +23,8 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   the fallbacks; a retry takes the next one), round robin when the picker gave none
   (only when failing open);
 - the gateway's retry and timeout semantics where Envoy has them: retries on connect
-  failures, resets before the response, 429, 502, 503 and 504, at most as many as the
+  failures, resets before the response (``reset``: also a backend that read the request
+  and closed the connection without answering), 429, 502, 503 and 504, at most as many as the
   picker lists fallbacks (and ``retries.max_attempts - 1``); ``timeouts.connect_s``,
   ``timeouts.total_s`` (the route timeout) and ``timeouts.idle_s`` (the stream's idle
   timeout), global values only (Envoy has no first-byte timeout: ``ttft_s`` does not
@@ -150,7 +151,7 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
     t = cfg.timeouts
     route: dict[str, Any] = {
         "cluster": "pool", "timeout": _seconds(t.total_s),
-        "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+        "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,reset,retriable-status-codes",
                          "retriable_status_codes": sorted(RETRYABLE_STATUSES),
                          "num_retries": min(pe.fallback_endpoints, cfg.retries.max_attempts - 1)}}
     if t.idle_s is not None:

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from tests.support.envoy import picker_stack
-from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway
+from tests.support.servers import ScriptedBackend, free_port, gateway_config, raw_backend, running_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +113,27 @@ async def test_a_completion_path_not_posted_is_a_405_on_both_data_planes(path):
         assert own[:4] == behind[:4] == (405, "POST", "application/json", "false")
         assert own[4]["message"] == behind[4]["message"] == f"Method GET is not allowed on {path}."
         assert not a.bodies and not a.paths
+
+
+async def test_a_backend_that_closes_without_answering_is_retried_on_another():
+    """A backend that reads the request and closes the connection without a byte of
+    answer (a crash, an OOM kill) is retried on another backend, as the gateway's own
+    data plane retries a failure before the first byte."""
+    hung_up = []
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        hung_up.append(1)
+        writer.transport.abort()  # a reset, no answer
+
+    good = ScriptedBackend()
+    async with raw_backend(hang_up) as bad_url, good.running():
+        cfg = gateway_config([{"name": "bad", "url": bad_url, "models": ["m"]},
+                              {"name": "good", "url": good.url, "models": ["m"]}],
+                             breaker={"failure_threshold": 100})
+        async with picker_stack(cfg) as stack:
+            client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="sk-any", max_retries=0)
+            for _ in range(4):  # round robin: the picker chooses "bad" for some of them
+                r = await client.chat.completions.create(model="m", messages=CHAT)
+                assert r.choices[0].message.content == "hello"
+            assert hung_up and len(good.bodies) == 4
