@@ -26,6 +26,19 @@ pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "hi"}]
 
 
+async def sdk_failure(url: str, status: int) -> dict:
+    """A chat completion through ``url`` with the openai SDK (its default retries on):
+    it must fail with ``status``, an OpenAI error body and ``x-should-retry: false``.
+    Returns the body's ``error``."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-any", max_retries=2)
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.chat.completions.create(model="m", messages=CHAT)
+    r = e.value.response
+    assert r.status_code == status and r.headers["content-type"] == "application/json"
+    assert r.headers["x-should-retry"] == "false"
+    return r.json()["error"]
+
+
 async def test_a_request_timeout_is_an_openai_504_that_the_sdk_does_not_retry():
     started = []
 
@@ -38,13 +51,7 @@ async def test_a_request_timeout_is_an_openai_504_that_the_sdk_does_not_retry():
     async with a.running():
         cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}], timeouts={"total_s": 1.0})
         async with picker_stack(cfg) as stack:
-            client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="sk-any", max_retries=2)
-            with pytest.raises(openai.APIStatusError) as e:
-                await client.chat.completions.create(model="m", messages=CHAT)
-            r = e.value.response
-            assert r.status_code == 504 and r.headers["content-type"] == "application/json"
-            assert r.headers["x-should-retry"] == "false"
-            err = r.json()["error"]
+            err = await sdk_failure(stack.url, 504)
             assert (err["type"], err["code"], err["param"]) == ("server_error", "timeout", None)
             assert "upstream request timeout" in err["message"]
             assert len(started) == 1  # one attempt: neither Envoy nor the SDK tried it again
@@ -54,13 +61,7 @@ async def test_no_endpoint_that_answers_is_an_openai_503_that_the_sdk_does_not_r
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: every connect is refused
     cfg = gateway_config([{"name": "a", "url": dead, "models": ["m"]}])
     async with picker_stack(cfg) as stack:
-        client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="sk-any", max_retries=2)
-        with pytest.raises(openai.APIStatusError) as e:
-            await client.chat.completions.create(model="m", messages=CHAT)
-        r = e.value.response
-        assert r.status_code == 503 and r.headers["content-type"] == "application/json"
-        assert r.headers["x-should-retry"] == "false"
-        assert r.json()["error"]["code"] == "no_backend_available"
+        assert (await sdk_failure(stack.url, 503))["code"] == "no_backend_available"
         stats = await stack.envoy.stats("http.inference.downstream_rq_")
         assert stats["http.inference.downstream_rq_5xx"] == 1  # the SDK sent it once
 
