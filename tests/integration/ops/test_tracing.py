@@ -325,3 +325,41 @@ async def test_requests_are_served_while_the_collector_is_down(monkeypatch):
                 model="m", messages=[{"role": "user", "content": "hi"}]) for _ in range(5)))
             await client.close()
     assert [a.choices[0].message.content for a in answers] == ["hello"] * 5
+
+
+async def test_the_prefill_leg_is_a_span_whose_attempt_sends_the_prefill_backend_its_traceparent():
+    async def prefill(backend, request, body):
+        return web.json_response({
+            "id": "cmpl-prefill", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1300, "completion_tokens": 1, "total_tokens": 1301},
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
+                                   "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 5600}})
+
+    pf, dc, receiver = ScriptedBackend(handler=prefill), ScriptedBackend(), OtlpReceiver()
+    async with receiver.running(), pf.running(), dc.running():
+        cfg = gateway_config(
+            [{"name": "pf", "url": pf.url, "models": ["m"], "pool": "prefill"},
+             {"name": "dc", "url": dc.url, "models": ["m"], "pool": "decode"}],
+            pools=[{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"}],
+            routing={"long_prompt_tokens": 256, "scrape_interval_s": 0}, tracing=_tracing(receiver))
+        async with running_gateway(cfg) as gw:
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", max_tokens=4, messages=[{"role": "user", "content": PROMPT + " lorem ipsum" * 400}])
+            await client.close()
+    assert raw.headers["x-turbo-backend"] == "dc"
+    (root,) = [s for s in receiver.spans if s.parent == ""]
+    assert [s.name for s in _children(receiver.spans, root)] == ["admission", "prefill", "route", "chat m"]
+    leg = _children(receiver.spans, root)[1]
+    assert leg.attrs["turbo.prefill.outcome"] == "ok"
+    route, attempt = _children(receiver.spans, leg)
+    assert route.name == "route" and (route.attrs["turbo.route.pool"], route.attrs["turbo.route.backend"]) == (
+        "prefill", "pf")
+    assert attempt.kind == 3 and attempt.attrs["turbo.backend"] == "pf" and attempt.attrs["turbo.leg"] == "prefill"
+    decode = _children(receiver.spans, root)[3]
+    assert decode.attrs["turbo.backend"] == "dc" and decode.attrs["turbo.leg"] == "serve"
+    for backend, span in ((pf, attempt), (dc, decode)):
+        (sent,) = [{k.lower(): v for k, v in h.items()} for h in backend.headers]
+        assert sent["traceparent"].split("-")[1:3] == [root.trace_id, span.span_id]
+    assert PROMPT not in " ".join(_strings(receiver.spans))
