@@ -215,7 +215,10 @@ class RequestTrace:
         span = self.attempt
         if span is None:
             return
-        if self.relay is not None:
+        if self.relay is not None:  # the stream broke after its first byte
+            if err is not None:
+                self.relay.add_event("end", {"error.type": err.reason})
+                _failed(self.relay, err.reason)
             self.relay.end()
             self.relay = None
         if err is not None:

@@ -27,7 +27,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.support.servers import ScriptedBackend, default_answer, gateway_config, running_gateway
+from tests.support.servers import ScriptedBackend, default_answer, gateway_config, running_gateway, sse_chunk
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra (pip install -e '.[test]')")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -363,3 +363,31 @@ async def test_the_prefill_leg_is_a_span_whose_attempt_sends_the_prefill_backend
         (sent,) = [{k.lower(): v for k, v in h.items()} for h in backend.headers]
         assert sent["traceparent"].split("-")[1:3] == [root.trace_id, span.span_id]
     assert PROMPT not in " ".join(_strings(receiver.spans))
+
+
+async def test_a_stream_that_breaks_after_its_first_event_ends_its_relay_span_with_the_error():
+    async def breaks(backend, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse_chunk(0, "t0 "))
+        await resp.write_eof()  # no `data: [DONE]`
+        return resp
+
+    be, receiver = ScriptedBackend(handler=breaks), OtlpReceiver()
+    async with receiver.running(), be.running():
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], tracing=_tracing(receiver))
+        async with running_gateway(cfg) as gw:
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                          stream=True)
+            with pytest.raises(openai.APIError):
+                async for _ in stream:
+                    pass
+            await client.close()
+    (root,) = [s for s in receiver.spans if s.parent == ""]
+    (attempt,) = [s for s in _children(receiver.spans, root) if s.kind == 3]
+    (relay,) = _children(receiver.spans, attempt)
+    assert attempt.status == 2 and attempt.attrs["error.type"] == "disconnected"
+    assert [name for name, _ in relay.events] == ["first_token", "end"] and relay.status == 2
+    assert relay.events[1][1]["error.type"] == "disconnected"
+    assert root.status == 2 and root.attrs["http.response.status_code"] == 502
