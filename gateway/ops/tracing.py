@@ -51,7 +51,6 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from gateway.config import Tracing as TracingConfig
 from gateway.errors import BackendStatus, UpstreamError
-from gateway.upstream.client import header_value
 
 if TYPE_CHECKING:
     from gateway.pipeline.openai_request import ParsedRequest
@@ -297,10 +296,12 @@ def _failed(span: Span, error_type: str) -> None:
 
 
 def _header_lines(ctx: otel_context.Context) -> bytes:
-    """``ctx``'s trace context as HTTP/1.1 header lines, through the propagators."""
+    """``ctx``'s trace context as HTTP/1.1 header lines, through the propagators (a
+    value with a line break, which they never make, is left out)."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier, ctx)
-    return b"".join(b"%s: %s\r\n" % (header_value(k), header_value(v)) for k, v in carrier.items())
+    return "".join([f"{k}: {v}\r\n" for k, v in carrier.items()
+                    if "\r" not in v and "\n" not in v and "\x00" not in v]).encode("latin-1", "replace")
 
 
 _log_factory_installed = False
