@@ -208,9 +208,8 @@ class DecisionCore:
         stats.exact += 1
         return tz
 
-    def request(self, model: str, prompt_text: str, max_tokens: int | None,
-                cache_salt: str | None = None, stream: bool = True,
-                token_ids: Sequence[int] | None = None,
+    def request(self, model: str, prompt_text: str, max_tokens: int | None, cache_salt: str | None = None,
+                stream: bool = True, token_ids: Sequence[int] | None = None,
                 subset: frozenset[str] | None = None) -> tuple[PromptEstimate, RouteRequest]:
         """Estimate a request (prompt tokens, prefix block hashes, expected output
         tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take
