@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +35,9 @@ from gateway.tenancy.usage_ledger import UsageLedger, UsageSync
 from gateway.upstream.client import BackendClient
 from gateway.upstream.lora_loader import AdapterLoader
 from routing.core import BackendSpec, DecisionCore, Fleet, ModelTokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from gateway.ops.tracing import Tracer
 
 log = logging.getLogger("gateway.runtime")
 
@@ -66,6 +69,7 @@ class GatewayState:
     kv_events: KVEventSubscribers | None = None  # the engines' KV-event subscribers, made by connect()
     adapters: AdapterLoader = field(default_factory=AdapterLoader)  # LoRA adapters loaded on demand
     batch_gate: Any = None  # gateway.batch.batch_gate.BatchGate when batch is enabled
+    tracer: Tracer | None = None  # OpenTelemetry traces, with tracing.enabled (started by the app)
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read
     reloads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})

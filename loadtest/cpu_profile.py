@@ -20,6 +20,11 @@ agree within about 1%), which CPU seconds on a shared VM do not: use it to compa
 versions of the code; use the CPU seconds, or ``python -m loadtest.peers``, for the
 absolute cost (kernel time, which callgrind does not see, is about a fifth of it).
 Needs the ``valgrind`` binary (Debian: ``valgrind``); about 5 minutes.
+
+``--tracing RATIO`` runs the gateway with OpenTelemetry tracing on (``tracing`` in
+``backends.yaml``, sample ratio ``RATIO``; needs the ``otel`` extra), exporting over
+OTLP/HTTP to a sink in this process that answers every export with 200, so that the
+cost of making, batching and encoding the spans is counted with the gateway's.
 """
 
 from __future__ import annotations
@@ -34,8 +39,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -57,6 +67,39 @@ async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int, m
                         pass
 
         await asyncio.gather(*(one() for _ in range(n)))
+
+
+class _Sink(BaseHTTPRequestHandler):
+    """Takes an OTLP/HTTP export and answers 200 with an empty (valid) response."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+@contextmanager
+def _tracing(cfg: dict[str, Any], ratio: float | None) -> Iterator[None]:
+    """With ``ratio``, ``cfg`` traces at that sample ratio to an OTLP sink on 127.0.0.1
+    served from a thread of this process while the context is open."""
+    if ratio is None:
+        yield
+        return
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    cfg["tracing"] = {"enabled": True, "sample_ratio": ratio,
+                      "endpoint": f"http://127.0.0.1:{server.server_address[1]}/v1/traces"}
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _callgrind_total(out_prefix: str) -> int:
@@ -82,6 +125,12 @@ def callgrind(args: argparse.Namespace) -> int:
     cfg = {"routing": {"policy": args.policy, "scrape_interval_s": 0}, "health": {"interval_s": 3600},
            "backends": [{"name": f"z{i}", "url": u, "models": ["m"]} for i, (_, u) in enumerate(zeros)]
            + [{"name": f"s{i}", "url": u, "models": ["slow"]} for i, (_, u) in enumerate(slow)]}
+    with _tracing(cfg, args.tracing):
+        return _callgrind(args, cfg, tmp, out, zeros + slow)
+
+
+def _callgrind(args: argparse.Namespace, cfg: dict[str, Any], tmp: Path, out: str,
+               backends: list[tuple[subprocess.Popen, str]]) -> int:
     (tmp / "gw.yaml").write_text(yaml.safe_dump(cfg))
     port = free_port()
     gw = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
@@ -89,9 +138,10 @@ def callgrind(args: argparse.Namespace) -> int:
                            "--log-level", "warning"], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     n = args.requests
+    traced = f", tracing at {args.tracing:g}" if args.tracing is not None else ""
     try:
         wait_http(url + "/ready", 300.0, gw)
-        print(f"| scenario (policy {args.policy}, under callgrind) | requests | instructions per request |")
+        print(f"| scenario (policy {args.policy}{traced}, under callgrind) | requests | instructions per request |")
         print("|---|---|---|")
         for label, model, stream, tokens, conc, count in (
                 ("non-streaming, max_tokens 16, 32 concurrent", "m", False, 16, 32, n),
@@ -114,7 +164,7 @@ def callgrind(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             gw.kill()
             gw.wait(10)
-        for p, _ in zeros + slow:
+        for p, _ in backends:
             stop(p)
     return 0
 
@@ -126,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="write the gateway's cProfile output here")
     ap.add_argument("--callgrind", action="store_true",
                     help="count the gateway's instructions per request under valgrind instead (see above)")
+    ap.add_argument("--tracing", type=float, metavar="RATIO",
+                    help="trace with OpenTelemetry at this sample ratio (0..1) to an OTLP sink (see above)")
     args = ap.parse_args(argv)
     if args.callgrind:
         return callgrind(args)
@@ -133,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tg-cpu-"))
     cfg = {"routing": {"policy": args.policy, "scrape_interval_s": 0}, "health": {"interval_s": 60},
            "backends": [{"name": f"z{i}", "url": u, "models": ["m"]} for i, (_, u) in enumerate(zeros)]}
+    with _tracing(cfg, args.tracing):
+        return _cpu_seconds(args, cfg, tmp, zeros)
+
+
+def _cpu_seconds(args: argparse.Namespace, cfg: dict[str, Any], tmp: Path,
+                 zeros: list[tuple[subprocess.Popen, str]]) -> int:
     (tmp / "gw.yaml").write_text(yaml.safe_dump(cfg))
     port = free_port()
     prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []

@@ -9,6 +9,7 @@ module per concern:
 - :mod:`~gateway.config.routing_rules`: ``routing``, ``models``;
 - :mod:`~gateway.config.stores`: ``state``, ``batch``, ``usage``;
 - :mod:`~gateway.config.tenancy`: ``auth``, ``admin``, ``admission``;
+- :mod:`~gateway.config.tracing`: ``tracing``;
 - :mod:`~gateway.config.root`: :class:`GatewayConfig` and the checks across sections;
 - :mod:`~gateway.config.loader`: :func:`load_config`, :func:`parse_config`;
 - :mod:`~gateway.config.errors`: validation errors in plain words;
@@ -26,6 +27,7 @@ from gateway.config.routing_rules import CanarySplit, Fallback, FallbackTrigger,
 from gateway.config.serving import ENGINE_FIELDS, EndpointPicker, Lifecycle, Limits, Listen, Pool, Streaming
 from gateway.config.stores import Batch, Price, StateStore, Usage
 from gateway.config.tenancy import Admin, Admission, Auth, ClientKey
+from gateway.config.tracing import Tracing
 from gateway.config.upstream import (
     Backend,
     BackendLora,
@@ -73,6 +75,7 @@ __all__ = [
     "Strict",
     "TimeoutOverrides",
     "Timeouts",
+    "Tracing",
     "Usage",
     "load_config",
     "parse_config",

@@ -16,6 +16,7 @@ from gateway.config.routing_rules import ModelSettings, Routing
 from gateway.config.serving import Lifecycle, Limits, Listen, Pool, Streaming
 from gateway.config.stores import Batch, StateStore, Usage
 from gateway.config.tenancy import Admin, Admission, Auth
+from gateway.config.tracing import Tracing
 from gateway.config.upstream import Backend, Breaker, HealthChecks, KVEvents, Retries, Timeouts
 
 
@@ -73,6 +74,9 @@ class GatewayConfig(Strict):
     usage: Usage = Field(
         Usage(), description="The usage ledger per key and model (`GET /admin/usage`, `GET /v1/usage`): "
         "retention, flushing to Redis and prices.")
+    tracing: Tracing = Field(
+        Tracing(), description="OpenTelemetry traces of completion requests, exported over OTLP/HTTP "
+        "(docs/tracing.md). Changing it needs a restart.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:

@@ -75,7 +75,7 @@ def on_response_body(state: GatewayState, ctx: RequestContext, served: Served, c
         if served.scan is None:
             if not chunk and not end:
                 return
-            settlement.first_byte(state, ctx, served.reservation, state.loop.time())
+            settlement.first_byte(state, ctx, served.reservation, state.loop.time(), chunk)
             served.scan = ctx.scan = StreamScan()
         served.scan.feed(chunk)
     else:

@@ -18,7 +18,7 @@ is applied **in place**, in one synchronous step (no request can see half of it)
   client keys and their limits, admission settings and the admin key take effect for
   the next request; requests in flight finish under the settings they started with.
 
-Needs a restart (rejected by a reload): ``listen``, ``state``,
+Needs a restart (rejected by a reload): ``listen``, ``state``, ``tracing``,
 ``routing.block_tokens`` / ``prefix_ttl_s`` / ``prefix_index_max_blocks`` (the prefix
 index's shape) and adding or changing a ``simulate`` backend.
 """
@@ -49,6 +49,8 @@ def _restart_only(old: GatewayConfig, new: GatewayConfig, urls: dict[str, str]) 
         return "`listen` changed"
     if new.state != old.state:
         return "`state` changed"
+    if new.tracing != old.tracing:
+        return "`tracing` changed"
     for f in ("block_tokens", "prefix_ttl_s", "prefix_index_max_blocks"):
         if getattr(new.routing, f) != getattr(old.routing, f):
             return f"`routing.{f}` changed"

@@ -80,13 +80,18 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
         ctx.backend, ctx.decision = backend.name, decision
         ctx.attempts.append((backend.name, now, "started"))
         retrier.attempts += 1
+        trace = ctx.trace
         try:
             client = state.clients[backend.name]
+            if trace is not None:
+                trace.attempt_began(decision, backend.spec.pool, now, ctx.model, client.pool.host, client.pool.port)
             if backend.needs_load(ctx.model):  # a LoRA adapter it may load on demand (rare: once per backend)
                 await _load_adapter(state, ctx, backend, client)
             await ctx.send(state, ctx, client, reservation)
             return None
         except UpstreamError as err:
+            if trace is not None:
+                trace.attempt_ended(err)
             settlement.attempt_failed(state, backend, reservation, err)
             ctx.attempts[-1] = (backend.name, now, err.reason)
             if ctx.scan is not None:  # the backend's bytes already reached the client: end the stream
@@ -107,6 +112,8 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
             now = loop.time()
         finally:
             settlement.release(state, reservation)
+            if trace is not None:
+                trace.attempt_ended()
 
 
 async def _load_adapter(state: GatewayState, ctx: RequestContext, backend: BackendState,
@@ -134,11 +141,12 @@ async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:
                         openai)
 
 
-def _request_headers(client: BackendClient, request_id: str, stream: bool) -> bytes:
+def _request_headers(client: BackendClient, request_id: str, stream: bool, trace: bytes = b"") -> bytes:
     """The attempt's own header lines: its own id (:func:`gateway.request_ids.upstream_id`,
-    never the caller's as it is) and the backend's key, if any."""
-    return (_STREAM_HEADERS if stream else _JSON_HEADERS) + b"%s: %s\r\n%s" % (
-        REQUEST_ID_HEADER.encode(), header_value(upstream_id(request_id)), client.auth_line)
+    never the caller's as it is), the backend's key, if any, and ``trace``, the lines
+    of its trace context (:attr:`gateway.ops.tracing.RequestTrace.propagation`)."""
+    return (_STREAM_HEADERS if stream else _JSON_HEADERS) + b"%s: %s\r\n%s%s" % (
+        REQUEST_ID_HEADER.encode(), header_value(upstream_id(request_id)), client.auth_line, trace)
 
 
 async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, reservation: Reservation) -> None:
@@ -157,9 +165,10 @@ async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, r
         body = request_usage(body, ctx.data or parsed.data)
     up: Upstream | None = None
     try:
-        up = await client.pool.request(PATHS[parsed.endpoint], _request_headers(client, ctx.request_id, parsed.stream),
-                                       body, deadlines.first_byte_at, early, not parsed.stream,
-                                       deadlines.first_byte_error)
+        headers = _request_headers(client, ctx.request_id, parsed.stream,
+                                   ctx.trace.propagation if ctx.trace is not None else b"")
+        up = await client.pool.request(PATHS[parsed.endpoint], headers, body, deadlines.first_byte_at, early,
+                                       not parsed.stream, deadlines.first_byte_error)
         if up.status != 200:
             await _raise_status(client, up, PATHS[parsed.endpoint])
         if early is not None and early.opened:
@@ -191,13 +200,13 @@ async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, r
             up.finish()  # back to the pool when complete, else closed (the engine aborts)
 
 
-async def fetch(client: BackendClient, path: str, body: bytes, request_id: str) -> bytes:
+async def fetch(client: BackendClient, path: str, body: bytes, request_id: str, trace: bytes = b"") -> bytes:
     """Send a non-streamed request to ``client``'s backend and return the whole 200
-    response body (the prefill leg of a disaggregated request). Raises an
-    :class:`~gateway.errors.UpstreamError`."""
+    response body (the prefill leg of a disaggregated request); ``trace``: the header
+    lines of its trace context. Raises an :class:`~gateway.errors.UpstreamError`."""
     deadlines = Deadlines(client.state.name, client.timeouts, client.pool.loop.time())
-    up = await client.pool.request(path, _request_headers(client, request_id, False), body, deadlines.first_byte_at,
-                                   deadline_error=deadlines.first_byte_error)
+    up = await client.pool.request(path, _request_headers(client, request_id, False, trace), body,
+                                   deadlines.first_byte_at, deadline_error=deadlines.first_byte_error)
     if up.status != 200:
         await _raise_status(client, up, path)
     try:

@@ -30,6 +30,7 @@ from routing.core import (
 )
 
 if TYPE_CHECKING:
+    from gateway.ops.tracing import RequestTrace
     from gateway.runtime import GatewayState
     from gateway.upstream.client import BackendClient
 
@@ -87,3 +88,4 @@ class RequestContext:
     served: ServedMetrics | None = None  # the answering backend's metric children, once it answered
     ttft_s: float | None = None  # arrival to the answer's first byte (s), once it went out
     subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
+    trace: RequestTrace | None = None  # its spans, with tracing on (gateway.ops.tracing)

@@ -12,6 +12,8 @@ as the request's story, every step a call into a module named after it::
 - parse: :func:`parse` (:mod:`~gateway.pipeline.openai_request`; 400, 404, 413, 415);
 - admit: :class:`~gateway.pipeline.admit.Ticket` (the batch gate, the caller's limits,
   the admission queue; 429, 503), released once at the end;
+- trace: with ``tracing`` on, ``ctx.trace`` (:class:`gateway.ops.tracing.RequestTrace`)
+  is the request's span, told of each step by the step (``None``: tracing is off);
 - estimate: :func:`gateway.pipeline.prompt.estimate` (the model's tokenizer, the
   decision core's estimate, the context-length check);
 - plan: :meth:`routing.core.DecisionCore.plan` (single, or disaggregated);
@@ -81,18 +83,21 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
     then the batch gate, its usage counted under that name). The answer, or the OpenAI
     error, goes to ``down``. Raises ``CancelledError`` when the client left."""
     ticket, ctx, in_process = Ticket(), None, batch_owner is not None
+    trace = state.tracer.request(endpoint, headers, request_id) if state.tracer is not None else None
     try:
         if caller is None:  # 401
             caller = state.keyring.authenticate(headers) if batch_owner is None else state.keyring.named(batch_owner)
         parsed = await parse(state, endpoint, headers, body, caller, in_process)  # 400, 404, 413, 415
         # the batch class: the gateway's own lines, or a key granted it (auth.keys[].batch_priority)
         batch = state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch" and caller.batch_priority
-        arrival = await ticket.admit(state, caller, parsed, batch, in_process, arrival)  # 429, 503
+        admitting = ticket.admit(state, caller, parsed, batch, in_process, arrival)  # 429, 503
+        key_name = caller.name if batch_owner is None else batch_owner
+        arrival = await (admitting if trace is None else trace.admission(admitting, parsed, key_name))
         ring = state.keyring
         if ring.isolate:  # auth.cache_isolation: per_key
-            isolate_cache(parsed, ring.cache_salt(caller.name if batch_owner is None else batch_owner))
+            isolate_cache(parsed, ring.cache_salt(key_name))
         ctx = RequestContext(down, parsed, request_id, arrival, send, parsed.model, parsed.data, body=parsed.body,
-                             key_name=caller.name if batch_owner is None else batch_owner, subset=subset,
+                             key_name=key_name, subset=subset, trace=trace,
                              route_details=ring.route_details_all or caller.route_details)
         t0 = state.loop.time()  # the retry budget counts from here
         tried = [parsed.model]
@@ -119,13 +124,17 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
             if ctx.keepalive is not None:
                 _first_event_seen(ctx)
     except ClientError as e:
+        if trace is not None:
+            trace.refused(e.status, e.code)
         if not in_process:  # a batch line's refusal goes to its error file instead
             access_log.refused(request_id, endpoint, e.status, e.code)
         if not down.started:
             down.respond(*e.answer(request_id))
     except ClientGone:
         pass
-    except Exception:
+    except Exception as e:
+        if trace is not None:
+            trace.crashed(e)
         if in_process:
             raise  # the batch consumer logs it and keeps the line pending
         log.exception("unhandled error on POST /v1/%s (request %s)", endpoint, request_id)
@@ -133,6 +142,8 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
             down.respond(*internal_error_answer(request_id))
     finally:
         ticket.release(state, ctx)
+        if trace is not None:
+            trace.end()
 
 
 async def parse(state: GatewayState, endpoint: str, headers: Mapping[str, str],

@@ -52,22 +52,29 @@ async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> d
     path = attempt.PATHS[parsed.endpoint]
     excluded: set[str] = set()
     retrier = Retrier(state.retry, loop.time())
+    trace = ctx.trace
     while True:
         req = RouteRequest(ctx.model, frozenset(excluded), base.prompt_text, base.prompt_bytes, base.block_hashes,
                            base.prompt_tokens, 1, base.tokens_per_block, PREFILL, stream=False,
                            token_ids=base.token_ids, token_keys=base.token_keys)
+        now = loop.time()
         try:
-            decision, reservation = state.core.route(req, loop.time())
+            decision, reservation = state.core.route(req, now)
         except NoBackendAvailable:
             return None
         retrier.started()
         backend = decision.backend
         client = state.clients[backend.name]
+        if trace is not None:
+            trace.attempt_began(decision, backend.spec.pool, now, ctx.model, client.pool.host, client.pool.port)
         try:
-            payload = await attempt.fetch(client, path, body, ctx.request_id)
+            payload = await attempt.fetch(client, path, body, ctx.request_id,
+                                          trace.propagation if trace is not None else b"")
             obj = orjson.loads(payload)
         except (UpstreamError, orjson.JSONDecodeError) as e:
             err = e if isinstance(e, UpstreamError) else UpstreamError(backend.name, f"invalid JSON: {e}")
+            if trace is not None:
+                trace.attempt_ended(err)
             settlement.attempt_failed(state, backend, reservation, err)
             delay = retrier.after_failure(err.retryable, loop.time())
             if delay is None:
@@ -78,6 +85,8 @@ async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> d
         except BaseException:  # the client left (cancelled), or a bug
             settlement.release(state, reservation)
             raise
+        if trace is not None:
+            trace.attempt_ended()
         settlement.leg_completed(state, reservation)
         params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
         if isinstance(params, dict):
@@ -93,7 +102,11 @@ async def leg(state: GatewayState, ctx: RequestContext) -> tuple[frozenset[str] 
     next and whether its prompt's KV arrives by transfer: ``decode`` ones when the leg
     succeeded, else any serving backend, which computes the prompt itself."""
     assert ctx.request is not None and ctx.data is not None
+    if ctx.trace is not None:
+        ctx.trace.leg_began()
     params = await run(state, ctx, ctx.request)
+    if ctx.trace is not None:
+        ctx.trace.leg_ended(params is not None)
     m = state.metrics
     if params is None:  # the prefill leg failed: a decode or mixed backend computes the prompt itself
         m.child(m.disaggregated, "fallback").inc()

@@ -123,7 +123,7 @@ class StreamRelay:
 
 def whole(state: GatewayState, ctx: RequestContext, up: Upstream, data: bytes, reservation: Reservation) -> None:
     """Answer with a whole (non-streamed) response ``data`` and settle it."""
-    settlement.first_byte(state, ctx, None, state.loop.time())
+    settlement.first_byte(state, ctx, None, state.loop.time(), data)
     settlement.completed(state, ctx, reservation, whole_usage(data), 0, whole=True)
     settlement.finish(state, ctx, 200)
     ctx.down.respond(200, data, answer_headers(ctx, up.headers.get("content-type", "application/json")))
@@ -134,7 +134,7 @@ def _start(state: GatewayState, ctx: RequestContext, reservation: Reservation,
     """The stream's first bytes ``chunk`` are going to the client now: record the first
     token and scan them. Returns the time, the scan and the bytes to send."""
     first_at = state.loop.time()
-    settlement.first_byte(state, ctx, reservation, first_at)
+    settlement.first_byte(state, ctx, reservation, first_at, chunk)
     scan = ctx.scan = StreamScan(withhold=not ctx.parsed.include_usage)
     return first_at, scan, scan.feed(chunk)
 

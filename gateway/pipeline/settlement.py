@@ -71,15 +71,20 @@ def served(state: GatewayState, ctx: RequestContext) -> ServedMetrics:
     return s
 
 
-def first_byte(state: GatewayState, ctx: RequestContext, reservation: Reservation | None, at: float) -> None:
+def first_byte(state: GatewayState, ctx: RequestContext, reservation: Reservation | None, at: float,
+               head: bytes = b"") -> None:
     """The answer's first byte goes to the client at loop time ``at``: the TTFT, and
-    the backend's first token when the answer is a stream (``reservation`` given)."""
+    the backend's first token when the answer is a stream (``reservation`` given).
+    ``head``: the answer's first bytes, when the caller has them (the trace reads the
+    response's id from them)."""
     if reservation is not None:
         reservation.first_token(at)
     s = served(state, ctx)  # the answering backend is known from here on
     ttft = ctx.ttft_s = at - ctx.arrival
     s.ttft.observe(ttft)
     s.pool_ttft.observe(ttft)
+    if ctx.trace is not None:
+        ctx.trace.first_token(at, ttft, head)
 
 
 def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation, usage: Any, events: int,
@@ -220,6 +225,8 @@ def finish(state: GatewayState, ctx: RequestContext, status: int) -> None:
     """Count the request's final ``status`` (and its end-to-end time when 200), and its
     usage in the ledger (:mod:`gateway.tenancy.usage_ledger`) under its caller's key name."""
     account(state, ctx, status)
+    if ctx.trace is not None:
+        ctx.trace.finish(status, ctx.model, ctx.usage, ctx.fallback_reason)
     access_log.completion(ctx.request_id, ctx.parsed.endpoint, status, ctx.model or ctx.parsed.model, ctx.backend,
                           ctx.ttft_s, ctx.usage, state.loop.time() - ctx.arrival, len(ctx.attempts))
     if status == 200:

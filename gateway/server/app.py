@@ -97,6 +97,10 @@ def _lifecycle(backend_urls: dict[str, str]):
         if state.kv_sources:
             configure(state, cfg)  # with the simulated backends' KV events wired in
         connect(state, urls)
+        if cfg.tracing.enabled:
+            from gateway.ops import tracing  # OpenTelemetry loads only when tracing is on
+
+            state.tracer = tracing.start(cfg.tracing, state.loop, _version())
         assert state.health is not None
         await state.health.check_all()
         await state.store.start()  # loads the shared view before serving (bounded wait)
@@ -139,6 +143,9 @@ def _lifecycle(backend_urls: dict[str, str]):
                 c.pool.close()
             if demo is not None:
                 await demo.stop()
+            if state.tracer is not None:  # the spans still buffered are exported
+                await state.tracer.shutdown()
+                state.tracer = None
 
     return ctx
 

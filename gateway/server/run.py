@@ -24,9 +24,16 @@ log = logging.getLogger("gateway")
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``ts``, ``level``, ``logger``, ``msg``, and ``trace_id``
+    and ``span_id`` (hex) when the record was made while a traced request's span was
+    current (:mod:`gateway.ops.tracing`), ``exc`` with a traceback."""
+
     def format(self, record: logging.LogRecord) -> str:
         out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
                "msg": record.getMessage()}
+        trace_id = getattr(record, "trace_id", None)
+        if trace_id is not None:
+            out["trace_id"], out["span_id"] = trace_id, getattr(record, "span_id", "")
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)

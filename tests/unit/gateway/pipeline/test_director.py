@@ -173,7 +173,7 @@ async def test_prefill_leg(monkeypatch, leg_ok):
     state, settled = _state(_disaggregated())
     fetched: list[str] = []
 
-    async def fetch(client, path, body, request_id):  # the prefill leg's scripted transport
+    async def fetch(client, path, body, request_id, trace=b""):  # the prefill leg's scripted transport
         fetched.append(client)
         if not leg_ok:
             raise ConnectFailed(client, "refused")
@@ -199,7 +199,7 @@ async def test_prefill_leg(monkeypatch, leg_ok):
 async def test_prefill_run_returns_params_and_settles_the_leg(monkeypatch):
     state, _ = _state(_disaggregated())
 
-    async def fetch(client, path, body, request_id):
+    async def fetch(client, path, body, request_id, trace=b""):
         return orjson.dumps({"kv_transfer_params": {"remote_engine_id": "e1"}})
 
     monkeypatch.setattr(attempt, "fetch", fetch)
