@@ -3,7 +3,8 @@
 The models' validators (:mod:`gateway.config`) check the document alone and do no I/O;
 :func:`resolve` then reads what the document points to: the environment variables that
 hold keys (``auth.keys[].key_env``, ``admin.key_env``, ``backends[].api_key_env``) and the
-models' tokenizer files (``models.<model>.tokenizer``, ``chat_template``), and checks what
+models' tokenizer files (``models.<model>.tokenizer``, ``chat_template``) and, with
+``tracing.enabled``, the OpenTelemetry packages, and checks what
 needs them (the admin key differs from every client key). :func:`gateway.config.loader.parse_config`
 runs both steps, so a config is never used half resolved.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from gateway.config.base import ConfigError
 from gateway.config.errors import describe
 from gateway.config.root import GatewayConfig
+from gateway.config.tracing import OTEL_EXTRA, sdk_installed
 from routing.core import TokenizerError, load_tokenizer
 
 
@@ -63,6 +65,8 @@ def resolve(cfg: GatewayConfig, path: Path | str = "<config>", env: Mapping[str,
                 load_tokenizer(settings.tokenizer, settings.chat_template, settings.prefix_cache_tokens)
             except TokenizerError as e:
                 problems.append((f"models.{model}", str(e)))
+    if cfg.tracing.enabled and not sdk_installed():
+        problems.append(("tracing", f"tracing.enabled needs the OpenTelemetry SDK and its OTLP exporter: {OTEL_EXTRA}"))
     admin = cfg.admin.digest()
     if not problems and admin is not None and any(k.digest() == admin for k in cfg.auth.keys):
         problems.append(("", "the admin key equals a client key (auth.keys); give the admin its own key"))

@@ -8,7 +8,6 @@ from urllib.parse import urlsplit
 from pydantic import (
     Field,
     field_validator,
-    model_validator,
 )
 
 from gateway.config.base import Strict
@@ -18,7 +17,7 @@ OTEL_EXTRA = "pip install 'turbo-gateway[otel]'"
 
 class Tracing(Strict):
     """OpenTelemetry traces of every completion request, exported over OTLP/HTTP
-    (protobuf). A key left unset takes the standard ``OTEL_*`` environment variable,
+    (JSON encoding). A key left unset takes the standard ``OTEL_*`` environment variable,
     then the SDK's default. Changing it needs a restart."""
 
     enabled: bool = Field(
@@ -48,16 +47,12 @@ class Tracing(Strict):
                 raise ValueError(f"must be an http:// or https:// URL, not {v!r}")
         return v
 
-    @model_validator(mode="after")
-    def _sdk_installed(self) -> Tracing:
-        if self.enabled and not _installed("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http"):
-            raise ValueError(f"tracing.enabled needs the OpenTelemetry SDK and its OTLP exporter: {OTEL_EXTRA}")
-        return self
 
-
-def _installed(*modules: str) -> bool:
-    """Whether every one of ``modules`` can be imported (their parent packages are)."""
+def sdk_installed() -> bool:
+    """Whether the OpenTelemetry SDK and its OTLP/JSON exporter can be imported (looked
+    up, not imported: :func:`gateway.config.resolve.resolve` asks when tracing is on)."""
     try:
-        return all(importlib.util.find_spec(m) is not None for m in modules)
+        return all(importlib.util.find_spec(m) is not None
+                   for m in ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.json.http"))
     except ModuleNotFoundError:
         return False

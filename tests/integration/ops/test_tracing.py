@@ -1,5 +1,5 @@
 """OpenTelemetry traces (issue 33): the gateway in-process, scripted backends and an OTLP/HTTP
-receiver on 127.0.0.1 that decodes what the SDK's exporter sends (``opentelemetry-proto``).
+receiver on 127.0.0.1 that decodes what the SDK's exporter sends (OTLP/JSON).
 
 A streamed chat completion with one retry gives one trace: the server span (whose parent
 is the caller's ``traceparent``), its admission, a route and a CLIENT span per attempt
@@ -26,10 +26,6 @@ from aiohttp import web
 from tests.support.servers import ScriptedBackend, default_answer, gateway_config, running_gateway, sse_chunk
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra (pip install -e '.[test]')")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 
 KEY = "sk-tracing-secret-0123456789"
 PROMPT = "a-very-private-prompt-about-penguins"
@@ -52,14 +48,24 @@ class Span:
     resource: dict[str, Any] = field(default_factory=dict)
 
 
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind is not None else None
+def _value(v: dict[str, Any]) -> Any:
+    """An OTLP/JSON ``AnyValue`` as Python (``intValue`` is a decimal string there)."""
+    for kind, got in v.items():
+        if kind == "intValue":
+            return int(got)
+        if kind == "arrayValue":
+            return [_value(x) for x in got.get("values", [])]
+        return got
+    return None
+
+
+def _attrs(items: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {a["key"]: _value(a.get("value", {})) for a in items or ()}
 
 
 @dataclass
 class OtlpReceiver:
-    """An OTLP/HTTP traces endpoint (``POST /v1/traces``, protobuf) keeping every span."""
+    """An OTLP/HTTP traces endpoint (``POST /v1/traces``, JSON encoding) keeping every span."""
 
     spans: list[Span] = field(default_factory=list)
     url: str = ""
@@ -68,19 +74,19 @@ class OtlpReceiver:
         body = await request.read()
         if request.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
-        assert request.content_type == "application/x-protobuf"
-        req = ExportTraceServiceRequest.FromString(body)
-        for rs in req.resource_spans:
-            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for s in ss.spans:
+        assert request.content_type == "application/json"
+        req = json.loads(body)
+        for rs in req.get("resourceSpans", []):
+            resource = _attrs(rs.get("resource", {}).get("attributes"))
+            for ss in rs.get("scopeSpans", []):
+                for s in ss.get("spans", []):
                     self.spans.append(Span(
-                        s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind,
-                        {a.key: _value(a.value) for a in s.attributes},
-                        [(e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events],
-                        s.status.code, s.start_time_unix_nano, s.end_time_unix_nano, resource))
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")
+                        s["name"], s["traceId"], s["spanId"], s.get("parentSpanId", ""), s["kind"],
+                        _attrs(s.get("attributes")),
+                        [(e["name"], _attrs(e.get("attributes"))) for e in s.get("events", [])],
+                        s.get("status", {}).get("code", 0), int(s["startTimeUnixNano"]),
+                        int(s["endTimeUnixNano"]), resource))
+        return web.json_response({})
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[OtlpReceiver]:
