@@ -56,9 +56,7 @@ class Router:
         self.canaries: dict[str, tuple[str, str, float]] = {}
         self._kv_turnover = self.kv_turnover  # one bound method for every request
         # the last match made, for the plan, route and reservation of one request
-        self._last_request: RouteRequest | None = None
-        self._last_now = 0.0
-        self._last_match = Match()
+        self._last_match: Match | None = None
         self._canary_rng = random.Random()
         for b in fleet.backends.values():
             self.index.set_capacity(b.name, self.capacity_blocks(b))
@@ -137,18 +135,18 @@ class Router:
         (seconds): the :class:`~routing.policies.Match` that planning, choosing and
         reserving read. The same request at the same time gets the same match (a plan,
         then a route, then a reservation make one)."""
-        if self._last_request is request and self._last_now == now:
-            return self._last_match
+        last = self._last_match
+        if last is not None and last.request is request and last.now == now:
+            return last
         if now >= self._next_expire:
             self.index.expire(now)
             self.index.expire_speculative(now)
             self.refresh_speeds(now)
             self._next_expire = now + EXPIRE_EVERY_S
-        m = Match(now, request.prompt_tokens, request.tokens_per_block, request.remote_prefill,
-                  self.index.match(request.block_hashes, now), kv_turnover=self._kv_turnover)
+        m = Match(request, now, self.index.match(request.block_hashes, now), kv_turnover=self._kv_turnover)
         if request.token_keys:
             m.exact_tokens = self._match_tokens(request, request.token_keys, now)
-        self._last_request, self._last_now, self._last_match = request, now, m
+        self._last_match = m
         return m
 
     def _match_tokens(self, request: RouteRequest, token_keys: dict[int, tuple[int, ...]],

@@ -70,9 +70,8 @@ class Match:
     policy chooses on (the router's own working state, built by
     :meth:`routing.router.Router.match`):
 
+    - ``request``: the request matched;
     - ``now``: the monotonic time (seconds) of the match;
-    - ``prompt_tokens``, ``tokens_per_block``, ``remote_prefill``: the request's, for
-      :meth:`cached_tokens`;
     - ``matched_blocks``: per backend, leading approximate blocks it probably holds;
     - ``exact_tokens``: for backends whose KV events are live and whose block size the
       request's ``token_keys`` has, leading prompt tokens held, from token-exact entries
@@ -84,10 +83,8 @@ class Match:
       (:meth:`routing.router.Router.kv_turnover`; ``None``: not known).
     """
 
+    request: RouteRequest
     now: float = 0.0
-    prompt_tokens: int = 0
-    tokens_per_block: float = 64.0
-    remote_prefill: bool = False
     matched_blocks: Mapping[str, int] = field(default_factory=lambda: NOTHING)
     exact_tokens: Mapping[str, int] = field(default_factory=lambda: NOTHING)
     adapter_set: tuple[str, ...] | None = None
@@ -97,20 +94,21 @@ class Match:
     def of(cls, request: RouteRequest, now: float = 0.0) -> Match:
         """A match of ``request`` at ``now`` that found nothing cached anywhere (a
         probe's, or a policy's outside a router)."""
-        return cls(now, request.prompt_tokens, request.tokens_per_block, request.remote_prefill)
+        return cls(request, now)
 
     def cached_tokens(self, backend: str) -> float:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
-        if self.remote_prefill:
-            return float(self.prompt_tokens)
+        r = self.request
+        if r.remote_prefill:
+            return float(r.prompt_tokens)
         if self.exact_tokens:
             exact = self.exact_tokens.get(backend)
             if exact is not None:
-                return float(min(exact, self.prompt_tokens))
+                return float(min(exact, r.prompt_tokens))
         blocks = self.matched_blocks.get(backend)
         if not blocks:
             return 0.0
-        return min(blocks * self.tokens_per_block, float(self.prompt_tokens))
+        return min(blocks * r.tokens_per_block, float(r.prompt_tokens))
 
 
 @dataclass(slots=True)
