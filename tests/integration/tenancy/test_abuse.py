@@ -30,10 +30,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.integration.server.test_slow_clients import _trickles
 from tests.integration.tenancy.test_usage import ADMIN, ADMIN_KEY, counts, get, row
 from tests.support.redis_server import redis_url
 from tests.support.servers import ScriptedBackend, gateway_config, running_gateway, sse_chunk, wait_until
+from tests.support.slow_clients import trickles
 
 HONEST, MALLORY = "sk-abuse-honest-0123456789", "sk-abuse-mallory-012345678"
 PROMPT, COMPLETION = 30, 5  # what the engine reports for every answer it completes
@@ -180,7 +180,7 @@ async def test_hostile_callers_at_once_leave_honest_clients_served_and_nothing_l
                 aiohttp.ClientSession() as http:
             port = int(gw.url.rsplit(":", 1)[1])
             connected: list[int] = []
-            tricklers = [asyncio.ensure_future(t) for t in _trickles(port, connected)]
+            tricklers = [asyncio.ensure_future(t) for t in trickles(port, connected)]
             while len(connected) < len(tricklers):
                 await asyncio.sleep(0.01)
             mallory = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=MALLORY, max_retries=0)

@@ -110,27 +110,29 @@ def _estimate(gw, body: dict[str, Any]) -> int:
     return gw.state.core.prompt_tokens("m", canonical_prompt("chat", body))
 
 
+async def _stream(http: aiohttp.ClientSession, gw, body: dict[str, Any]) -> bytes:
+    """POST ``body`` (a streamed chat) and return the whole answer, which must be a 200."""
+    async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        return await r.read()
+
+
 async def test_a_client_not_asking_for_usage_gets_its_stream_unchanged_and_is_charged_exactly():
     engine = Engine()
     with redis_url() as redis:
         async with raw_backend(engine) as url, running_gateway(_config(url, redis)) as gw, \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
-            async def raw(body: dict[str, Any]) -> bytes:
-                async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
-                    assert r.status == 200
-                    return await r.read()
-
             for mode in ("full", "split"):  # the usage event in one read, or split over two
                 sent = _chat(mode, max_tokens=50)
-                assert await raw(sent) == CONTENT + DONE  # byte for byte what it asked for
+                assert await _stream(http, gw, sent) == CONTENT + DONE  # byte for byte what it asked for
                 upstream = orjson.loads(engine.bodies[-1])
                 assert upstream.pop("stream_options") == {"include_usage": True} and upstream == sent
             # a client that asked for usage gets it, and its body goes upstream as it was sent
             asked = _chat("full", stream_options={"include_usage": True})
-            assert await raw(asked) == CONTENT + USAGE_EVENT + DONE
+            assert await _stream(http, gw, asked) == CONTENT + USAGE_EVENT + DONE
             assert orjson.loads(engine.bodies[-1]) == asked
             # other stream options: include_usage added, vLLM's usage in every chunk not turned on
-            await raw(_chat("full", stream_options={"continuous_usage_stats": True}))
+            await _stream(http, gw, _chat("full", stream_options={"continuous_usage_stats": True}))
             assert orjson.loads(engine.bodies[-1])["stream_options"] == {"include_usage": True}
             # the openai SDK sees no usage chunk and no chunk without choices
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
@@ -179,17 +181,12 @@ async def test_a_stream_that_breaks_is_charged_its_prompt_and_what_was_relayed()
     with redis_url() as redis:
         async with raw_backend(engine) as url, running_gateway(_config(url, redis)) as gw, \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
-            async def broken(body: dict[str, Any]) -> bytes:
-                async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
-                    assert r.status == 200
-                    return await r.read()
-
             cut = _chat("cut:4", max_tokens=100)
             prompt = _estimate(gw, cut)
-            got = await broken(cut)
+            got = await _stream(http, gw, cut)
             assert got.startswith(b"".join(sse_chunk(i, f"t{i} ") for i in range(4)) + b"data: {\"error\"")
             assert DONE not in got
-            got = await broken(_chat("usage-then-cut", max_tokens=100))
+            got = await _stream(http, gw, _chat("usage-then-cut", max_tokens=100))
             assert got.startswith(CONTENT + b"data: {\"error\"") and b'"usage"' not in got
             await wait_until(lambda: settled(gw) == 2)
             assert await _ledger(http, gw) == (2, prompt + 40, 0, 4 + 2 * EVENTS, 2)
