@@ -77,10 +77,10 @@ def internal_error_answer(request_id: str) -> tuple[int, bytes, dict[str, str]]:
         "Content-Type": "application/json", REQUEST_ID_HEADER: request_id, SHOULD_RETRY_HEADER: "false"}
 
 
-def sse_error_event(message: str, code: str) -> bytes:
-    """The SSE event that ends a stream which failed after bytes reached the client
-    (the shape vLLM and OpenAI use: a ``data:`` line holding an error object)."""
-    return b"data: " + error_body(message, 502, code=code, type_="server_error") + b"\n\n"
+def stream_error_body(message: str, code: str) -> bytes:
+    """The error that ends a stream which failed after bytes reached the client (an
+    OpenAI error object, as vLLM ends a broken stream with one)."""
+    return error_body(message, 502, code=code, type_="server_error")
 
 
 class ClientError(Exception):

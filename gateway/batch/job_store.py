@@ -82,7 +82,7 @@ import orjson
 GROUP = "consumers"
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 RUNNING = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 # the id the manager gives a batch's output / error file: ``file-<batch hex>out|err``
 _RESULT_FILE = re.compile(r"^file-([0-9a-f]{24})(?:out|err)$")
 _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",

@@ -15,6 +15,7 @@ import asyncio
 
 import aiohttp
 
+from gateway.apis.registry import BY_PATH
 from gateway.batch.batch_gate import PRIORITY_HEADER
 from gateway.pipeline import director
 from gateway.tenancy.keys import ANONYMOUS
@@ -62,9 +63,8 @@ class LocalSender:
     async def send(self, url: str, body: bytes, request_id: str, key_name: str | None = None) -> Answer:
         """Serve the line in process, its usage counted under ``key_name`` (the batch's
         owner; ``anonymous`` when ``None``)."""
-        endpoint = "chat" if url == "/v1/chat/completions" else "completions"
         async with asyncio.timeout(self.timeout_s):
-            return await director.collect(self.state, endpoint, body, request_id, key_name or ANONYMOUS)
+            return await director.collect(self.state, BY_PATH[url], body, request_id, key_name or ANONYMOUS)
 
     async def close(self) -> None:
         return None

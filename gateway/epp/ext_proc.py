@@ -12,6 +12,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from multidict import CIMultiDict
 
+from gateway.apis.registry import BY_PATH
+
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
@@ -19,7 +21,7 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 UPSTREAM_ADDRESS = "upstream.address"  # the ext_proc response attribute naming the endpoint that answered
-COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+COMPLETION_PATHS = BY_PATH  # the APIs the picker routes (gateway/apis/registry.py): canonical path -> adapter
 ANSWERED_PATHS = ("/health", "/ready", "/v1/models")  # answered by the picker itself (and /v1/models/{id})
 # headers that carry the caller's credentials: never passed on to a backend
 CALLER_CREDENTIALS = ("authorization", "x-api-key", "cookie", "proxy-authorization")

@@ -176,8 +176,8 @@ class EppStream:
         path = canonical_path(target)
         if path != target.split("?", 1)[0]:  # the backend gets the path that was matched
             self.path = path + (target[target.index("?"):] if "?" in target else "")
-        endpoint = COMPLETION_PATHS.get(path)
-        if endpoint is None or headers.get(":method") != "POST":
+        api = COMPLETION_PATHS.get(path)
+        if api is None or headers.get(":method") != "POST":
             return await self._other(first, rid, headers.get(":method", ""), path)
         down = EppDownstream(self)
         max_bytes = state.cfg.limits.max_body_bytes
@@ -186,7 +186,7 @@ class EppStream:
             async def body() -> bytes:
                 return await self.read_body(max_bytes)
         names = self._subset_names()
-        await director.handle(state, endpoint, headers, body, down, arrival, rid, send=hand_off, subset=names)
+        await director.handle(state, api, headers, body, down, arrival, rid, send=hand_off, subset=names)
         if down.answer is not None and not down.started:
             await self.immediate(*down.answer, rid)
 

@@ -16,7 +16,7 @@ from gateway.errors import ProxyRetried
 from gateway.pipeline import settlement
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.headers import response_headers
-from gateway.pipeline.stream_scan import StreamScan
+from gateway.pipeline.stream_scan import StreamScan, scan_for
 from routing.core import BackendState, Reservation
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def on_response_body(state: GatewayState, ctx: RequestContext, served: Served, c
             if not chunk and not end:
                 return
             settlement.first_byte(state, ctx, served.reservation, state.loop.time(), chunk)
-            served.scan = ctx.scan = StreamScan()
+            served.scan = ctx.scan = scan_for(ctx.parsed.api)
         served.scan.feed(chunk)
     else:
         if served.whole is None:

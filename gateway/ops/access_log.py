@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 
+from gateway.apis.registry import BY_NAME
+
 log = logging.getLogger("gateway.access")
 
-_ROUTES = {"chat": "POST /v1/chat/completions", "completions": "POST /v1/completions"}
+_ROUTES = {name: f"POST {api.path}" for name, api in BY_NAME.items()}
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 
 

@@ -38,6 +38,8 @@ from datetime import UTC, datetime
 import orjson
 from aiohttp import web
 
+from gateway.apis.base import reshape
+from gateway.apis.registry import BY_PATH
 from gateway.errors import ClientError, retry_later_headers
 from gateway.ops import access_log
 from gateway.paths import CANONICAL_PATH
@@ -50,9 +52,6 @@ from gateway.tenancy.keys import CALLER, check_admin
 
 def _state(request: web.Request):
     return request.app[STATE]
-
-
-_COMPLETIONS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 @web.middleware
@@ -68,9 +67,13 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         try:
             request[CALLER] = _state(request).keyring.authenticate(request.headers)
         except ClientError as e:
-            resp = e.response()
-            if request.method == "POST" and path in _COMPLETIONS:
-                access_log.refused(request[REQUEST_ID], _COMPLETIONS[path], e.status, e.code)
+            api = BY_PATH.get(path) if request.method == "POST" else None
+            status, body, headers = e.answer()
+            if api is not None:  # in the shape that API's clients parse
+                body = reshape(api, status, body)
+            resp = web.Response(status=status, body=body, headers=headers)
+            if api is not None:
+                access_log.refused(request[REQUEST_ID], api.name, e.status, e.code)
             if request.can_read_body:
                 # no lingering read of the body aiohttp would otherwise discard for up to 10 s
                 request.protocol._lingering_time = 0.0

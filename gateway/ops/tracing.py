@@ -53,14 +53,13 @@ from gateway.config import Tracing as TracingConfig
 from gateway.errors import BackendStatus, UpstreamError
 
 if TYPE_CHECKING:
+    from gateway.apis.base import Api
     from gateway.pipeline.openai_request import ParsedRequest
     from routing.core import Decision
 
 log = logging.getLogger("gateway.tracing")
 
 DEFAULT_SERVICE_NAME = "turbo-gateway"
-OPERATIONS = {"chat": "chat", "completions": "text_completion"}  # endpoint -> gen_ai.operation.name
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # the response's own id: the first "id" member of its JSON, a plain token (never text)
 _RESPONSE_ID = re.compile(rb'[{,]\s*"id"\s*:\s*"([A-Za-z0-9_.:-]{1,128})"')
 _ID_SCAN_BYTES = 4096
@@ -89,11 +88,10 @@ class Tracer:
         self.tracer = self.provider.get_tracer("turbo-gateway", version)
         _correlate_logs()
 
-    def request(self, endpoint: str, headers: Mapping[str, str], request_id: str) -> RequestTrace:
-        """The trace of one completion request (``endpoint``: ``chat`` or
-        ``completions``) whose head ``headers`` arrived now; its span is current until
-        :meth:`RequestTrace.end`."""
-        return RequestTrace(self, endpoint, headers, request_id)
+    def request(self, api: Api, headers: Mapping[str, str], request_id: str) -> RequestTrace:
+        """The trace of one request of ``api`` (its adapter) whose head ``headers``
+        arrived now; its span is current until :meth:`RequestTrace.end`."""
+        return RequestTrace(self, api, headers, request_id)
 
     def epoch_ns(self, t: float) -> int:
         """Loop time ``t`` as nanoseconds since the epoch (what span times are in)."""
@@ -109,16 +107,16 @@ class RequestTrace:
     """The spans of one request (see the module doc). Every method is a no-op past
     the root when the request is not sampled."""
 
-    __slots__ = ("attempt", "attempts", "endpoint", "leg", "propagation", "recording", "relay", "root",
+    __slots__ = ("attempt", "attempts", "leg", "operation", "propagation", "recording", "relay", "root",
                  "root_context", "token", "tracer")
 
-    def __init__(self, tracer: Tracer, endpoint: str, headers: Mapping[str, str], request_id: str) -> None:
-        self.tracer, self.endpoint = tracer, endpoint
-        route = ROUTES.get(endpoint, endpoint)
+    def __init__(self, tracer: Tracer, api: Api, headers: Mapping[str, str], request_id: str) -> None:
+        self.tracer, self.operation = tracer, api.operation
+        route = api.path
         parent = propagate.extract(headers)
         self.root = tracer.tracer.start_span(
             f"POST {route}", parent, SpanKind.SERVER,
-            {"http.request.method": "POST", "http.route": route, "gen_ai.operation.name": OPERATIONS[endpoint],
+            {"http.request.method": "POST", "http.route": route, "gen_ai.operation.name": api.operation,
              "turbo.request_id": request_id})
         self.root_context = trace.set_span_in_context(self.root, parent)
         self.token = otel_context.attach(self.root_context)
@@ -200,7 +198,7 @@ class RequestTrace:
         tracer.start_span("route", parent, attributes=attrs, start_time=self.tracer.epoch_ns(since)).end()
         if self.attempt is not None:  # a step that raised past its end
             self.attempt.end()
-        op = OPERATIONS[self.endpoint]
+        op = self.operation
         self.attempt = span = tracer.start_span(
             f"{op} {model}", parent, SpanKind.CLIENT,
             {"gen_ai.operation.name": op, "gen_ai.request.model": model, "server.address": host, "server.port": port,

@@ -19,6 +19,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from gateway.apis.base import Api
 from gateway.errors import REQUEST_ID_HEADER, BackendStatus, Disconnected, UpstreamError
 from gateway.pipeline import engine_errors, relay, settlement
 from gateway.pipeline.context import Failure, RequestContext
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.pipeline")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}  # endpoint -> backend path
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _JSON_HEADERS = b"Content-Type: application/json\r\nAccept: application/json\r\n"
 _STREAM_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
@@ -125,8 +125,8 @@ async def _load_adapter(state: GatewayState, ctx: RequestContext, backend: Backe
     await state.adapters.ensure(state.core, client, ctx.model, lora.path, timeout_s)
 
 
-async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:
-    """Raise the answer ``up`` (status other than 200) to a request for ``path`` as
+async def _raise_status(client: BackendClient, up: Upstream, api: Api) -> None:
+    """Raise the answer ``up`` (status other than 200) to a request of ``api`` as
     :class:`BackendStatus`, with the start of its body; an engine's caller error is
     classified in OpenAI's terms (:func:`gateway.pipeline.engine_errors.classify`)."""
     try:
@@ -136,7 +136,7 @@ async def _raise_status(client: BackendClient, up: Upstream, path: str) -> None:
     finally:
         up.finish()  # the caller may finish it again: a no-op
     ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    openai = engine_errors.classify(up.status, body, "completions" if path == PATHS["completions"] else "chat")
+    openai = engine_errors.classify(up.status, body, api.name)
     raise BackendStatus(client.state.name, up.status, body, ctype, parse_retry_after(up.headers.get("retry-after")),
                         openai)
 
@@ -167,10 +167,10 @@ async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, r
     try:
         headers = _request_headers(client, ctx.request_id, parsed.stream,
                                    ctx.trace.propagation if ctx.trace is not None else b"")
-        up = await client.pool.request(PATHS[parsed.endpoint], headers, body, deadlines.first_byte_at, early,
+        up = await client.pool.request(parsed.api.path, headers, body, deadlines.first_byte_at, early,
                                        not parsed.stream, deadlines.first_byte_error)
         if up.status != 200:
-            await _raise_status(client, up, PATHS[parsed.endpoint])
+            await _raise_status(client, up, parsed.api)
         if early is not None and early.opened:
             opened = early.opened[0]
             if isinstance(opened, BaseException):
@@ -200,15 +200,15 @@ async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, r
             up.finish()  # back to the pool when complete, else closed (the engine aborts)
 
 
-async def fetch(client: BackendClient, path: str, body: bytes, request_id: str, trace: bytes = b"") -> bytes:
-    """Send a non-streamed request to ``client``'s backend and return the whole 200
+async def fetch(client: BackendClient, api: Api, body: bytes, request_id: str, trace: bytes = b"") -> bytes:
+    """Send a non-streamed request of ``api`` to ``client``'s backend and return the whole 200
     response body (the prefill leg of a disaggregated request); ``trace``: the header
     lines of its trace context. Raises an :class:`~gateway.errors.UpstreamError`."""
     deadlines = Deadlines(client.state.name, client.timeouts, client.pool.loop.time())
-    up = await client.pool.request(path, _request_headers(client, request_id, False, trace), body,
+    up = await client.pool.request(api.path, _request_headers(client, request_id, False, trace), body,
                                    deadlines.first_byte_at, deadline_error=deadlines.first_byte_error)
     if up.status != 200:
-        await _raise_status(client, up, path)
+        await _raise_status(client, up, api)
     try:
         return await up.read()
     finally:

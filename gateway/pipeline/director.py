@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from gateway.apis.base import Api, reshape
 from gateway.errors import ClientError, internal_error_answer
 from gateway.ops import access_log
 from gateway.pipeline import attempt, fallback, prefill, prompt, settlement
@@ -68,12 +69,12 @@ log = logging.getLogger("gateway.pipeline")
 PRIORITY_HEADER = "x-turbo-priority"  # "batch": a batch line, admitted by the batch gate
 
 
-async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
+async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
                  body: bytes | Callable[[], Awaitable[bytes]], down: Downstream, arrival: float, request_id: str, *,
                  send: Send = attempt.run, subset: frozenset[str] | None = None, caller: Caller | None = None,
                  batch_owner: str | None = None) -> None:
-    """Serve one completion request (``endpoint``: ``chat`` or ``completions``) whose
-    head was read: ``headers`` (case-insensitive mapping), ``body`` the body bytes or a
+    """Serve one request of ``api`` (its adapter, :mod:`gateway.apis`) whose head was
+    read: ``headers`` (case-insensitive mapping), ``body`` the body bytes or a
     coroutine function reading them (raising :class:`ClientError` 400/413), arrived at
     loop time ``arrival``. Each attempt is made by ``send`` (the gateway's own
     :func:`~gateway.pipeline.attempt.run`, or the endpoint picker's hand-off to Envoy)
@@ -81,13 +82,13 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
     the request is from when it authenticated it on the head already; ``batch_owner``:
     an in-process batch line's owner (no socket: under that key's limits and admission,
     then the batch gate, its usage counted under that name). The answer, or the OpenAI
-    error, goes to ``down``. Raises ``CancelledError`` when the client left."""
+    error in ``api``'s shape, goes to ``down``. Raises ``CancelledError`` when the client left."""
     ticket, ctx, in_process = Ticket(), None, batch_owner is not None
-    trace = state.tracer.request(endpoint, headers, request_id) if state.tracer is not None else None
+    trace = state.tracer.request(api, headers, request_id) if state.tracer is not None else None
     try:
         if caller is None:  # 401
             caller = state.keyring.authenticate(headers) if batch_owner is None else state.keyring.named(batch_owner)
-        parsed = await parse(state, endpoint, headers, body, caller, in_process)  # 400, 404, 413, 415
+        parsed = await parse(state, api, headers, body, caller, in_process)  # 400, 404, 413, 415
         # the batch class: the gateway's own lines, or a key granted it (auth.keys[].batch_priority)
         batch = state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch" and caller.batch_priority
         admitting = ticket.admit(state, caller, parsed, batch, in_process, arrival)  # 429, 503
@@ -111,7 +112,9 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
                     now = state.loop.time()
                     plan = state.core.plan(ctx.request, now, state.cfg.routing.long_prompt_tokens)
                     roles, remote = plan.roles, False
-                    if plan.kind == "disaggregated":
+                    if plan.kind == "disaggregated" and not api.disaggregates:  # served whole, by any backend
+                        roles = None
+                    elif plan.kind == "disaggregated":
                         roles, remote = await prefill.leg(state, ctx)
                         now = state.loop.time()
                     # route -> attempt (ctx.send: relay, settle) -> retry elsewhere
@@ -127,9 +130,9 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
         if trace is not None:
             trace.refused(e.status, e.code)
         if not in_process:  # a batch line's refusal goes to its error file instead
-            access_log.refused(request_id, endpoint, e.status, e.code)
+            access_log.refused(request_id, api.name, e.status, e.code)
         if not down.started:
-            down.respond(*e.answer(request_id))
+            down.respond(*reshaped(api, *e.answer(request_id)))
     except ClientGone:
         pass
     except Exception as e:
@@ -137,16 +140,16 @@ async def handle(state: GatewayState, endpoint: str, headers: Mapping[str, str],
             trace.crashed(e)
         if in_process:
             raise  # the batch consumer logs it and keeps the line pending
-        log.exception("unhandled error on POST /v1/%s (request %s)", endpoint, request_id)
+        log.exception("unhandled error on POST %s (request %s)", api.path, request_id)
         if not down.started:
-            down.respond(*internal_error_answer(request_id))
+            down.respond(*reshaped(api, *internal_error_answer(request_id)))
     finally:
         ticket.release(state, ctx)
         if trace is not None:
             trace.end()
 
 
-async def parse(state: GatewayState, endpoint: str, headers: Mapping[str, str],
+async def parse(state: GatewayState, api: Api, headers: Mapping[str, str],
                 body: bytes | Callable[[], Awaitable[bytes]], caller: Caller,
                 in_process: bool = False) -> ParsedRequest:
     """Read and parse the request's body (JSON, the fields routing needs; unknown
@@ -158,7 +161,7 @@ async def parse(state: GatewayState, endpoint: str, headers: Mapping[str, str],
         check_json_content_type(headers.get("Content-Type"))
     if not isinstance(body, bytes):
         body = await body()
-    parsed = await off_loop(len(body), parse_body, endpoint, body, caller.held_back, state.keyring.strip)
+    parsed = await off_loop(len(body), parse_body, api, body, caller.held_back, state.keyring.strip)
     check_model(state, parsed.model)
     return parsed
 
@@ -172,6 +175,11 @@ def isolate_cache(parsed: ParsedRequest, key_salt: str) -> None:
     parsed.data = {**parsed.data, "cache_salt": salt}
     parsed.body = orjson.dumps(parsed.data)
     parsed.cache_salt = salt
+
+
+def reshaped(api: Api, status: int, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, dict[str, str]]:
+    """An error answer (status, OpenAI error body, headers) in ``api``'s shape."""
+    return status, reshape(api, status, body), headers
 
 
 def check_model(state: GatewayState, model: str) -> None:
@@ -201,13 +209,13 @@ def _first_event_seen(ctx: RequestContext) -> None:
         close_comment(task)
 
 
-async def collect(state: GatewayState, endpoint: str, body: bytes, request_id: str,
+async def collect(state: GatewayState, api: Api, body: bytes, request_id: str,
                   key_name: str = ANONYMOUS) -> tuple[int, dict[str, str], bytes]:
     """Serve one batch line in process (no socket): under the limits and admission of
     the key called ``key_name`` (the batch's owner), through the batch gate, its usage
     counted under that key. Returns the answer's status, headers and body."""
     down = CollectDownstream()
-    await handle(state, endpoint, {}, body, down, state.loop.time(), request_id, batch_owner=key_name)
+    await handle(state, api, {}, body, down, state.loop.time(), request_id, batch_owner=key_name)
     headers = dict(down.headers)
     headers.setdefault("x-request-id", request_id)
     return down.status, headers, down.body

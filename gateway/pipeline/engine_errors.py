@@ -106,6 +106,7 @@ from typing import NamedTuple
 
 import orjson
 
+from gateway.apis.registry import BY_NAME
 from gateway.errors import error_body
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -207,7 +208,7 @@ def context_length_exceeded(limit: int, prompt_tokens: int, max_tokens: int | No
                    f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
                    "completion). Please reduce the length of the messages or completion.")
     status = OPENAI_STATUS[CONTEXT_LENGTH_EXCEEDED]
-    param = "prompt" if endpoint == "completions" else "messages"
+    param = BY_NAME[endpoint].prompt_param
     return status, error_body(message, status, code=CONTEXT_LENGTH_EXCEEDED, param=param,
                               type_="invalid_request_error"), CONTEXT_LENGTH_EXCEEDED
 
@@ -216,8 +217,8 @@ def classify(status: int, body: bytes, endpoint: str) -> tuple[int, bytes, str] 
     """Classify a backend's error answer as a caller error in OpenAI's terms.
 
     ``status``: the backend's HTTP status; ``body``: its response body (bytes, JSON or
-    not); ``endpoint``: ``"chat"`` or ``"completions"`` (which request field a
-    context-length error names: ``messages`` or ``prompt``).
+    not); ``endpoint``: the API's name (:mod:`gateway.apis`; its ``prompt_param`` is
+    the request field a context-length error names: ``messages``, ``prompt``...).
 
     Returns ``(status, body, code)``: the status OpenAI answers with (400, or 404 for
     ``model_not_found``), the OpenAI error body ``{"error": {"message": <the engine's
@@ -256,7 +257,7 @@ def classify(status: int, body: bytes, endpoint: str) -> tuple[int, bytes, str] 
             groups = match.groupdict()
         openai_status = OPENAI_STATUS[rule.code]
         param = None if rule.param is None else rule.param.format(
-            prompt="prompt" if endpoint == "completions" else "messages", **groups)
+            prompt=BY_NAME[endpoint].prompt_param, **groups)
         return openai_status, error_body(found.message, openai_status, code=rule.code, param=param,
                                          type_="invalid_request_error"), rule.code
     return None

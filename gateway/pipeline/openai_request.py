@@ -1,4 +1,5 @@
-"""Reading and validating OpenAI request bodies.
+"""Reading and validating request bodies (JSON objects; each API's fields are read
+by its adapter, :mod:`gateway.apis`).
 
 Validation is permissive by design (DESIGN.md section 1): the few fields the gateway
 reads are checked, and every other field passes through to the backend untouched,
@@ -20,6 +21,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from gateway.apis.base import Api
 from gateway.errors import ClientError
 from routing.core import ServedModel, canonical_prompt
 
@@ -28,16 +30,17 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class ParsedRequest:
-    """What the gateway reads from a completion request.
+    """What the gateway reads from a request of one API (``api``, its adapter).
 
     ``body`` is the exact bytes received (forwarded as is) and ``data`` their parsed
     object (read-only: a copy is re-serialized only for the legs of a disaggregated
     request, which must carry ``kv_transfer_params``); ``prompt_text`` is the
     canonical prompt (:func:`routing.estimate.canonical_prompt`), for routing;
     ``cache_salt`` is vLLM's per-tenant prefix-cache salt when the caller sent one.
+    ``max_tokens`` is the output-token cap (0: an API that generates nothing).
     """
 
-    endpoint: str
+    api: Api
     body: bytes
     data: dict[str, Any]
     model: str
@@ -46,6 +49,11 @@ class ParsedRequest:
     max_tokens: int | None
     prompt_text: str
     cache_salt: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The API's name (``chat``, ``completions``, ``responses``...)."""
+        return self.api.name
 
 
 def _is_json_type(content_type: str) -> bool:
@@ -106,11 +114,10 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-def parse_body(endpoint: str, body: bytes, held: frozenset[str] = frozenset(), strip: bool = False) -> ParsedRequest:
-    """``body`` parsed and validated as a completion request for ``endpoint``
-    (:func:`parse_json_object`, :func:`parse_completion_request`, ``held`` and
-    ``strip`` as there)."""
-    return parse_completion_request(endpoint, body, parse_json_object(body), held, strip)
+def parse_body(api: Api, body: bytes, held: frozenset[str] = frozenset(), strip: bool = False) -> ParsedRequest:
+    """``body`` parsed and validated as a request of ``api`` (:func:`parse_json_object`,
+    :func:`parse_request`, ``held`` and ``strip`` as there)."""
+    return parse_request(api, body, parse_json_object(body), held, strip)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -133,15 +140,6 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _check_optional_int(data: dict[str, Any], field: str, minimum: int) -> int | None:
-    v = data.get(field)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ClientError(400, f"`{field}` must be an integer >= {minimum}.", param=field, code="invalid_value")
-    return v
-
-
 def hold_back(body: bytes, data: dict[str, Any], held: frozenset[str], strip: bool) -> tuple[bytes, dict[str, Any]]:
     """The request ``body`` (parsed: ``data``) without the engine-control fields in
     ``held`` (``limits.engine_fields`` less the caller's grants): unchanged when it
@@ -157,52 +155,20 @@ def hold_back(body: bytes, data: dict[str, Any], held: frozenset[str], strip: bo
     return orjson.dumps(data), data
 
 
-def parse_completion_request(endpoint: str, body: bytes, data: dict[str, Any],
-                             held: frozenset[str] = frozenset(), strip: bool = False) -> ParsedRequest:
-    """Validate the fields the gateway reads. ``endpoint`` is ``chat`` or ``completions``;
-    ``held`` and ``strip``: the engine-control fields the caller may not set, and what
-    to do with them (:func:`hold_back`).
+def parse_request(api: Api, body: bytes, data: dict[str, Any], held: frozenset[str] = frozenset(),
+                  strip: bool = False) -> ParsedRequest:
+    """Validate the fields the gateway reads from a request of ``api`` (its adapter's
+    :meth:`~gateway.apis.base.Api.read`). ``held`` and ``strip``: the engine-control
+    fields the caller may not set, and what to do with them (:func:`hold_back`).
 
     Raises :class:`ClientError` 400 naming the offending field.
     """
     if held and not held.isdisjoint(data):
         body, data = hold_back(body, data, held, strip)
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise ClientError(400, "`model` is required and must be a non-empty string.", param="model",
-                          code="invalid_value" if "model" in data else "missing_required_parameter")
-    stream = data.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ClientError(400, "`stream` must be a boolean.", param="stream", code="invalid_type")
-    opts = data.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise ClientError(400, "`stream_options` must be an object.", param="stream_options", code="invalid_type")
-        include_usage = bool(opts.get("include_usage", False))
-    max_tokens = _check_optional_int(data, "max_tokens", 1)
-    mct = _check_optional_int(data, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = mct
-    if endpoint == "chat":
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ClientError(400, "`messages` is required and must be a non-empty array.", param="messages",
-                              code="invalid_value" if "messages" in data else "missing_required_parameter")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ClientError(400, f"`messages[{i}]` must be an object with a string `role`.",
-                                  param=f"messages[{i}]", code="invalid_value")
-    else:
-        prompt = data.get("prompt")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-            raise ClientError(400, "`prompt` is required and must be a string or a non-empty array.", param="prompt",
-                              code="invalid_value" if "prompt" in data else "missing_required_parameter")
+    model, stream, include_usage, max_tokens = api.read(data)
     salt = data.get("cache_salt")
-    return ParsedRequest(endpoint, body, data, model, stream, include_usage, max_tokens,
-                         canonical_prompt(endpoint, data), salt if isinstance(salt, str) else None)
+    return ParsedRequest(api, body, data, model, stream, include_usage, max_tokens,
+                         canonical_prompt(api.prompt_kind, api.view(data)), salt if isinstance(salt, str) else None)
 
 
 _ASK_USAGE = b'"stream_options":{"include_usage":true},'

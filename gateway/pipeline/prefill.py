@@ -49,7 +49,6 @@ async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> d
     loop = state.loop
     parsed = ctx.parsed
     body = _prefill_body(ctx.data or parsed.data)
-    path = attempt.PATHS[parsed.endpoint]
     excluded: set[str] = set()
     retrier = Retrier(state.retry, loop.time())
     trace = ctx.trace
@@ -68,7 +67,7 @@ async def run(state: GatewayState, ctx: RequestContext, base: RouteRequest) -> d
         if trace is not None:
             trace.attempt_began(decision, backend.spec.pool, now, ctx.model, client.pool.host, client.pool.port)
         try:
-            payload = await attempt.fetch(client, path, body, ctx.request_id,
+            payload = await attempt.fetch(client, parsed.api, body, ctx.request_id,
                                           trace.propagation if trace is not None else b"")
             obj = orjson.loads(payload)
         except (UpstreamError, orjson.JSONDecodeError) as e:

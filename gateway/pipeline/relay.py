@@ -27,7 +27,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone, Downstream
 from gateway.pipeline.headers import answer_headers, stream_headers
-from gateway.pipeline.stream_scan import StreamScan, whole_usage
+from gateway.pipeline.stream_scan import StreamScan, scan_for, whole_usage
 from gateway.upstream.connection import Exchange as Upstream
 from routing.core import Reservation
 
@@ -124,7 +124,7 @@ class StreamRelay:
 def whole(state: GatewayState, ctx: RequestContext, up: Upstream, data: bytes, reservation: Reservation) -> None:
     """Answer with a whole (non-streamed) response ``data`` and settle it."""
     settlement.first_byte(state, ctx, None, state.loop.time(), data)
-    settlement.completed(state, ctx, reservation, whole_usage(data), 0, whole=True)
+    settlement.completed(state, ctx, reservation, whole_usage(data, ctx.parsed.api), 0, whole=True)
     settlement.finish(state, ctx, 200)
     ctx.down.respond(200, data, answer_headers(ctx, up.headers.get("content-type", "application/json")))
 
@@ -135,7 +135,7 @@ def _start(state: GatewayState, ctx: RequestContext, reservation: Reservation,
     token and scan them. Returns the time, the scan and the bytes to send."""
     first_at = state.loop.time()
     settlement.first_byte(state, ctx, reservation, first_at, chunk)
-    scan = ctx.scan = StreamScan(withhold=not ctx.parsed.include_usage)
+    scan = ctx.scan = scan_for(ctx.parsed.api, not ctx.parsed.include_usage)
     return first_at, scan, scan.feed(chunk)
 
 
@@ -252,7 +252,14 @@ async def _end(state: GatewayState, ctx: RequestContext, name: str, scan: Stream
     if not scan.done:
         if last:
             await down.write(last)
-        raise Disconnected(name, f"backend {name} ended the stream without `data: [DONE]`")
+        raise Disconnected(name, f"backend {name} ended the stream without its last event"
+                                 f" ({ctx.parsed.api.name}: {_last_event(ctx)})")
     settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
     await down.end_stream(last)  # the last bytes and the end of the chunked body in one write
     settlement.finish(state, ctx, 200)
+
+
+def _last_event(ctx: RequestContext) -> str:
+    """The event that ends a stream of ``ctx``'s API, in words."""
+    ends = ctx.parsed.api.end_events
+    return " or ".join(sorted(e.decode() for e in ends)) if ends else "data: [DONE]"

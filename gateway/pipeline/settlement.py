@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from gateway.apis.base import reshape
 from gateway.errors import (
     BACKEND_HEADER,
     REQUEST_ID_HEADER,
@@ -38,7 +39,7 @@ from gateway.errors import (
     ConnectTimeout,
     UpstreamError,
     failure_answer,
-    sse_error_event,
+    stream_error_body,
 )
 from gateway.ops import access_log
 from gateway.pipeline.context import RequestContext, ServedMetrics
@@ -100,7 +101,7 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     prompt: int | None = None
     cached = 0
     if isinstance(usage, dict):
-        pt, reported_cached, ct = _reported(usage)
+        pt, reported_cached, ct = ctx.parsed.api.counts(usage)
         if pt is not None:
             prompt = pt
             s.prompt_tokens.inc(pt)
@@ -129,16 +130,6 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     reservation.release(now, completion, whole)
 
 
-def _reported(usage: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
-    """The (prompt, cached prompt, completion) tokens a backend's ``usage`` object
-    reports, each ``None`` when it does not (a negative cached count is 0)."""
-    pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (pt if isinstance(pt, int) else None, max(cached, 0) if isinstance(cached, int) else None,
-            ct if isinstance(ct, int) else None)
-
-
 def _charge_relayed(ctx: RequestContext) -> None:
     """A request that reached a backend ended before it completed (the client left,
     its stream broke): count what it cost in ``ctx.usage`` and ``ctx.tokens`` (the
@@ -151,7 +142,7 @@ def _charge_relayed(ctx: RequestContext) -> None:
     scan = ctx.scan
     prompt = cached = completion = None
     if scan is not None and scan.usage is not None:
-        prompt, cached, completion = _reported(scan.usage)
+        prompt, cached, completion = ctx.parsed.api.counts(scan.usage)
     if prompt is None:
         prompt = ctx.estimate.prompt_tokens if ctx.estimate is not None else 0
     if completion is None:
@@ -184,7 +175,7 @@ def proxied_end(state: GatewayState, ctx: RequestContext, reservation: Reservati
     else:
         if ctx.served is None:
             first_byte(state, ctx, None, state.loop.time())
-        completed(state, ctx, reservation, whole_usage(whole) if whole else None, 0, whole=True)
+        completed(state, ctx, reservation, whole_usage(whole, ctx.parsed.api) if whole else None, 0, whole=True)
     finish(state, ctx, 200)
 
 
@@ -279,12 +270,12 @@ async def failed(state: GatewayState, ctx: RequestContext, err: UpstreamError | 
     if ctx.down.started:
         reason = err.reason if err is not None else "no_backend_available"
         message = err.message if err is not None else str(no_backend)
-        return await _end_stream(state, ctx, reason, status, message, b"data: " + body + b"\n\n")
+        return await _end_stream(state, ctx, reason, status, message, ctx.parsed.api.error_event(status, body))
     headers[REQUEST_ID_HEADER] = ctx.request_id
     if ctx.backend:
         headers[BACKEND_HEADER] = ctx.backend
     finish(state, ctx, status)
-    ctx.down.respond(status, body, headers)
+    ctx.down.respond(status, reshape(ctx.parsed.api, status, body), headers)
 
 
 async def stream_failed(state: GatewayState, ctx: RequestContext, err: UpstreamError) -> None:
@@ -295,7 +286,7 @@ async def stream_failed(state: GatewayState, ctx: RequestContext, err: UpstreamE
     prefix = scan.flush() + b"\n\n" if scan is not None and scan.tail else b""
     _charge_relayed(ctx)
     await _end_stream(state, ctx, err.reason, err.status, err.message,
-                      prefix + sse_error_event(err.message, err.reason))
+                      prefix + ctx.parsed.api.error_event(502, stream_error_body(err.message, err.reason)))
 
 
 async def _end_stream(state: GatewayState, ctx: RequestContext, reason: str, status: int, message: str,

@@ -4,8 +4,9 @@
 (events, the final ``usage``, ``data: [DONE]``) without parsing the events it does not
 need, and, when the gateway asked the engine for ``usage`` on the client's behalf,
 withholds the usage-only event from the client; :func:`whole_usage` finds ``usage`` in a
-whole (non-streamed) answer. The gateway's own relay and the endpoint picker's response
-phase both use them.
+whole (non-streamed) answer; :class:`TypedEventScan` scans the typed-event streams of
+the Responses and Messages APIs (:func:`scan_for` picks the scan of an API). The
+gateway's own relay and the endpoint picker's response phase both use them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import re
 from typing import Any
 
 import orjson
+
+from gateway.apis.base import Api
+from gateway.apis.registry import CHAT
 
 _MAX_SCAN_TAIL_BYTES = 1024 * 1024
 _EMPTY_CONTENT = re.compile(rb'"content":\s*(""|null)')
@@ -137,12 +141,79 @@ class StreamScan:
         return max(self.events - (1 if self.done else 0) - (1 if self.usage else 0) - self.role_only, 0)
 
 
-def whole_usage(data: bytes) -> Any:
-    """The ``usage`` object of a whole (non-streamed) response body, or ``None``."""
+def whole_usage(data: bytes, api: Api = CHAT) -> Any:
+    """The usage object of a whole (non-streamed) response body of ``api``, or ``None``."""
     if b'"usage"' in data:
         try:
             obj = orjson.loads(data)
-            return obj.get("usage") if isinstance(obj, dict) else None
+            return api.usage_in(obj) if isinstance(obj, dict) else None
         except orjson.JSONDecodeError:
             pass
     return None
+
+
+def scan_for(api: Api, withhold: bool = False) -> StreamScan:
+    """The scan of a stream of ``api``: :class:`StreamScan` for the APIs whose streams
+    end with ``data: [DONE]``, :class:`TypedEventScan` for those of typed events."""
+    return TypedEventScan(api) if api.end_events else StreamScan(withhold)
+
+
+class TypedEventScan(StreamScan):
+    """The scan of a stream of typed events (the Responses and Messages APIs): each
+    event's JSON names its type (``"type":"response.output_text.delta"``), which the
+    scan counts without parsing (a type inside generated text is escaped, so it never
+    matches); ``done`` once an end event of the API arrived; ``usage`` merges the usage
+    objects of its events (:meth:`gateway.apis.base.Api.usage_in`: Messages reports the
+    prompt's at the start, the output's at the end). Nothing is withheld."""
+
+    __slots__ = ("api", "deltas", "ends")
+
+    def __init__(self, api: Api) -> None:
+        super().__init__(False)
+        self.api = api
+        self.deltas = _type_markers(api.delta_event)
+        self.ends = tuple(m for e in api.end_events for m in _type_markers(e))
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.overflow:
+            return chunk
+        nl = chunk.rfind(b"\n")
+        if nl < 0:
+            self.tail += chunk
+            if len(self.tail) > _MAX_SCAN_TAIL_BYTES:
+                self.overflow, self.tail = True, b""
+            return chunk
+        complete = self.tail + chunk[: nl + 1] if self.tail else chunk[: nl + 1]
+        self.tail = chunk[nl + 1:]
+        for m in self.deltas:
+            self.events += complete.count(m)
+        if not self.done and any(m in complete for m in self.ends):
+            self.done = True
+        if b'"usage"' in complete:
+            self._usages(complete)
+        return chunk
+
+    def _usages(self, complete: bytes) -> None:
+        start = 0
+        while (i := complete.find(b'"usage"', start)) >= 0:
+            line_start = complete.rfind(b"\n", 0, i) + 1
+            start = complete.find(b"\n", i) + 1
+            if not complete.startswith(b"data:", line_start):
+                continue
+            try:
+                obj = orjson.loads(complete[line_start + 5:start])
+            except orjson.JSONDecodeError:
+                continue
+            usage = self.api.usage_in(obj) if isinstance(obj, dict) else None
+            if usage is not None:
+                self.usage = {**self.usage, **usage} if self.usage else usage
+
+    @property
+    def content_events(self) -> int:
+        """The output-token events (one token each, as the engines stream them)."""
+        return self.events
+
+
+def _type_markers(name: bytes) -> tuple[bytes, ...]:
+    """How an event's JSON names its type ``name``, compact or with a space."""
+    return (b'"type":"' + name + b'"', b'"type": "' + name + b'"') if name else ()

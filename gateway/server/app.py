@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from aiohttp import web
 
+from gateway.apis.base import Api
+from gateway.apis.registry import BY_PATH
 from gateway.batch import setup_batch
 from gateway.config import GatewayConfig
 from gateway.errors import REQUEST_ID_HEADER, ClientError, error_response, unknown_route
@@ -33,7 +35,6 @@ from gateway.tenancy.keys import CALLER
 
 log = logging.getLogger("gateway")
 
-COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 def _version() -> str:
@@ -60,8 +61,8 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     app[STATE] = build_state(cfg, config_path, _version())
     app.cleanup_ctx.append(_lifecycle(backend_urls or {}))
     app.on_response_prepare.append(_server_header)
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/v1/completions", _completions)
+    for path, api in BY_PATH.items():  # every API the gateway serves (gateway/apis/registry.py)
+        app.router.add_post(path, _served(api))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
@@ -173,7 +174,7 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         log.exception("unhandled error on %s %s (request %s)", request.method, request.path, rid)
         resp = error_response("The gateway hit an internal error.", 500, code="internal_error")
     # a completion's line is written when it is settled, or refused on its head (the auth middleware)
-    if request.method != "POST" or request.get(CANONICAL_PATH, request.path) not in COMPLETION_PATHS:
+    if request.method != "POST" or request.get(CANONICAL_PATH, request.path) not in BY_PATH:
         access_log.route(rid, request.method, request.path, resp.status)
     return _with_id(resp, rid)
 
@@ -184,7 +185,15 @@ def _with_id(resp: web.StreamResponse, rid: str) -> web.StreamResponse:
     return resp
 
 
-async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse:
+def _served(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The route handler of ``api``: :func:`_handle` for that API."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _handle(request, api)
+    return handler
+
+
+async def _handle(request: web.Request, api: Api) -> web.StreamResponse:
+    """A request of ``api``: to the director, its body read when the director asks."""
     arrival = asyncio.get_running_loop().time()
     state = request.app[STATE]
     max_bytes = state.cfg.limits.max_body_bytes
@@ -193,17 +202,9 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         return read_body(request, max_bytes)
 
     down = AiohttpDownstream(request)
-    await director.handle(state, endpoint, request.headers, body, down, arrival, request[REQUEST_ID],
+    await director.handle(state, api, request.headers, body, down, arrival, request[REQUEST_ID],
                           caller=request.get(CALLER))
     return down.response or web.Response(status=499)
-
-
-async def _chat(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, "chat")
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, "completions")
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from multidict import CIMultiDict
 
+from gateway.apis.base import Api
+from gateway.apis.registry import CHAT, COMPLETIONS
 from gateway.errors import ClientError
 from gateway.eventloop import eager_tasks
 from gateway.eventloop.batched_writes import Sends
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from gateway.runtime import GatewayState
     from gateway.tenancy.keys import Caller
 
-_HOT = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_HOT = {CHAT.path: CHAT, COMPLETIONS.path: COMPLETIONS}  # the APIs it serves; any other goes to aiohttp
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
 # the header fields after the request line: each a token (RFC 9110, 5.6.2), a colon and
 # a value, CRLF between them (control characters, bare CR and LF are refused before)
@@ -45,8 +47,9 @@ _SINGLETONS = {"authorization", "content-length", "content-location", "content-r
 _CONTROL = bytes([*range(9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')  # starts with a literal: re scans for it at C speed
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
-# headers whose requests aiohttp serves: codings and protocol switches it implements
-_HANDED_OVER = {"transfer-encoding", "expect", "upgrade"}
+# headers whose requests aiohttp serves: codings and protocol switches it implements, and a
+# key in ``x-api-key`` (the lean protocol reads only ``Authorization``)
+_HANDED_OVER = {"transfer-encoding", "expect", "upgrade", "x-api-key"}
 # request body codings decoded here (zlib); others (br, several codings) go to aiohttp
 _CODINGS = {"identity", "gzip", "x-gzip", "deflate"}
 class DataPlaneHost(Protocol):
@@ -251,7 +254,7 @@ class DataPlaneProtocol(asyncio.Protocol):
                 caller = self.caller = keyring.authenticate_value(authorization) if keyring.by_digest \
                     else keyring.anonymous
             except ClientError as e:
-                return self._refuse(e, pairs, _HOT[path])
+                return self._refuse(e, pairs, _HOT[path].name)
             if n < end + 4 + length:  # the body is due at listen.body_min_bytes_per_s, after a grace
                 server = self.server
                 self.due = self.loop.time() + server.body_timeout_s + length / server.body_min_bytes_per_s
@@ -312,7 +315,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         if data:
             handler.data_received(data)
 
-    async def _serve(self, endpoint: str, headers: CIMultiDict, body: bytes, coding: str = "identity",
+    async def _serve(self, api: Api, headers: CIMultiDict, body: bytes, coding: str = "identity",
                      caller: Caller | None = None) -> None:
         server = self.server
         rid = request_id(headers)
@@ -326,7 +329,7 @@ class DataPlaneProtocol(asyncio.Protocol):
                 return decode_body(raw, coding, limit)
             payload = decoded
         try:
-            await director.handle(server.state, endpoint, headers, payload, down, arrival, rid, caller=caller)
+            await director.handle(server.state, api, headers, payload, down, arrival, rid, caller=caller)
         except (asyncio.CancelledError, ClientGone):
             down.finished = False  # the client left: close
         finally:

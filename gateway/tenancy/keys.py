@@ -121,12 +121,17 @@ class KeyRing:
         return bool(self.by_digest)
 
     def authenticate(self, headers) -> Caller:
-        """The caller of a request with ``headers`` (a case-insensitive mapping).
-        Raises :class:`ClientError` 401 when keys are configured and the request
-        carries none or an unknown one."""
+        """The caller of a request with ``headers`` (a case-insensitive mapping): its
+        key is ``Authorization: Bearer KEY``, else ``x-api-key: KEY`` (how the
+        anthropic SDK sends it). Raises :class:`ClientError` 401 when keys are
+        configured and the request carries none or an unknown one."""
         if not self.by_digest:
             return self.anonymous
-        return self.authenticate_value(headers.get("Authorization"))
+        authorization = headers.get("Authorization")
+        if authorization is None:
+            key = headers.get("x-api-key")
+            authorization = f"Bearer {key}" if key else None
+        return self.authenticate_value(authorization)
 
     def authenticate_value(self, authorization: str | None) -> Caller:
         """:meth:`authenticate` given the ``Authorization`` header's value (``None``:

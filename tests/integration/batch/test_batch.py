@@ -267,7 +267,7 @@ async def test_api_errors_are_openai_shaped(redis, tmp_path):
         assert e.value.body["param"] == "input_file_id"
         f = await client.files.create(file=("x.jsonl", line(1)), purpose="batch")
         with pytest.raises(openai.BadRequestError):
-            await client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+            await client.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
         with pytest.raises(openai.BadRequestError):
             await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="soon")
         assert (await client.files.content(f.id)).content == line(1)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 
 import aiohttp
 import orjson
 import pytest
 
+from gateway.apis.registry import BY_PATH
 from gateway.epp.envoy_config import render
 from gateway.epp.grpc_server import EndpointPicker
 from tests.support.envoy import envoy, picker_stack
@@ -29,7 +31,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CREDS = {"x-api-key": KEY, "Cookie": "session=caller", "Proxy-Authorization": "Basic Y2FsbGVyOnB3"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 # paths engines answer (generation, admin) that the gateway does not serve
-ENGINE_PATHS = ["/invocations", "/v1/responses", "/completion", "/chat/completions", "/generate",
+ENGINE_PATHS = ["/invocations", "/v1/responses/resp_1/cancel", "/completion", "/chat/completions", "/generate",
                 "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize",
                 "/v1/completions/x"]
 # spellings of a completion path that an engine decodes to the path itself
@@ -101,9 +103,12 @@ async def test_behind_the_rendered_envoy_every_path_goes_through_the_front_door(
         await _check_front_door(stack.url, be, lambda: stack.gateway.metric(
             "turbo_gateway_requests_total", model="m", backend="a", status="200"))
         # a pass-through path: authenticated, then to the backend with its own key only
-        assert (await _raw(stack.url, "GET", "/version", CREDS))[0] == 401
+        no_key = {k: v for k, v in CREDS.items() if k != "x-api-key"}
+        assert (await _raw(stack.url, "GET", "/version", no_key))[0] == 401
+        assert (await _raw(stack.url, "GET", "/version", {**no_key, "x-api-key": "sk-wrong"}))[0] == 401
+        assert (await _raw(stack.url, "GET", "/version", {"x-api-key": KEY}))[0] == 200  # the anthropic SDK's way
         status, body = await _raw(stack.url, "GET", "/version", {**AUTH, **CREDS})
-        assert status == 200 and body == b"ok" and be.paths == ["/version"]
+        assert status == 200 and body == b"ok" and be.paths == ["/version", "/version"]
         _no_caller_credentials(be)
         stats = await stack.envoy.stats("http.inference.ext_proc")
         assert stats["http.inference.ext_proc.streams_started"] > 0
@@ -161,8 +166,9 @@ def test_the_rendered_envoy_config_routes_only_what_the_gateway_serves():
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     to_pool = [r["match"]["safe_regex"]["regex"] for r in routes if "route" in r]
-    assert to_pool == [r"/v1/chat/completions/?", r"/v1/completions/?", r"/health/?", r"/ready/?", r"/v1/models/?",
-                       r"/tokenize/?", r"/v1/models/.+"]
+    served = [re.escape(p) + "/?" for p in BY_PATH]  # every API the gateway routes (gateway/apis/registry.py)
+    assert r"/v1/chat/completions/?" in served and r"/v1/messages/?" in served
+    assert to_pool == [*served, r"/health/?", r"/ready/?", r"/v1/models/?", r"/tokenize/?", r"/v1/models/.+"]
     last = routes[-1]
     assert last["match"] == {"prefix": "/"} and last["direct_response"]["status"] == 404
     assert hcm["normalize_path"] and hcm["merge_slashes"]

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.apis.registry import CHAT
 from gateway.errors import BackendStatus, ConnectFailed, Disconnected
 from gateway.pipeline import attempt, director, prefill, settlement
 from gateway.pipeline.downstream import ClientGone, CollectDownstream
@@ -81,7 +82,7 @@ def _503(name: str) -> BackendStatus:
 
 async def _serve(state, script: Script, body: bytes = BODY) -> CollectDownstream:
     down = CollectDownstream()
-    await director.handle(state, "chat", HEADERS, body, down, state.loop.time(), "rid-1", send=script)
+    await director.handle(state, CHAT, HEADERS, body, down, state.loop.time(), "rid-1", send=script)
     return down
 
 
@@ -173,7 +174,7 @@ async def test_prefill_leg(monkeypatch, leg_ok):
     state, settled = _state(_disaggregated())
     fetched: list[str] = []
 
-    async def fetch(client, path, body, request_id, trace=b""):  # the prefill leg's scripted transport
+    async def fetch(client, api, body, request_id, trace=b""):  # the prefill leg's scripted transport
         fetched.append(client)
         if not leg_ok:
             raise ConnectFailed(client, "refused")
@@ -189,7 +190,7 @@ async def test_prefill_leg(monkeypatch, leg_ok):
         await real(state, ctx, client, reservation)
 
     down = CollectDownstream()
-    await director.handle(state, "chat", HEADERS, LONG, down, state.loop.time(), "rid-2", send=send)
+    await director.handle(state, CHAT, HEADERS, LONG, down, state.loop.time(), "rid-2", send=send)
     assert down.status == 200 and set(fetched) == {"pf"}
     assert (b"kv_transfer_params" in bodies[0]) is leg_ok
     assert settled == [("m", False)]
@@ -199,13 +200,13 @@ async def test_prefill_leg(monkeypatch, leg_ok):
 async def test_prefill_run_returns_params_and_settles_the_leg(monkeypatch):
     state, _ = _state(_disaggregated())
 
-    async def fetch(client, path, body, request_id, trace=b""):
+    async def fetch(client, api, body, request_id, trace=b""):
         return orjson.dumps({"kv_transfer_params": {"remote_engine_id": "e1"}})
 
     monkeypatch.setattr(attempt, "fetch", fetch)
     from gateway.pipeline.context import RequestContext
-    from gateway.pipeline.openai_request import parse_completion_request
-    parsed = parse_completion_request("chat", LONG, orjson.loads(LONG))
+    from gateway.pipeline.openai_request import parse_request
+    parsed = parse_request(CHAT, LONG, orjson.loads(LONG))
     ctx = RequestContext(CollectDownstream(), parsed, "r", state.loop.time(), attempt.run, "m", parsed.data)
     _, req = state.core.request("m", parsed.prompt_text, None)
     assert await prefill.run(state, ctx, req) == {"remote_engine_id": "e1"}

@@ -1,0 +1,116 @@
+"""Anthropic's Messages API (``POST /v1/messages``), as SGLang and llama.cpp serve it,
+for Claude Code and other agents pointed at local models: ``system`` (a string or text
+blocks), ``messages`` (string or block content), ``max_tokens`` (required), ``stream``.
+Its stream is typed events (``message_start``, ``content_block_delta``,
+``message_delta``, ``message_stop``): ``message_start`` carries the input usage,
+``message_delta`` the output's. Its clients parse errors as
+``{"type": "error", "error": {"type": ..., "message": ...}}``
+(https://docs.anthropic.com/en/api/errors), the shape :meth:`Messages.error_body` gives.
+The prompt is routed as the chat conversation the engine renders from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.apis.base import Api, Fields, error_message, missing, optional_int, read_model, read_stream
+from gateway.errors import ClientError
+
+# HTTP status -> Anthropic error type (https://docs.anthropic.com/en/api/errors)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                529: "overloaded_error"}
+
+
+def _content(content: Any) -> Any:
+    """Messages content (a string or blocks) as chat content: text blocks as chat's
+    text parts, other blocks (images, tool use and results) as they are."""
+    if not isinstance(content, list):
+        return content
+    return [{"type": "text", "text": b["text"]} if isinstance(b, dict) and b.get("type") == "text"
+            and isinstance(b.get("text"), str) else b for b in content]
+
+
+def error_type(status: int) -> str:
+    """The Anthropic error type of HTTP ``status``."""
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error(status: int, message: str) -> bytes:
+    """An Anthropic error body."""
+    return orjson.dumps({"type": "error", "error": {"type": error_type(status), "message": message}})
+
+
+class Messages(Api):
+    """``POST /v1/messages`` (see the module docstring)."""
+
+    name, path, operation = "messages", "/v1/messages", "chat"
+    end_events = frozenset((b"message_stop",))
+    delta_event = b"content_block_delta"
+
+    def read(self, data: dict[str, Any]) -> Fields:
+        model, stream = read_model(data), read_stream(data)
+        max_tokens = optional_int(data, "max_tokens", 1)
+        if max_tokens is None:
+            raise missing("max_tokens", data, "an integer >= 1")
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise missing("messages", data, "a non-empty array")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise ClientError(400, f"`messages[{i}]` must be an object whose `role` is `user` or `assistant`.",
+                                  param=f"messages[{i}]", code="invalid_value")
+        system = data.get("system")
+        if system is not None and not isinstance(system, (str, list)):
+            raise ClientError(400, "`system` must be a string or an array of text blocks.", param="system",
+                              code="invalid_type")
+        return Fields(model, stream, True, max_tokens)
+
+    def view(self, data: dict[str, Any]) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        system = data.get("system")
+        if isinstance(system, list):
+            system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+        if isinstance(system, str) and system:
+            messages.append({"role": "system", "content": system})
+        messages.extend({"role": m.get("role"), "content": _content(m.get("content"))}
+                        for m in data.get("messages") or () if isinstance(m, dict))
+        view: dict[str, Any] = {"messages": messages}
+        if data.get("tools"):
+            view["tools"] = data["tools"]
+        return view
+
+    def usage_in(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):  # message_start: {"type": "message_start", "message": {..., "usage"}}
+            message = obj.get("message")
+            usage = message.get("usage") if isinstance(message, dict) else None
+        return usage if isinstance(usage, dict) else None
+
+    def counts(self, usage: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+        """Anthropic's ``input_tokens`` leave out the prompt tokens read from or written
+        to the cache (``cache_read_input_tokens``, ``cache_creation_input_tokens``):
+        the prompt is their sum."""
+        it, ot = usage.get("input_tokens"), usage.get("output_tokens")
+        read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
+        cached = read if isinstance(read, int) and read > 0 else None
+        prompt = None
+        if isinstance(it, int):
+            prompt = it + (cached or 0) + (created if isinstance(created, int) and created > 0 else 0)
+        return prompt, cached, ot if isinstance(ot, int) else None
+
+    def error_body(self, status: int, body: bytes) -> bytes:
+        message, _ = error_message(body)
+        if not message:
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict) and obj.get("type") == "error":  # already Anthropic's (the engine's own)
+                return body
+            message = body.decode("utf-8", "replace")[:1000] or f"HTTP {status}"
+        return anthropic_error(status, message)
+
+    def error_event(self, status: int, body: bytes) -> bytes:
+        return b"event: error\ndata: " + self.error_body(status, body) + b"\n\n"

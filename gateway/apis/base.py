@@ -1,0 +1,147 @@
+"""The adapter interface: what one API that the gateway serves differs in.
+
+The pipeline (front door, estimate, route, attempt, retry, fallback, relay, settle,
+usage ledger, limits, admission, the endpoint picker, batch) knows nothing of any API;
+each API is an :class:`Api` whose few methods say how its requests and answers read:
+
+- :meth:`Api.read`: the fields routing needs from a request object (model, stream,
+  output-token cap), validated (400 in the API's terms);
+- :meth:`Api.view`: the request's prompt as the engine will render it, as a chat
+  request (``{"messages": [...], "tools": [...]}``, rendered through the model's chat
+  template) or a text one (``{"prompt": ...}``), per :attr:`Api.prompt_kind`; the
+  decision core estimates and tokenizes that view, so routing is the same for every API;
+- :meth:`Api.usage_in` and :meth:`Api.counts`: where an answer (whole, or one event of
+  a stream) reports its usage, and the (prompt, cached prompt, completion) tokens it
+  reports;
+- :meth:`Api.error_body` and :meth:`Api.error_event`: an error in the shape that API's
+  clients parse, whole or as the last event of a stream;
+
+and a few attributes: its path, its OpenTelemetry ``gen_ai.operation.name``, whether it
+generates (embeddings and rerank do not: their cost is prefill only), how its stream
+ends and which of its events carries one output token. The registry
+(:mod:`gateway.apis.registry`) maps paths and names to adapters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import orjson
+
+from gateway.errors import ClientError
+
+
+class Fields(NamedTuple):
+    """What routing reads from a request: the model, whether the answer streams,
+    whether the client asked a stream for its usage (``stream_options.include_usage``;
+    APIs whose streams always carry it: ``True``), and the output-token cap (``None``:
+    unset; 0: an API that generates nothing)."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+
+
+def missing(field: str, data: dict[str, Any], what: str) -> ClientError:
+    """The 400 for a required ``field`` of ``data`` that is absent or not ``what``."""
+    return ClientError(400, f"`{field}` is required and must be {what}.", param=field,
+                       code="invalid_value" if field in data else "missing_required_parameter")
+
+
+def read_model(data: dict[str, Any]) -> str:
+    """``data["model"]``. Raises :class:`ClientError` 400 unless a non-empty string."""
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise missing("model", data, "a non-empty string")
+    return model
+
+
+def read_stream(data: dict[str, Any]) -> bool:
+    """``data["stream"]`` (absent or null: ``False``). Raises :class:`ClientError` 400
+    unless a boolean."""
+    stream = data.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise ClientError(400, "`stream` must be a boolean.", param="stream", code="invalid_type")
+    return stream
+
+
+def optional_int(data: dict[str, Any], field: str, minimum: int) -> int | None:
+    """``data[field]`` when set (absent or null: ``None``). Raises :class:`ClientError`
+    400 unless an integer of at least ``minimum``."""
+    v = data.get(field)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ClientError(400, f"`{field}` must be an integer >= {minimum}.", param=field, code="invalid_value")
+    return v
+
+
+class Api:
+    """One API's adapter (see the module docstring). Subclasses set the attributes and
+    override what differs; the defaults are OpenAI's (error shape, ``usage`` object)."""
+
+    name = ""  # its short name: metric label, log field, ``ParsedRequest.endpoint``
+    path = ""  # the path clients send it to, and the path it goes to on a backend
+    aliases: tuple[str, ...] = ()  # other client paths served as ``path`` (sent upstream as ``path``)
+    operation = ""  # OpenTelemetry GenAI ``gen_ai.operation.name``
+    prompt_kind = "chat"  # how :meth:`view` renders: "chat" (chat template) or "completions" (text)
+    prompt_param = "messages"  # the request field a context-length error names
+    generates = True  # False: no output tokens (embeddings, rerank): cost is prefill only
+    disaggregates = False  # may be split into a prefill leg and a decode leg
+    end_events: frozenset[bytes] = frozenset()  # SSE event names that end its stream; empty: ``data: [DONE]``
+    delta_event = b""  # the SSE event name of one output token; empty: every ``data:`` event
+
+    def read(self, data: dict[str, Any]) -> Fields:
+        """The routing fields of request ``data``. Raises :class:`ClientError` 400."""
+        raise NotImplementedError
+
+    def view(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Request ``data``'s prompt as a chat or completions request (see
+        :attr:`prompt_kind`): the request itself for those two APIs."""
+        return data
+
+    def usage_in(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The usage object in ``obj``, a whole answer or one stream event, or ``None``."""
+        usage = obj.get("usage")
+        return usage if isinstance(usage, dict) else None
+
+    def counts(self, usage: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+        """The (prompt, cached prompt, completion) tokens ``usage`` reports, each
+        ``None`` when it does not (OpenAI's ``prompt_tokens``,
+        ``prompt_tokens_details.cached_tokens``, ``completion_tokens``)."""
+        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return (pt if isinstance(pt, int) else None, max(cached, 0) if isinstance(cached, int) else None,
+                ct if isinstance(ct, int) else None)
+
+    def error_body(self, status: int, body: bytes) -> bytes:
+        """``body``, an OpenAI error body answered with ``status``, in this API's shape."""
+        return body
+
+    def error_event(self, status: int, body: bytes) -> bytes:
+        """The SSE event that ends a broken stream of this API with ``body``, an OpenAI
+        error body for ``status`` (OpenAI's: a ``data:`` event holding it, as vLLM and
+        OpenAI send it; the openai SDK raises it)."""
+        return b"data: " + body + b"\n\n"
+
+
+def reshape(api: Api, status: int, body: bytes) -> bytes:
+    """An error ``body`` for ``api``'s clients: OpenAI's, reshaped by the adapter."""
+    return body if type(api).error_body is Api.error_body else api.error_body(status, body)
+
+
+def error_message(body: bytes) -> tuple[str, str | None]:
+    """The message and code of an OpenAI error body (``("", None)`` when it is not one)."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "", None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(err, dict):
+        return "", None
+    message, code = err.get("message"), err.get("code")
+    return (message if isinstance(message, str) else "", code if isinstance(code, str) else None)
