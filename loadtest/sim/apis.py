@@ -1,0 +1,271 @@
+"""The engine APIs the simulator serves beside chat and completions, one adapter each.
+
+Every adapter is an :class:`Api`: it reads a request body into a :class:`Job` (the
+prompts as token ids, the output budget, the stream flag), shapes the whole answer from
+the engine's outputs and, for a generation API, the SSE events of a streamed one, and
+answers a refusal (:class:`~loadtest.sim.prompt.BadRequest`) in its own error shape. The
+path a request takes (body, model, faults, engine, abort on disconnect) is the one of
+:meth:`loadtest.sim.server.SimBackend.serve`, shared by all of them.
+
+* :data:`RESPONSES`, ``POST /v1/responses`` (OpenAI Responses API as vLLM serves it):
+  ``input`` (a string or a list of items: messages ``{"role", "content"}`` whose content
+  is a string or ``input_text``/``output_text`` parts, ``function_call`` and
+  ``function_call_output`` items), ``instructions`` (a system message), ``tools``,
+  ``max_output_tokens``, ``stream``. The answer is a Response object (``resp_...``, one
+  ``message`` output item with one ``output_text`` part, ``usage`` with
+  ``input_tokens_details.cached_tokens``); ``status`` is ``incomplete``
+  (``incomplete_details.reason: max_output_tokens``) when the budget ran out. Streamed:
+  ``event: <type>`` / ``data: <json>`` pairs with a ``sequence_number`` from 0:
+  ``response.created``, ``response.in_progress`` at once, ``response.output_item.added``
+  and ``response.content_part.added`` with the first token, one
+  ``response.output_text.delta`` per engine output, then ``response.output_text.done``,
+  ``response.content_part.done``, ``response.output_item.done`` and
+  ``response.completed`` (its ``response`` carries the output and the usage); no
+  ``[DONE]``. The simulator stores no response: ``previous_response_id`` gets vLLM's 404
+  (``Response with id '...' not found.``), as from an engine that does not have it.
+
+Chat-like requests are rendered with :func:`~loadtest.sim.prompt.render_chat` (the
+ChatML template of chat completions), so a conversation shares its prefix-cache blocks
+across turns whichever API carries it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, NamedTuple
+
+import orjson
+from aiohttp import web
+
+from loadtest.sim import tokenizer
+from loadtest.sim.engine import RequestOutput
+from loadtest.sim.prompt import BadRequest, render_chat
+
+Result = tuple[list[int], RequestOutput]  # (every token id generated, the last output)
+
+
+class Job(NamedTuple):
+    """What one API request asks of the engine."""
+
+    model: str
+    data: dict[str, Any]  # the request body
+    prompts: list[list[int]]  # token ids, one engine request each (one for a generation API)
+    max_tokens: int | None  # output budget; None: the server's default
+    stream: bool
+
+
+class Events:
+    """The SSE events of one streamed answer: :meth:`head` is written at once,
+    :meth:`tokens` for each engine output, :meth:`tail` after the last."""
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def tokens(self, out: RequestOutput) -> list[bytes]:
+        raise NotImplementedError
+
+    def tail(self) -> list[bytes]:
+        return []
+
+
+class Api:
+    """One engine API: how its requests are read and its answers shaped.
+
+    ``id_prefix`` starts the answer's ``id``; ``pooling`` APIs cost prefill only (each
+    input is one engine request that stops after its prompt) and are never streamed."""
+
+    id_prefix = "cmpl-"
+    pooling = False
+
+    def parse(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> Job:
+        """The :class:`Job` of a request body (``model`` already checked). Raises
+        :class:`BadRequest`."""
+        raise NotImplementedError
+
+    def whole(self, job: Job, rid: str, created: int, results: list[Result], tok: tokenizer.Tokenizer) -> dict:
+        """The answer body, from each prompt's :data:`Result` in order."""
+        raise NotImplementedError
+
+    def events(self, job: Job, rid: str, created: int, tok: tokenizer.Tokenizer) -> Events:
+        """The events of a streamed answer (generation APIs only)."""
+        raise NotImplementedError
+
+    def error(self, e: BadRequest) -> web.Response:
+        """A refusal in this API's error shape (by default OpenAI's, as vLLM answers)."""
+        return e.response()
+
+
+# --- shared readers -------------------------------------------------------------------
+
+
+def optional_positive_int(data: dict[str, Any], key: str) -> int | None:
+    """``data[key]``: absent or null is None; anything but an integer >= 1 raises
+    :class:`BadRequest` naming ``key``."""
+    v = data.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise BadRequest(f"`{key}` must be an integer >= 1", key)
+    return v
+
+
+def stream_flag(data: dict[str, Any]) -> bool:
+    s = data.get("stream", False)
+    if s is None:
+        return False
+    if not isinstance(s, bool):
+        raise BadRequest("`stream` must be a boolean", "stream")
+    return s
+
+
+def sse(event: str, obj: dict[str, Any]) -> bytes:
+    """One SSE event with an ``event:`` line, as the Responses and Messages streams send."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+# --- Responses ------------------------------------------------------------------------
+
+_ROLES = ("user", "assistant", "system", "developer")
+
+
+def responses_messages(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses request's ``instructions`` and ``input`` as chat messages (for
+    :func:`render_chat`). Raises :class:`BadRequest`."""
+    msgs: list[dict[str, Any]] = []
+    ins = data.get("instructions")
+    if ins is not None:
+        if not isinstance(ins, str):
+            raise BadRequest("`instructions` must be a string", "instructions")
+        msgs.append({"role": "system", "content": ins})
+    inp = data.get("input")
+    if isinstance(inp, str):
+        msgs.append({"role": "user", "content": inp})
+        return msgs
+    if not isinstance(inp, list) or not inp:
+        raise BadRequest("`input` must be a string or a non-empty list of input items", "input")
+    for i, item in enumerate(inp):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in _ROLES:
+            content = item.get("content")
+            if not isinstance(content, (str, list)):
+                raise BadRequest("a message's `content` must be a string or a list of parts",
+                                 f"input.{i}.content")
+            msgs.append({"role": item["role"], "content": content})
+        elif kind == "function_call":
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": item.get("call_id"), "type": "function",
+                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+        elif kind == "function_call_output":
+            msgs.append({"role": "tool", "content": item.get("output")})
+        else:
+            raise BadRequest("an input item must be a message (`role` one of user, assistant, system, "
+                             "developer, and `content`), a function_call or a function_call_output",
+                             f"input.{i}")
+    return msgs
+
+
+def responses_usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + output}
+
+
+class Responses(Api):
+    id_prefix = "resp_"
+
+    def parse(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> Job:
+        prev = data.get("previous_response_id")
+        if prev is not None:
+            raise BadRequest(f"Response with id '{prev}' not found.", "response_id", status=404,
+                             etype="invalid_request_error")
+        msgs = responses_messages(data)
+        ids = tok.tokenize(render_chat(msgs, data.get("tools")), add_special_tokens=False)
+        return Job(data["model"], data, [ids], optional_positive_int(data, "max_output_tokens"),
+                   stream_flag(data))
+
+    @staticmethod
+    def response(job: Job, rid: str, created: int, status: str, output: list, usage: dict | None) -> dict:
+        d = job.data
+        return {"id": rid, "object": "response", "created_at": created, "status": status,
+                "background": False, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": d.get("instructions"), "max_output_tokens": d.get("max_output_tokens"),
+                "max_tool_calls": None, "metadata": d.get("metadata") or {}, "model": job.model,
+                "output": output, "parallel_tool_calls": d.get("parallel_tool_calls", True),
+                "previous_response_id": None, "reasoning": None, "service_tier": "auto", "store": False,
+                "temperature": d.get("temperature", 1.0), "text": {"format": {"type": "text"}},
+                "tool_choice": d.get("tool_choice", "auto"), "tools": d.get("tools") or [],
+                "top_logprobs": 0, "top_p": d.get("top_p", 1.0), "truncation": "disabled",
+                "usage": usage, "user": None}
+
+    @staticmethod
+    def message(item_id: str, text: str, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    def whole(self, job: Job, rid: str, created: int, results: list[Result], tok: tokenizer.Tokenizer) -> dict:
+        toks, last = results[0]
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        output = [self.message("msg_" + uuid.uuid4().hex, tok.detokenize(toks), status)]
+        return self.response(job, rid, created, status, output,
+                             responses_usage(len(job.prompts[0]), last.num_cached_tokens, len(toks)))
+
+    def events(self, job: Job, rid: str, created: int, tok: tokenizer.Tokenizer) -> Events:
+        return _ResponsesEvents(self, job, rid, created, tok)
+
+
+class _ResponsesEvents(Events):
+    def __init__(self, api: Responses, job: Job, rid: str, created: int, tok: tokenizer.Tokenizer):
+        self.api, self.job, self.rid, self.created, self.tok = api, job, rid, created, tok
+        self.item_id = "msg_" + uuid.uuid4().hex
+        self.seq = 0
+        self.text: list[str] = []
+        self.n_out = 0
+        self.last: RequestOutput | None = None
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(kind, obj)
+
+    def head(self) -> list[bytes]:
+        r = self.api.response(self.job, self.rid, self.created, "in_progress", [], None)
+        return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
+
+    def tokens(self, out: RequestOutput) -> list[bytes]:
+        parts = []
+        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        if self.last is None:
+            parts.append(self._event("response.output_item.added", output_index=0,
+                                     item={"type": "message", "id": self.item_id, "role": "assistant",
+                                           "status": "in_progress", "content": []}))
+            parts.append(self._event("response.content_part.added", **at,
+                                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        self.last = out
+        delta = self.tok.detokenize(out.new_token_ids)
+        self.text.append(delta)
+        self.n_out += len(out.new_token_ids)
+        parts.append(self._event("response.output_text.delta", **at, delta=delta, logprobs=[]))
+        return parts
+
+    def tail(self) -> list[bytes]:
+        last = self.last
+        assert last is not None  # an engine request outputs at least one token
+        text = "".join(self.text)
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        item = self.api.message(self.item_id, text, status)
+        usage = responses_usage(len(self.job.prompts[0]), last.num_cached_tokens, self.n_out)
+        return [self._event("response.output_text.done", **at, text=text, logprobs=[]),
+                self._event("response.content_part.done", **at, part=item["content"][0]),
+                self._event("response.output_item.done", output_index=0, item=item),
+                self._event("response.completed",
+                            response=self.api.response(self.job, self.rid, self.created, status, [item], usage))]
+
+
+RESPONSES = Responses()
+
+# The POST routes of these APIs (:meth:`loadtest.sim.server.SimBackend.app` adds them).
+ROUTES: list[tuple[str, Api]] = [
+    ("/v1/responses", RESPONSES),
+]

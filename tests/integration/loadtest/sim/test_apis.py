@@ -1,0 +1,166 @@
+"""The simulated engine's other APIs (loadtest/sim/apis.py) over real sockets on
+127.0.0.1, read by the official SDKs where there is one (openai: Responses, embeddings;
+anthropic: Messages, count_tokens) and by raw aiohttp otherwise and for bad requests.
+Token counts are checked against the prompt as the simulator renders and tokenizes it,
+event grammars in order, and the prefix cache through ``cached_tokens``."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from loadtest.sim import tokenizer
+from loadtest.sim.prompt import render_chat
+from loadtest.sim.server import SimBackendConfig, start_backends
+from tests.integration.loadtest.sim.test_http import LONG, MODEL, metrics, until, value
+
+
+@asynccontextmanager
+async def backend(**spec):
+    cfg = SimBackendConfig.from_dict({"name": "a", "models": [MODEL], "speed": 50.0, **spec})
+    (b,), _ = await start_backends([cfg])
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield session, b
+    finally:
+        await b.cleanup()
+
+
+def prompt_len(messages: list[dict]) -> int:
+    return len(tokenizer.tokenize(render_chat(messages)))
+
+
+async def raw_sse(session: aiohttp.ClientSession, url: str, body: dict) -> list[tuple[str, dict]]:
+    """The ``(event, data)`` pairs of a streamed answer; fails on a data line without
+    its event line."""
+    out = []
+    async with session.post(url, json=body) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        text = (await r.read()).decode()
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        lines = block.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block
+        out.append((lines[0][7:], orjson.loads(lines[1][6:])))
+    return out
+
+
+# --- Responses ------------------------------------------------------------------------
+
+
+async def test_responses_create_with_the_openai_sdk_counts_tokens_and_caches_turns():
+    async with backend(eos_after=4) as (_, b):
+        client = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+        r = await client.responses.create(model=MODEL, instructions=LONG, input="Summarize.", max_output_tokens=10)
+        turn1 = [{"role": "system", "content": LONG}, {"role": "user", "content": "Summarize."}]
+        assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+        assert r.model == MODEL and len(r.output) == 1 and r.output[0].type == "message"
+        assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
+        assert len(r.output_text.split()) == 4
+        u = r.usage
+        assert u is not None
+        assert (u.input_tokens, u.output_tokens, u.total_tokens) == (prompt_len(turn1), 4, prompt_len(turn1) + 4)
+        assert u.input_tokens_details.cached_tokens == 0 and u.output_tokens_details.reasoning_tokens == 0
+
+        # The next turn carries the first answer back as an input item: its prompt starts
+        # with the first one, so it hits the blocks the first turn left in the cache.
+        turn2 = [{"role": "user", "content": "Summarize."}, r.output[0].model_dump(exclude_none=True),
+                 {"role": "user", "content": [{"type": "input_text", "text": "Shorter."}]}]
+        r2 = await client.responses.create(model=MODEL, instructions=LONG, input=turn2, max_output_tokens=2)
+        assert r2.status == "incomplete" and r2.incomplete_details is not None
+        assert r2.incomplete_details.reason == "max_output_tokens" and r2.usage is not None
+        assert r2.usage.output_tokens == 2
+        assert r2.usage.input_tokens == prompt_len(turn1[:1] + [{"role": "user", "content": "Summarize."},
+                                                                {"role": "assistant", "content": r.output_text},
+                                                                {"role": "user", "content": "Shorter."}])
+        block = b.profile.block_size
+        assert r2.usage.input_tokens_details.cached_tokens >= (prompt_len(turn1) // block - 1) * block > 0
+
+
+async def test_responses_stream_events_in_order_parsed_by_the_openai_sdk():
+    async with backend() as (s, b):
+        client = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+        events = [e async for e in await client.responses.create(model=MODEL, input="Hi there",
+                                                                 max_output_tokens=6, stream=True)]
+        kinds = [e.type for e in events]
+        assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                          "response.content_part.added"] + ["response.output_text.delta"] * 6
+                         + ["response.output_text.done", "response.content_part.done",
+                            "response.output_item.done", "response.completed"])
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        item_id = events[2].item.id
+        assert all(d.item_id == item_id and d.output_index == 0 and d.content_index == 0 for d in deltas)
+        assert all(len(d.delta.split()) == 1 for d in deltas)
+        text = "".join(d.delta for d in deltas)
+        done = events[-1].response
+        assert events[-4].text == text and done.output_text == text and done.output[0].id == item_id
+        assert done.usage is not None and done.usage.output_tokens == 6
+        assert done.usage.input_tokens == prompt_len([{"role": "user", "content": "Hi there"}])
+        assert events[0].response.status == "in_progress" and events[0].response.usage is None
+
+        # The SDK's stream helper accumulates the same events into the final response.
+        async with client.responses.stream(model=MODEL, input="Hi there", max_output_tokens=6) as stream:
+            final = await stream.get_final_response()
+        assert final.output_text == text  # same prompt, same seed, same tokens
+        assert final.usage is not None and final.usage.input_tokens_details.cached_tokens > 0
+
+        # On the wire: an event line before each data line, and no [DONE].
+        pairs = await raw_sse(s, b.url + "/v1/responses", {"model": MODEL, "input": "Hi", "stream": True,
+                                                            "max_output_tokens": 2})
+        assert all(ev == data["type"] for ev, data in pairs) and pairs[-1][0] == "response.completed"
+
+
+async def test_responses_bad_requests_get_openai_errors():
+    async with backend() as (s, b):
+        client = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(model="nope", input="x")
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.responses.create(model=MODEL, input="x", previous_response_id="resp_123")
+        assert "resp_123" in str(e.value)
+        for body, param in [({"model": MODEL}, "input"), ({"model": MODEL, "input": []}, "input"),
+                            ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "input.0"),
+                            ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+                            ({"model": MODEL, "input": "x", "stream": "yes"}, "stream")]:
+            async with s.post(b.url + "/v1/responses", json=body) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400 and err["param"] == param and err["code"] == 400, body
+                assert set(err) == {"message", "type", "param", "code"}
+        async with s.post(b.url + "/v1/responses", data=b"{not json") as r:
+            assert r.status == 400 and "error" in await r.json()
+        m = await metrics(s, b.url)  # no refused request reached the engine
+        assert value(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 0
+
+
+async def test_responses_faults_and_client_disconnect():
+    async with backend(faults={"error_rate": 1.0, "error_status": 503}) as (s, b):
+        async with s.post(b.url + "/v1/responses", json={"model": MODEL, "input": "x"}) as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] == 503
+        async with s.post(b.url + "/admin/faults", json={"close_after_chunks": 3}) as r:
+            assert r.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await raw_sse(s, b.url + "/v1/responses", {"model": MODEL, "input": "x", "stream": True,
+                                                       "max_output_tokens": 10})
+        async with s.post(b.url + "/admin/faults", json={}) as r:
+            assert r.status == 200
+
+    async with backend(speed=1.0) as (s, b):
+        r = await s.post(b.url + "/v1/responses", json={"model": MODEL, "input": LONG, "stream": True,
+                                                        "max_output_tokens": 3000})
+        async for line in r.content:
+            if line.startswith(b"data: ") and b"output_text.delta" in line:
+                break  # the first token arrived: the request holds KV blocks
+        assert value(await metrics(s, b.url), "vllm:num_requests_running") == 1
+        r.close()
+
+        async def freed():
+            m = await metrics(s, b.url)
+            return value(m, "vllm:kv_cache_usage_perc") == 0 and value(m, "vllm:num_requests_running") == 0
+
+        await until(freed)
