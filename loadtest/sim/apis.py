@@ -23,6 +23,19 @@ path a request takes (body, model, faults, engine, abort on disconnect) is the o
   ``response.completed`` (its ``response`` carries the output and the usage); no
   ``[DONE]``. The simulator stores no response: ``previous_response_id`` gets vLLM's 404
   (``Response with id '...' not found.``), as from an engine that does not have it.
+* :data:`MESSAGES`, ``POST /v1/messages`` (Anthropic Messages as llama.cpp and SGLang
+  serve it): ``system`` (a string or text blocks), ``messages`` (string or block
+  content: text, tool_use, tool_result, image), ``tools``, ``max_tokens`` (required),
+  ``stream``. The answer: ``{"id": "msg_...", "type": "message", "role": "assistant",
+  "model", "content": [{"type": "text", "text"}], "stop_reason": "end_turn" |
+  "max_tokens", "stop_sequence": null, "usage"}``; ``usage.input_tokens`` counts the
+  prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those read.
+  Streamed: ``message_start`` (usage with ``output_tokens: 0``) and
+  ``content_block_start`` with the first token, one ``content_block_delta``
+  (``text_delta``) per engine output, ``content_block_stop``, ``message_delta``
+  (``stop_reason``, ``usage.output_tokens``), ``message_stop``. Errors are Anthropic's
+  ``{"type": "error", "error": {"type": "invalid_request_error" | "not_found_error" |
+  ..., "message"}}``. ``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``.
 
 Chat-like requests are rendered with :func:`~loadtest.sim.prompt.render_chat` (the
 ChatML template of chat completions), so a conversation shares its prefix-cache blocks
@@ -39,7 +52,7 @@ from aiohttp import web
 
 from loadtest.sim import tokenizer
 from loadtest.sim.engine import RequestOutput
-from loadtest.sim.prompt import BadRequest, render_chat
+from loadtest.sim.prompt import BadRequest, content_text, dumps, render_chat
 
 Result = tuple[list[int], RequestOutput]  # (every token id generated, the last output)
 
@@ -265,7 +278,144 @@ class _ResponsesEvents(Events):
 
 RESPONSES = Responses()
 
+# --- Anthropic Messages ---------------------------------------------------------------
+
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                          529: "overloaded_error"}
+
+
+def _block_text(block: Any, loc: str) -> str:
+    """The text a Messages content block contributes to the rendered prompt."""
+    if not isinstance(block, dict):
+        raise BadRequest(f"{loc}: Input should be a valid dictionary", loc)
+    kind = block.get("type")
+    if kind == "text" and isinstance(block.get("text"), str):
+        return block["text"]
+    if kind == "tool_use":
+        return orjson.dumps({"name": block.get("name"), "input": block.get("input")}).decode()
+    if kind == "tool_result":
+        return content_text(block.get("content"))
+    if kind in ("image", "document"):
+        return "<image>"
+    if kind in ("thinking", "redacted_thinking"):
+        return ""
+    raise BadRequest(f"{loc}: a content block must be text, image, document, tool_use, tool_result or "
+                     "thinking", loc)
+
+
+def messages_chat(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Messages request's ``system`` and ``messages`` as chat messages (for
+    :func:`render_chat`); a content block list becomes its texts joined by newlines.
+    Raises :class:`BadRequest` (``param``: the field's path)."""
+    msgs: list[dict[str, Any]] = []
+    system = data.get("system")
+    if isinstance(system, str):
+        msgs.append({"role": "system", "content": system})
+    elif isinstance(system, list):
+        msgs.append({"role": "system", "content": "\n".join(_block_text(b, f"system.{i}")
+                                                            for i, b in enumerate(system))})
+    elif system is not None:
+        raise BadRequest("system: Input should be a valid string or a list of text blocks", "system")
+    ms = data.get("messages")
+    if not isinstance(ms, list) or not ms:
+        raise BadRequest("messages: Field required (a non-empty list of messages)", "messages")
+    for i, m in enumerate(ms):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise BadRequest(f"messages.{i}.role: Input should be 'user' or 'assistant'", f"messages.{i}.role")
+        c = m.get("content")
+        if isinstance(c, list):
+            c = "\n".join(_block_text(b, f"messages.{i}.content.{j}") for j, b in enumerate(c))
+        elif not isinstance(c, str):
+            raise BadRequest(f"messages.{i}.content: Input should be a valid string or a list of content blocks",
+                             f"messages.{i}.content")
+        msgs.append({"role": m["role"], "content": c})
+    return msgs
+
+
+def messages_usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+    """Anthropic's usage: ``input_tokens`` counts the prompt tokens not read from the
+    cache (as Anthropic and llama.cpp count them), ``cache_read_input_tokens`` the others."""
+    return {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+def stop_reason(out: RequestOutput) -> str:
+    return "max_tokens" if out.finish_reason == "length" else "end_turn"
+
+
+class Messages(Api):
+    """Anthropic Messages (``POST /v1/messages``) as llama.cpp and SGLang serve it, and
+    ``POST /v1/messages/count_tokens`` (:meth:`count_tokens`)."""
+
+    id_prefix = "msg_"
+
+    def prompt(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> list[int]:
+        return tok.tokenize(render_chat(messages_chat(data), data.get("tools")), add_special_tokens=False)
+
+    def parse(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> Job:
+        ids = self.prompt(data, tok)
+        if data.get("max_tokens") is None:
+            raise BadRequest("max_tokens: Field required", "max_tokens")
+        return Job(data["model"], data, [ids], optional_positive_int(data, "max_tokens"), stream_flag(data))
+
+    def count_tokens(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> dict[str, Any]:
+        return {"input_tokens": len(self.prompt(data, tok))}
+
+    def whole(self, job: Job, rid: str, created: int, results: list[Result], tok: tokenizer.Tokenizer) -> dict:
+        toks, last = results[0]
+        return {"id": rid, "type": "message", "role": "assistant", "model": job.model,
+                "content": [{"type": "text", "text": tok.detokenize(toks)}], "stop_reason": stop_reason(last),
+                "stop_sequence": None, "usage": messages_usage(len(job.prompts[0]), last.num_cached_tokens, len(toks))}
+
+    def events(self, job: Job, rid: str, created: int, tok: tokenizer.Tokenizer) -> Events:
+        return _MessagesEvents(job, rid, tok)
+
+    def error(self, e: BadRequest) -> web.Response:
+        """``{"type": "error", "error": {"type", "message"}}``, the type by status as
+        Anthropic's API gives it."""
+        etype = _ANTHROPIC_ERROR_TYPES.get(e.status, "api_error")
+        body = {"type": "error", "error": {"type": etype, "message": str(e)}}
+        return web.json_response(body, status=e.status, headers=e.headers, dumps=dumps)
+
+
+class _MessagesEvents(Events):
+    """``message_start`` (its usage: the prompt, cached tokens known) and
+    ``content_block_start`` come with the first token, as llama.cpp sends them."""
+
+    def __init__(self, job: Job, rid: str, tok: tokenizer.Tokenizer):
+        self.job, self.rid, self.tok = job, rid, tok
+        self.n_out = 0
+        self.last: RequestOutput | None = None
+
+    def tokens(self, out: RequestOutput) -> list[bytes]:
+        parts = []
+        if self.last is None:
+            usage = messages_usage(len(self.job.prompts[0]), out.num_cached_tokens, 0)
+            parts.append(sse("message_start", {"type": "message_start", "message": {
+                "id": self.rid, "type": "message", "role": "assistant", "model": self.job.model, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": usage}}))
+            parts.append(sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                     "content_block": {"type": "text", "text": ""}}))
+        self.last = out
+        self.n_out += len(out.new_token_ids)
+        parts.append(sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+            "type": "text_delta", "text": self.tok.detokenize(out.new_token_ids)}}))
+        return parts
+
+    def tail(self) -> list[bytes]:
+        assert self.last is not None  # an engine request outputs at least one token
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                sse("message_delta", {"type": "message_delta", "delta": {
+                    "stop_reason": stop_reason(self.last), "stop_sequence": None},
+                    "usage": {"output_tokens": self.n_out}}),
+                sse("message_stop", {"type": "message_stop"})]
+
+
+MESSAGES = Messages()
+
 # The POST routes of these APIs (:meth:`loadtest.sim.server.SimBackend.app` adds them).
 ROUTES: list[tuple[str, Api]] = [
     ("/v1/responses", RESPONSES),
+    ("/v1/messages", MESSAGES),
 ]

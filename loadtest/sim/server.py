@@ -19,7 +19,8 @@ Endpoints (shapes follow vLLM's OpenAI server)
   token is one chunk and one whitespace-separated word.
 * The other APIs engines serve (:mod:`loadtest.sim.apis`, one adapter each, all on the
   path of :meth:`SimBackend.serve`): ``POST /v1/responses`` (OpenAI Responses, streamed
-  or not).
+  or not), ``POST /v1/messages`` (Anthropic Messages, streamed or not, errors in
+  Anthropic's shape) and ``POST /v1/messages/count_tokens``.
 * ``kv_transfer_params`` (disaggregated prefill/decode, vLLM's NixlConnector flow):
   ``{"do_remote_decode": true}`` on a ``prefill``/``mixed`` backend runs the prompt, one
   token, and returns top-level ``kv_transfer_params`` (``do_remote_prefill``,
@@ -393,6 +394,7 @@ class SimBackend:
         r.add_post("/v1/completions", self.completions)
         for path, api in apis.ROUTES:
             r.add_post(path, functools.partial(self.serve, api=api))
+        r.add_post("/v1/messages/count_tokens", self.count_tokens)
         r.add_get("/v1/models", self.models)
         r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
@@ -828,6 +830,16 @@ class SimBackend:
             results = [await self._collect(request, rs) for rs in streams]
             body = api.whole(job, rid, created, results, self.tok)
             return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the
+        prompt as a Messages request renders it (nothing runs in the engine)."""
+        api = apis.MESSAGES
+        try:
+            data, _ = await self._admit(request)
+            return web.json_response(api.count_tokens(data, self.tok), dumps=dumps)
+        except BadRequest as e:
+            return api.error(e)
 
     # --- completions ------------------------------------------------------------------------
 

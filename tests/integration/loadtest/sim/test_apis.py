@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 import aiohttp
+import anthropic
 import openai
 import orjson
 import pytest
@@ -164,3 +165,87 @@ async def test_responses_faults_and_client_disconnect():
             return value(m, "vllm:kv_cache_usage_perc") == 0 and value(m, "vllm:num_requests_running") == 0
 
         await until(freed)
+
+
+# --- Anthropic Messages ---------------------------------------------------------------
+
+
+async def test_messages_create_and_count_tokens_with_the_anthropic_sdk():
+    async with backend(eos_after=4) as (_, b):
+        client = anthropic.AsyncAnthropic(base_url=b.url, api_key="unused", max_retries=0)
+        turn1 = [{"role": "system", "content": LONG}, {"role": "user", "content": "Summarize."}]
+        m = await client.messages.create(model=MODEL, max_tokens=10, system=LONG,
+                                         messages=[{"role": "user", "content": "Summarize."}])
+        assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL
+        assert m.stop_reason == "end_turn" and m.stop_sequence is None
+        assert len(m.content) == 1 and m.content[0].type == "text" and len(m.content[0].text.split()) == 4
+        assert (m.usage.input_tokens, m.usage.cache_read_input_tokens, m.usage.output_tokens) == (
+            prompt_len(turn1), 0, 4)
+
+        # System and content as blocks render as the strings do.
+        counted = await client.messages.count_tokens(
+            model=MODEL, system=[{"type": "text", "text": LONG}],
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Summarize."}]}])
+        assert counted.input_tokens == prompt_len(turn1)
+
+        turn2 = [{"role": "user", "content": "Summarize."}, {"role": "assistant", "content": m.content[0].text},
+                 {"role": "user", "content": "Shorter."}]
+        m2 = await client.messages.create(model=MODEL, max_tokens=2, system=LONG, messages=turn2)
+        assert m2.stop_reason == "max_tokens" and m2.usage.output_tokens == 2
+        cached = m2.usage.cache_read_input_tokens
+        assert cached is not None and m2.usage.input_tokens + cached == prompt_len(turn1[:1] + turn2)
+        block = b.profile.block_size
+        assert cached >= (prompt_len(turn1) // block - 1) * block > 0
+
+
+async def test_messages_stream_events_in_order_parsed_by_the_anthropic_sdk():
+    async with backend() as (s, b):
+        client = anthropic.AsyncAnthropic(base_url=b.url, api_key="unused", max_retries=0)
+        req = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "Hi there"}]}
+        events = [e async for e in await client.messages.create(**req, stream=True)]
+        assert [e.type for e in events] == (["message_start", "content_block_start"] + ["content_block_delta"] * 5
+                                            + ["content_block_stop", "message_delta", "message_stop"])
+        start = events[0].message
+        assert start.usage.input_tokens == prompt_len(req["messages"]) and start.usage.output_tokens == 0
+        deltas = [e.delta for e in events[2:7]]
+        assert all(d.type == "text_delta" and len(d.text.split()) == 1 for d in deltas)
+        assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 5
+
+        async with client.messages.stream(**req) as stream:
+            final = await stream.get_final_message()
+        assert final.content[0].text == "".join(d.text for d in deltas)  # same prompt, same tokens
+        assert final.usage.output_tokens == 5 and final.stop_reason == "max_tokens"
+        assert final.usage.cache_read_input_tokens is not None
+        assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt_len(req["messages"])
+
+        pairs = await raw_sse(s, b.url + "/v1/messages", {**req, "stream": True})
+        assert all(ev == data["type"] for ev, data in pairs) and pairs[-1][0] == "message_stop"
+
+
+async def test_messages_errors_in_anthropic_shape():
+    async with backend() as (s, b):
+        client = anthropic.AsyncAnthropic(base_url=b.url, api_key="unused", max_retries=0)
+        with pytest.raises(anthropic.NotFoundError) as nf:
+            await client.messages.create(model="nope", max_tokens=3, messages=[{"role": "user", "content": "x"}])
+        assert nf.value.body["error"]["type"] == "not_found_error"
+        with pytest.raises(anthropic.BadRequestError):
+            await client.messages.count_tokens(model=MODEL, messages=[])
+        ok = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}
+        for body in [{**ok, "max_tokens": None}, {**ok, "max_tokens": 0}, {**ok, "messages": []},
+                     {**ok, "messages": [{"role": "system", "content": "x"}]},
+                     {**ok, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+                     {**ok, "system": 7}, {**ok, "stream": "yes"}]:
+            async with s.post(b.url + "/v1/messages", json=body) as r:
+                assert r.status == 400, body
+                err = await r.json()
+                assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", body
+                assert set(err["error"]) == {"type", "message"}
+        m = await metrics(s, b.url)  # no refused request reached the engine
+        assert value(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 0
+
+        async with s.post(b.url + "/admin/faults", json={"rate_limit_rate": 1.0, "retry_after_s": 3}) as r:
+            assert r.status == 200
+        with pytest.raises(anthropic.RateLimitError) as rl:
+            await client.messages.create(**ok)
+        assert rl.value.body["error"]["type"] == "rate_limit_error"
+        assert rl.value.response.headers["Retry-After"] == "3"
