@@ -36,6 +36,11 @@ path a request takes (body, model, faults, engine, abort on disconnect) is the o
   (``stop_reason``, ``usage.output_tokens``), ``message_stop``. Errors are Anthropic's
   ``{"type": "error", "error": {"type": "invalid_request_error" | "not_found_error" |
   ..., "message"}}``. ``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``.
+* :data:`EMBEDDINGS`, ``POST /v1/embeddings`` (vLLM's pooling answer ``{"object":
+  "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}``).
+  Pooling APIs cost prefill only: each input is one engine request that stops after
+  its prompt (the engine's ``prefill_only``), none is streamed, and ``usage`` carries
+  ``prompt_tokens_details.cached_tokens`` beside vLLM's fields.
 
 Chat-like requests are rendered with :func:`~loadtest.sim.prompt.render_chat` (the
 ChatML template of chat completions), so a conversation shares its prefix-cache blocks
@@ -44,7 +49,13 @@ across turns whichever API carries it.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import math
+import random
+import struct
 import uuid
+from array import array
 from typing import Any, NamedTuple
 
 import orjson
@@ -52,7 +63,7 @@ from aiohttp import web
 
 from loadtest.sim import tokenizer
 from loadtest.sim.engine import RequestOutput
-from loadtest.sim.prompt import BadRequest, content_text, dumps, render_chat
+from loadtest.sim.prompt import BadRequest, check_token_ids, content_text, dumps, render_chat
 
 Result = tuple[list[int], RequestOutput]  # (every token id generated, the last output)
 
@@ -414,8 +425,82 @@ class _MessagesEvents(Events):
 
 MESSAGES = Messages()
 
+# --- pooling: embeddings ----------------------------------------------------------------
+
+EMBEDDING_DIM = 16  # length of an embedding when the request gives no ``dimensions``
+MAX_EMBEDDING_DIM = 4096
+
+
+def pooling_inputs(value: Any, param: str, tok: tokenizer.Tokenizer) -> list[list[int]]:
+    """Token ids of each input of a pooling request: a string, a list of strings, a
+    list of token ids or a list of such lists (checked as vLLM checks token ids).
+    Raises :class:`BadRequest`."""
+    if isinstance(value, str):
+        return [tok.tokenize(value)]
+    if isinstance(value, list) and value:
+        if all(isinstance(x, str) for x in value):
+            return [tok.tokenize(x) for x in value]
+        if all(isinstance(x, list) and x for x in value):
+            return [check_token_ids(x, f"body.{param}.{i}", tok.vocab_size) for i, x in enumerate(value)]
+        if isinstance(value[0], (int, float)):
+            return [check_token_ids(value, f"body.{param}", tok.vocab_size)]
+    raise BadRequest(f"`{param}` must be a string, a list of strings, a list of token ids or a list of "
+                     "non-empty lists of token ids", param)
+
+
+def _unit_vector(ids: list[int], dim: int, salt: bytes = b"") -> list[float]:
+    """A unit vector of ``dim`` floats derived from the token ids alone, the same in
+    every run and process."""
+    seed = hashlib.blake2b(salt + array("I", ids).tobytes(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(seed, "little"))
+    v = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    return [x / norm for x in v]
+
+
+def pooling_usage(results: list[Result], prompts: list[list[int]]) -> dict[str, Any]:
+    """vLLM's usage of a pooling answer (prompt tokens only) plus, as for completions,
+    the prompt tokens read from the prefix cache."""
+    n = sum(len(p) for p in prompts)
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
+            "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for _, last in results)}}
+
+
+class Embeddings(Api):
+    """``POST /v1/embeddings`` as vLLM serves a pooling model: ``input`` (see
+    :func:`pooling_inputs`), ``encoding_format`` ``float`` (default) or ``base64``
+    (little-endian float32, as OpenAI sends it), ``dimensions`` (default
+    :data:`EMBEDDING_DIM`). Each input is one prefill-only engine request; its vector
+    is a unit vector derived from its token ids."""
+
+    id_prefix = "embd-"
+    pooling = True
+
+    def parse(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> Job:
+        if data.get("encoding_format", "float") not in ("float", "base64", None):
+            raise BadRequest("`encoding_format` must be float or base64", "encoding_format")
+        dim = optional_positive_int(data, "dimensions")
+        if dim is not None and dim > MAX_EMBEDDING_DIM:
+            raise BadRequest(f"`dimensions` must be at most {MAX_EMBEDDING_DIM}", "dimensions")
+        return Job(data["model"], data, pooling_inputs(data.get("input"), "input", tok), None, False)
+
+    def whole(self, job: Job, rid: str, created: int, results: list[Result], tok: tokenizer.Tokenizer) -> dict:
+        dim = job.data.get("dimensions") or EMBEDDING_DIM
+        b64 = job.data.get("encoding_format") == "base64"
+        data = []
+        for i, ids in enumerate(job.prompts):
+            f32 = struct.pack(f"<{dim}f", *_unit_vector(ids, dim))  # float32, as a model outputs
+            emb: Any = base64.b64encode(f32).decode() if b64 else list(struct.unpack(f"<{dim}f", f32))
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return {"id": rid, "object": "list", "created": created, "model": job.model, "data": data,
+                "usage": pooling_usage(results, job.prompts)}
+
+
+EMBEDDINGS = Embeddings()
+
 # The POST routes of these APIs (:meth:`loadtest.sim.server.SimBackend.app` adds them).
 ROUTES: list[tuple[str, Api]] = [
     ("/v1/responses", RESPONSES),
     ("/v1/messages", MESSAGES),
+    ("/v1/embeddings", EMBEDDINGS),
 ]

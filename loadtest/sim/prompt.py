@@ -82,7 +82,7 @@ class BadRequest(Exception):
 VALIDATION_ERROR_TYPE = "Bad Request"
 
 
-def _token_ids(p: list[Any], loc: str, vocab_size: int) -> list[int]:
+def check_token_ids(p: list[Any], loc: str, vocab_size: int) -> list[int]:
     """A prompt given as token ids, checked as vLLM 0.32 checks it: its request model
     (``prompt: list[Annotated[int, Field(ge=0)]] | ...``, pydantic's lax integers, so
     ``true`` is 1 and ``2.0`` is 2) and then its renderer's vocabulary check
@@ -113,7 +113,7 @@ def prompt_token_ids(data: dict[str, Any], chat: bool,
                      tok: tokenizer.Tokenizer = tokenizer.EMULATOR) -> list[int]:
     """Token ids of the request's prompt with ``tok`` (a rendered chat without added
     special tokens, a text prompt with them, as vLLM). A prompt given as token ids is
-    checked as vLLM checks it (:func:`_token_ids`). Raises :class:`BadRequest`."""
+    checked as vLLM checks it (:func:`check_token_ids`). Raises :class:`BadRequest`."""
     if chat:
         msgs = data.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -130,7 +130,7 @@ def prompt_token_ids(data: dict[str, Any], chat: bool,
         raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)",
                          "prompt")
     if isinstance(p, list) and p and isinstance(p[0], (int, float)):
-        return _token_ids(p, loc, tok.vocab_size)
+        return check_token_ids(p, loc, tok.vocab_size)
     raise BadRequest("`prompt` must be a string or a list of token ids", "prompt")
 
 

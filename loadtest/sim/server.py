@@ -9,7 +9,7 @@ Endpoints (shapes follow vLLM's OpenAI server)
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not.
   Chat messages are rendered with a ChatML template (:func:`render_chat`) and
   tokenized with the backend's tokenizer (:mod:`loadtest.sim.tokenizer`); ``prompt`` may be a string, a list of
-  token ids (checked as vLLM checks them: :func:`_token_ids`), or a one-element list of either. ``usage`` carries
+  token ids (checked as vLLM checks them: :func:`check_token_ids`), or a one-element list of either. ``usage`` carries
   ``prompt_tokens_details.cached_tokens`` (prefix-cache hits, as vLLM reports them);
   with ``stream_options.include_usage`` a final ``choices: []`` chunk carries it
   (``continuous_usage_stats`` puts running usage on every chunk). ``max_tokens`` /
@@ -20,7 +20,8 @@ Endpoints (shapes follow vLLM's OpenAI server)
 * The other APIs engines serve (:mod:`loadtest.sim.apis`, one adapter each, all on the
   path of :meth:`SimBackend.serve`): ``POST /v1/responses`` (OpenAI Responses, streamed
   or not), ``POST /v1/messages`` (Anthropic Messages, streamed or not, errors in
-  Anthropic's shape) and ``POST /v1/messages/count_tokens``.
+  Anthropic's shape) and ``POST /v1/messages/count_tokens``; ``POST /v1/embeddings``
+  (prefill only, deterministic vectors).
 * ``kv_transfer_params`` (disaggregated prefill/decode, vLLM's NixlConnector flow):
   ``{"do_remote_decode": true}`` on a ``prefill``/``mixed`` backend runs the prompt, one
   token, and returns top-level ``kv_transfer_params`` (``do_remote_prefill``,

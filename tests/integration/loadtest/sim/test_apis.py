@@ -249,3 +249,52 @@ async def test_messages_errors_in_anthropic_shape():
             await client.messages.create(**ok)
         assert rl.value.body["error"]["type"] == "rate_limit_error"
         assert rl.value.response.headers["Retry-After"] == "3"
+
+
+# --- embeddings -----------------------------------------------------------------------
+
+
+async def test_embeddings_with_the_openai_sdk_are_deterministic_unit_vectors():
+    async with backend() as (s, b):
+        client = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+        texts = ["a b c", LONG, "a b c"]
+        r = await client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64
+        assert r.object == "list" and r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
+        vecs = [d.embedding for d in r.data]
+        assert all(len(v) == 16 and abs(sum(x * x for x in v) - 1.0) < 1e-5 for v in vecs)
+        assert vecs[0] == vecs[2] and vecs[0] != vecs[1]
+        n = sum(tokenizer.count_tokens(t) for t in texts)
+        assert r.usage.prompt_tokens == n and r.usage.total_tokens == n
+
+        f = await client.embeddings.create(model=MODEL, input="a b c", encoding_format="float", dimensions=8)
+        assert len(f.data) == 1 and len(f.data[0].embedding) == 8
+        g = await client.embeddings.create(model=MODEL, input="a b c", encoding_format="float")
+        assert g.data[0].embedding == vecs[0]  # the float32 values base64 carries
+
+        # Token ids as input, and the prefix cache: LONG was seen, so its blocks hit.
+        async with s.post(b.url + "/v1/embeddings", json={"model": MODEL, "input": [tokenizer.tokenize(LONG)]}) as h:
+            body = await h.json()
+        assert h.status == 200 and body["data"][0]["embedding"] == vecs[1]
+        assert body["usage"]["completion_tokens"] == 0
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= tokenizer.count_tokens(LONG) - 2 * 16 > 0
+
+
+async def test_embeddings_bad_requests_get_openai_errors():
+    async with backend() as (s, b):
+        client = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await client.embeddings.create(model="nope", input="x")
+        for body, param in [({"model": MODEL}, "input"), ({"model": MODEL, "input": []}, "input"),
+                            ({"model": MODEL, "input": [[1, 2], []]}, "input"),
+                            ({"model": MODEL, "input": [1, -2]}, "body.input.1"),
+                            ({"model": MODEL, "input": "x", "encoding_format": "hex"}, "encoding_format"),
+                            ({"model": MODEL, "input": "x", "dimensions": 0}, "dimensions")]:
+            async with s.post(b.url + "/v1/embeddings", json=body) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400 and err["param"] == param, body
+        async with s.post(b.url + "/v1/embeddings", json={"model": MODEL, "input": [10**9]}) as r:
+            assert r.status == 400 and "out of vocabulary" in (await r.json())["error"]["message"]
+        async with s.post(b.url + "/v1/embeddings", json={"model": MODEL, "input": LONG * 40}) as r:
+            assert r.status == 400 and "maximum context length" in (await r.json())["error"]["message"]
+        m = await metrics(s, b.url)  # no refused request reached the engine
+        assert value(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 0
