@@ -41,6 +41,9 @@ path a request takes (body, model, faults, engine, abort on disconnect) is the o
   Pooling APIs cost prefill only: each input is one engine request that stops after
   its prompt (the engine's ``prefill_only``), none is streamed, and ``usage`` carries
   ``prompt_tokens_details.cached_tokens`` beside vLLM's fields.
+* :data:`RERANK` (``POST /v1/rerank``, ``POST /rerank``) and :data:`SCORE` (``POST
+  /v1/score``) in vLLM's shapes, prefill only, one engine request per (query, document)
+  pair, with deterministic scores.
 
 Chat-like requests are rendered with :func:`~loadtest.sim.prompt.render_chat` (the
 ChatML template of chat completions), so a conversation shares its prefix-cache blocks
@@ -498,9 +501,102 @@ class Embeddings(Api):
 
 EMBEDDINGS = Embeddings()
 
+# --- pooling: rerank and score -------------------------------------------------------
+
+
+def relevance(ids: list[int]) -> float:
+    """A score in (0, 1) derived from a pair's token ids alone, the same in every run."""
+    h = hashlib.blake2b(b"score" + array("I", ids).tobytes(), digest_size=8).digest()
+    return (int.from_bytes(h, "little") + 0.5) / 2.0**64
+
+
+def pair_ids(tok: tokenizer.Tokenizer, first: str, second: str) -> list[int]:
+    """The token ids of a cross-encoder's (query, document) pair: the first text, then
+    the second, so the pairs of one query share its prefix blocks."""
+    return tok.tokenize(first) + tok.tokenize(second, add_special_tokens=False)
+
+
+class Rerank(Api):
+    """``POST /v1/rerank`` and ``POST /rerank`` (vLLM's Jina/Cohere-style rerank):
+    ``query``, ``documents`` (strings or ``{"text"}`` objects), ``top_n`` (0 or absent:
+    all). Each (query, document) pair is one prefill-only engine request; the answer
+    ``{"id", "model", "usage": {"total_tokens"}, "results": [{"index", "document":
+    {"text"}, "relevance_score"}]}`` lists the documents by descending score."""
+
+    id_prefix = "rerank-"
+    pooling = True
+
+    def parse(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> Job:
+        q = data.get("query")
+        if not isinstance(q, str):
+            raise BadRequest("`query` must be a string", "query")
+        docs = data.get("documents")
+        if not isinstance(docs, list) or not docs:
+            raise BadRequest("`documents` must be a non-empty list", "documents")
+        texts = []
+        for i, d in enumerate(docs):
+            if isinstance(d, dict):
+                d = d.get("text")
+            if not isinstance(d, str):
+                raise BadRequest("a document must be a string or {\"text\": string}", f"documents.{i}")
+            texts.append(d)
+        top_n = data.get("top_n")
+        if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
+            raise BadRequest("`top_n` must be an integer >= 0", "top_n")
+        return Job(data["model"], {**data, "documents": texts}, [pair_ids(tok, q, d) for d in texts], None, False)
+
+    def whole(self, job: Job, rid: str, created: int, results: list[Result], tok: tokenizer.Tokenizer) -> dict:
+        docs = job.data["documents"]
+        scores = [relevance(ids) for ids in job.prompts]
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        ranked = [{"index": i, "document": {"text": docs[i]}, "relevance_score": scores[i]} for i in order]
+        top_n = job.data.get("top_n") or len(ranked)
+        usage = pooling_usage(results, job.prompts)
+        return {"id": rid, "model": job.model, "results": ranked[:top_n],
+                "usage": {"total_tokens": usage["total_tokens"],
+                          "prompt_tokens_details": usage["prompt_tokens_details"]}}
+
+
+def _texts(v: Any, param: str) -> list[str]:
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        return v
+    raise BadRequest(f"`{param}` must be a string or a non-empty list of strings", param)
+
+
+class Score(Api):
+    """``POST /v1/score`` (vLLM): ``text_1`` and ``text_2``, each a string or a list of
+    strings, paired 1:1, 1:N or N:N. Each pair is one prefill-only engine request; the
+    answer is ``{"id", "object": "list", "created", "model", "data": [{"index",
+    "object": "score", "score"}], "usage"}``."""
+
+    id_prefix = "score-"
+    pooling = True
+
+    def parse(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> Job:
+        t1, t2 = _texts(data.get("text_1"), "text_1"), _texts(data.get("text_2"), "text_2")
+        if len(t1) == 1:
+            t1 = t1 * len(t2)
+        elif len(t1) != len(t2):
+            raise BadRequest("Input lengths must be either 1:1, 1:N or N:N", "text_1")
+        return Job(data["model"], data, [pair_ids(tok, a, c) for a, c in zip(t1, t2, strict=True)], None, False)
+
+    def whole(self, job: Job, rid: str, created: int, results: list[Result], tok: tokenizer.Tokenizer) -> dict:
+        return {"id": rid, "object": "list", "created": created, "model": job.model,
+                "data": [{"index": i, "object": "score", "score": relevance(ids)} for i, ids in enumerate(job.prompts)],
+                "usage": pooling_usage(results, job.prompts)}
+
+
+RERANK = Rerank()
+SCORE = Score()
+
 # The POST routes of these APIs (:meth:`loadtest.sim.server.SimBackend.app` adds them).
 ROUTES: list[tuple[str, Api]] = [
     ("/v1/responses", RESPONSES),
     ("/v1/messages", MESSAGES),
     ("/v1/embeddings", EMBEDDINGS),
+    ("/v1/rerank", RERANK),
+    ("/rerank", RERANK),
+    ("/v1/score", SCORE),
 ]

@@ -21,7 +21,8 @@ Endpoints (shapes follow vLLM's OpenAI server)
   path of :meth:`SimBackend.serve`): ``POST /v1/responses`` (OpenAI Responses, streamed
   or not), ``POST /v1/messages`` (Anthropic Messages, streamed or not, errors in
   Anthropic's shape) and ``POST /v1/messages/count_tokens``; ``POST /v1/embeddings``
-  (prefill only, deterministic vectors).
+  (prefill only, deterministic vectors); ``POST /v1/rerank``, ``POST /rerank`` and
+  ``POST /v1/score`` (prefill only, deterministic scores).
 * ``kv_transfer_params`` (disaggregated prefill/decode, vLLM's NixlConnector flow):
   ``{"do_remote_decode": true}`` on a ``prefill``/``mixed`` backend runs the prompt, one
   token, and returns top-level ``kv_transfer_params`` (``do_remote_prefill``,
@@ -29,7 +30,8 @@ Endpoints (shapes follow vLLM's OpenAI server)
   ``remote_port``, ``tp_size``, ``remote_num_tokens``, ...); sending those to a
   ``decode``/``mixed`` backend charges the KV transfer time (bytes over the profile's
   link bandwidth) instead of recomputing the prompt.
-* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /reset_prefix_cache``.
+* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``
+  (``{"tokens": [ids]}`` -> ``{"prompt": text}``), ``POST /reset_prefix_cache``.
 * LoRA adapters (``lora`` in the spec, :class:`loadtest.sim.spec.LoraConfig`): listed in
   ``/v1/models`` with ``parent`` (the base model) and ``max_model_len: null`` as vLLM
   lists them; ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
@@ -76,7 +78,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from loadtest.sim import apis, tokenizer
 from loadtest.sim.apis import Api
 from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, RequestStream, _Stat
-from loadtest.sim.prompt import BadRequest, dumps, error_response, prompt_token_ids
+from loadtest.sim.prompt import BadRequest, check_token_ids, dumps, error_response, prompt_token_ids
 from loadtest.sim.spec import FaultConfig, KVEventsConfig, LoraConfig, SimBackendConfig
 
 if TYPE_CHECKING:
@@ -402,6 +404,7 @@ class SimBackend:
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_handler)
         r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/admin/faults", self.get_faults)
         r.add_post("/admin/faults", self.set_faults)
@@ -576,6 +579,26 @@ class SimBackend:
             return e.response()
         return web.json_response({"count": len(ids), "max_model_len": self.profile.max_model_len,
                                   "tokens": ids}, dumps=dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``{"model"?, "tokens": [ids]}`` ->
+        ``{"prompt": text}``; ids checked as a prompt's are, a model named must be served."""
+        try:
+            data = orjson.loads(await request.read())
+            if not isinstance(data, dict):
+                raise BadRequest("the body must be a JSON object")
+            model = data.get("model")
+            if model is not None and model not in self.cfg.models and model not in self.lora_adapters:
+                raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+            toks = data.get("tokens")
+            if not isinstance(toks, list):
+                raise BadRequest("`tokens` must be a list of token ids", "tokens")
+            ids = check_token_ids(toks, "body.tokens", self.tok.vocab_size) if toks else []
+        except orjson.JSONDecodeError:
+            return error_response(400, "invalid JSON body")
+        except BadRequest as e:
+            return e.response()
+        return web.json_response({"prompt": self.tok.detokenize(ids)}, dumps=dumps)
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()

@@ -298,3 +298,74 @@ async def test_embeddings_bad_requests_get_openai_errors():
             assert r.status == 400 and "maximum context length" in (await r.json())["error"]["message"]
         m = await metrics(s, b.url)  # no refused request reached the engine
         assert value(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 0
+
+
+# --- rerank, score, detokenize --------------------------------------------------------
+
+
+async def test_rerank_and_score_in_vllms_shapes_cost_prefill_only():
+    async with backend() as (s, b):
+        docs = ["the river bank", "a dog", LONG]
+        q = "Where is the fox?"
+        for path in ("/v1/rerank", "/rerank"):
+            async with s.post(b.url + path, json={"model": MODEL, "query": q, "top_n": 2,
+                                                  "documents": [docs[0], {"text": docs[1]}, docs[2]]}) as r:
+                assert r.status == 200
+                body = await r.json()
+            assert body["id"].startswith("rerank-") and body["model"] == MODEL
+            res = body["results"]
+            assert len(res) == 2 and res[0]["relevance_score"] >= res[1]["relevance_score"]
+            assert all(0 < x["relevance_score"] < 1 and x["document"]["text"] == docs[x["index"]] for x in res)
+            n = sum(tokenizer.count_tokens(q) + tokenizer.count_tokens(d) for d in docs)
+            assert body["usage"]["total_tokens"] == n
+        # The second call's pairs found the first call's blocks.
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        async with s.post(b.url + "/v1/score", json={"model": MODEL, "text_1": q, "text_2": docs}) as r:
+            assert r.status == 200
+            sc = await r.json()
+        assert sc["object"] == "list" and [d["index"] for d in sc["data"]] == [0, 1, 2]
+        assert all(d["object"] == "score" for d in sc["data"])
+        # the same pairs as the rerank: the same scores
+        by_index = {x["index"]: x["relevance_score"] for x in res}
+        assert all(sc["data"][i]["score"] == v for i, v in by_index.items())
+        assert sc["usage"]["prompt_tokens"] == n and sc["usage"]["completion_tokens"] == 0
+
+        async with s.post(b.url + "/v1/score", json={"model": MODEL, "text_1": ["a", "b"], "text_2": ["c", "d"]}) as r:
+            assert r.status == 200 and len((await r.json())["data"]) == 2
+        m = await metrics(s, b.url)  # 3 + 3 + 3 + 2 pooling requests, one output token each
+        assert value(m, "vllm:request_generation_tokens", "vllm:request_generation_tokens_count") == 11
+        assert value(m, "vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == 11
+
+
+async def test_rerank_score_detokenize_bad_requests_and_faults():
+    async with backend() as (s, b):
+        cases = [("/v1/rerank", {"model": MODEL, "documents": ["a"]}, "query"),
+                 ("/v1/rerank", {"model": MODEL, "query": "q", "documents": []}, "documents"),
+                 ("/rerank", {"model": MODEL, "query": "q", "documents": ["a", 3]}, "documents.1"),
+                 ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+                 ("/v1/score", {"model": MODEL, "text_1": "a"}, "text_2"),
+                 ("/v1/score", {"model": MODEL, "text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+                 ("/detokenize", {"model": MODEL, "tokens": "abc"}, "tokens"),
+                 ("/detokenize", {"model": MODEL, "tokens": [1, 2.5]}, "body.tokens.1")]
+        for path, body, param in cases:
+            async with s.post(b.url + path, json=body) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400 and err["param"] == param and err["code"] == 400, (path, body)
+        for path, body in [("/v1/rerank", {"model": "nope", "query": "q", "documents": ["a"]}),
+                           ("/v1/score", {"model": "nope", "text_1": "a", "text_2": "b"}),
+                           ("/detokenize", {"model": "nope", "tokens": [1]})]:
+            async with s.post(b.url + path, json=body) as r:
+                assert r.status == 404 and (await r.json())["error"]["param"] == "model"
+
+        ids = tokenizer.tokenize("Hello there, world")
+        async with s.post(b.url + "/detokenize", json={"model": MODEL, "tokens": ids}) as r:
+            assert r.status == 200 and await r.json() == {"prompt": "Hello there, world"}
+        async with s.post(b.url + "/tokenize", json={"model": MODEL, "prompt": "Hello there, world"}) as r:
+            assert (await r.json())["tokens"] == ids
+
+        async with s.post(b.url + "/admin/faults", json={"error_rate": 1.0, "error_status": 502}) as r:
+            assert r.status == 200
+        async with s.post(b.url + "/v1/score", json={"model": MODEL, "text_1": "a", "text_2": "b"}) as r:
+            assert r.status == 502 and (await r.json())["error"]["code"] == 502
+        assert b.faults_injected["error"] == 1
