@@ -9,7 +9,7 @@ Endpoints (shapes follow vLLM's OpenAI server)
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not.
   Chat messages are rendered with a ChatML template (:func:`render_chat`) and
   tokenized with the backend's tokenizer (:mod:`loadtest.sim.tokenizer`); ``prompt`` may be a string, a list of
-  token ids (checked as vLLM checks them: :func:`_token_ids`), or a one-element list of either. ``usage`` carries
+  token ids (checked as vLLM checks them: :func:`check_token_ids`), or a one-element list of either. ``usage`` carries
   ``prompt_tokens_details.cached_tokens`` (prefix-cache hits, as vLLM reports them);
   with ``stream_options.include_usage`` a final ``choices: []`` chunk carries it
   (``continuous_usage_stats`` puts running usage on every chunk). ``max_tokens`` /
@@ -17,6 +17,12 @@ Endpoints (shapes follow vLLM's OpenAI server)
   ``ignore_eos``, ``min_tokens``, ``seed``. A chat stream starts with a role-only chunk
   (``delta: {"role": "assistant", "content": ""}``) as vLLM's does; every generated
   token is one chunk and one whitespace-separated word.
+* The other APIs engines serve (:mod:`loadtest.sim.apis`, one adapter each, all on the
+  path of :meth:`SimBackend.serve`): ``POST /v1/responses`` (OpenAI Responses, streamed
+  or not), ``POST /v1/messages`` (Anthropic Messages, streamed or not, errors in
+  Anthropic's shape) and ``POST /v1/messages/count_tokens``; ``POST /v1/embeddings``
+  (prefill only, deterministic vectors); ``POST /v1/rerank``, ``POST /rerank`` and
+  ``POST /v1/score`` (prefill only, deterministic scores).
 * ``kv_transfer_params`` (disaggregated prefill/decode, vLLM's NixlConnector flow):
   ``{"do_remote_decode": true}`` on a ``prefill``/``mixed`` backend runs the prompt, one
   token, and returns top-level ``kv_transfer_params`` (``do_remote_prefill``,
@@ -24,7 +30,8 @@ Endpoints (shapes follow vLLM's OpenAI server)
   ``remote_port``, ``tp_size``, ``remote_num_tokens``, ...); sending those to a
   ``decode``/``mixed`` backend charges the KV transfer time (bytes over the profile's
   link bandwidth) instead of recomputing the prompt.
-* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /reset_prefix_cache``.
+* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``
+  (``{"tokens": [ids]}`` -> ``{"prompt": text}``), ``POST /reset_prefix_cache``.
 * LoRA adapters (``lora`` in the spec, :class:`loadtest.sim.spec.LoraConfig`): listed in
   ``/v1/models`` with ``parent`` (the base model) and ``max_model_len: null`` as vLLM
   lists them; ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
@@ -45,139 +52,37 @@ Endpoints (shapes follow vLLM's OpenAI server)
   body = :class:`FaultConfig` fields, ``{}`` clears), ``POST /admin/crash``
   (``{"down_s": T}``), ``GET /admin/stats`` (engine + emulator health as JSON).
 
+Every API's request goes through the engine model (queueing, prefix cache, prefill
+cost, ``cached_tokens``), the same faults, and vLLM's 404 for a model not served.
 Client disconnect aborts the request in the engine (its KV blocks are freed at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import functools
 import itertools
 import random
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loadtest.sim import tokenizer
-from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, _Stat
+from loadtest.sim import apis, tokenizer
+from loadtest.sim.apis import Api
+from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, RequestStream, _Stat
+from loadtest.sim.prompt import BadRequest, check_token_ids, dumps, error_response, prompt_token_ids
 from loadtest.sim.spec import FaultConfig, KVEventsConfig, LoraConfig, SimBackendConfig
 
 if TYPE_CHECKING:
     from loadtest.sim.kv_event_publisher import KVEventPublisher
-
-# --- prompt rendering -----------------------------------------------------------------
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, dict):
-                if isinstance(p.get("text"), str):
-                    parts.append(p["text"])
-                elif p.get("type") in ("image_url", "input_image", "image"):
-                    parts.append("<image>")
-                elif p.get("type") == "input_audio":
-                    parts.append("<audio>")
-            elif isinstance(p, str):
-                parts.append(p)
-        return "\n".join(parts)  # as vLLM joins a message's text parts
-    return "" if content is None else str(content)
-
-
-def render_chat(messages: list[Any], tools: Any = None) -> str:
-    """ChatML rendering of chat messages, ending with the assistant header::
-
-        <|im_start|>system\\nYou are...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
-    """
-    out = []
-    if tools:
-        out.append("<|im_start|>system\n# Tools\n" + orjson.dumps(tools).decode() + "<|im_end|>\n")
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        text = _content_text(m.get("content"))
-        if m.get("tool_calls"):
-            text += orjson.dumps(m["tool_calls"]).decode()
-        out.append(f"<|im_start|>{m.get('role', 'user')}\n{text}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
-    return "".join(out)
-
-
-class BadRequest(Exception):
-    """A request the server refuses: ``status`` (400 by default), the ``param`` it
-    names, and ``etype``, the error ``type`` when it is not the status's usual one."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, etype: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.etype = etype
-
-
-# vLLM answers a request body that fails its pydantic model with this error type
-# (`validation_exception_handler` in vllm/entrypoints/serve/exception_handling/).
-VALIDATION_ERROR_TYPE = "Bad Request"
-
-
-def _token_ids(p: list[Any], loc: str, vocab_size: int) -> list[int]:
-    """A prompt given as token ids, checked as vLLM 0.32 checks it: its request model
-    (``prompt: list[Annotated[int, Field(ge=0)]] | ...``, pydantic's lax integers, so
-    ``true`` is 1 and ``2.0`` is 2) and then its renderer's vocabulary check
-    (``validate_token_ids`` in ``vllm/renderers/base.py``). Raises :class:`BadRequest`
-    with vLLM's wording: an element that is no integer or a negative one names its
-    place (``param`` ``body.prompt.I``, type ``Bad Request``); an id past the
-    vocabulary (``vocab_size`` ids) is ``Token id N is out of vocabulary``."""
-    out = []
-    for i, x in enumerate(p):
-        if isinstance(x, float) and x.is_integer():
-            x = int(x)
-        elif isinstance(x, float):
-            raise BadRequest("Input should be a valid integer, got a number with a fractional part",
-                             f"{loc}.{i}", etype=VALIDATION_ERROR_TYPE)
-        elif not isinstance(x, int):  # bool is an int
-            raise BadRequest("Input should be a valid integer", f"{loc}.{i}", etype=VALIDATION_ERROR_TYPE)
-        if x < 0:
-            raise BadRequest("Input should be greater than or equal to 0", f"{loc}.{i}",
-                             etype=VALIDATION_ERROR_TYPE)
-        out.append(int(x))
-    top = max(out)
-    if top >= vocab_size:
-        raise BadRequest(f"Token id {top} is out of vocabulary")
-    return out
-
-
-def prompt_token_ids(data: dict[str, Any], chat: bool,
-                     tok: tokenizer.Tokenizer = tokenizer.EMULATOR) -> list[int]:
-    """Token ids of the request's prompt with ``tok`` (a rendered chat without added
-    special tokens, a text prompt with them, as vLLM). A prompt given as token ids is
-    checked as vLLM checks it (:func:`_token_ids`). Raises :class:`BadRequest`."""
-    if chat:
-        msgs = data.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("`messages` must be a non-empty list", "messages")
-        return tok.tokenize(render_chat(msgs, data.get("tools")), add_special_tokens=False)
-    p = data.get("prompt")
-    loc = "body.prompt"
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p, loc = p[0], "body.prompt.0"
-    if isinstance(p, str):
-        return tok.tokenize(p)
-    if isinstance(p, list) and len(p) > 1 and (all(isinstance(x, str) for x in p)
-                                               or all(isinstance(x, list) for x in p)):
-        raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)",
-                         "prompt")
-    if isinstance(p, list) and p and isinstance(p[0], (int, float)):
-        return _token_ids(p, loc, tok.vocab_size)
-    raise BadRequest("`prompt` must be a string or a list of token ids", "prompt")
-
 
 # --- metrics ----------------------------------------------------------------------------
 
@@ -381,20 +286,6 @@ LOOP_LAG = LoopLagMonitor()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-def _dumps(o: Any) -> str:
-    return orjson.dumps(o).decode()
-
-
-def error_response(status: int, message: str, *, param: str | None = None,
-                   headers: dict[str, str] | None = None, etype: str | None = None) -> web.Response:
-    """An OpenAI-shaped error (``{"error": {message, type, param, code}}``); ``etype``:
-    the ``type``, by default the one vLLM gives ``status``."""
-    etype = etype or {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(
-        status, "InternalServerError" if status >= 500 else "BadRequestError")
-    body = {"error": {"message": message, "type": etype, "param": param, "code": status}}
-    return web.json_response(body, status=status, headers=headers, dumps=_dumps)
-
-
 class SimBackend:
     """One simulated backend: engine, runner, metrics, faults and its HTTP server.
 
@@ -504,12 +395,16 @@ class SimBackend:
         r = app.router
         r.add_post("/v1/chat/completions", self.completions)
         r.add_post("/v1/completions", self.completions)
+        for path, api in apis.ROUTES:
+            r.add_post(path, functools.partial(self.serve, api=api))
+        r.add_post("/v1/messages/count_tokens", self.count_tokens)
         r.add_get("/v1/models", self.models)
         r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_handler)
         r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/admin/faults", self.get_faults)
         r.add_post("/admin/faults", self.set_faults)
@@ -624,7 +519,7 @@ class SimBackend:
                  "max_model_len": self.profile.max_model_len} for m in self.cfg.models]
         data += [{"id": a, "object": "model", "created": 0, "owned_by": "vllm", "root": f"/adapters/{a}",
                   "parent": self.cfg.models[0], "max_model_len": None} for a in self.lora_adapters]
-        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+        return web.json_response({"object": "list", "data": data}, dumps=dumps)
 
     async def _lora_name(self, request: web.Request) -> str:
         """The ``lora_name`` of a LoRA admin body; raises :class:`BadRequest`."""
@@ -647,7 +542,7 @@ class SimBackend:
             if name in self.lora_adapters or name in self.cfg.models:
                 raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param, etype=e.etype)
+            return e.response()
         lc = self.lora
         assert lc is not None  # _lora_name answered 404 otherwise
         await asyncio.sleep(lc.load_s / self.cfg.speed)
@@ -662,7 +557,7 @@ class SimBackend:
             if name not in self.lora_adapters:
                 raise BadRequest(f"The lora adapter '{name}' cannot be found.", "lora_name", status=404)
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param, etype=e.etype)
+            return e.response()
         del self.lora_adapters[name]
         self.engine.unload_lora(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
@@ -681,9 +576,29 @@ class SimBackend:
         except orjson.JSONDecodeError:
             return error_response(400, "invalid JSON body")
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param, etype=e.etype)
+            return e.response()
         return web.json_response({"count": len(ids), "max_model_len": self.profile.max_model_len,
-                                  "tokens": ids}, dumps=_dumps)
+                                  "tokens": ids}, dumps=dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``{"model"?, "tokens": [ids]}`` ->
+        ``{"prompt": text}``; ids checked as a prompt's are, a model named must be served."""
+        try:
+            data = orjson.loads(await request.read())
+            if not isinstance(data, dict):
+                raise BadRequest("the body must be a JSON object")
+            model = data.get("model")
+            if model is not None and model not in self.cfg.models and model not in self.lora_adapters:
+                raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+            toks = data.get("tokens")
+            if not isinstance(toks, list):
+                raise BadRequest("`tokens` must be a list of token ids", "tokens")
+            ids = check_token_ids(toks, "body.tokens", self.tok.vocab_size) if toks else []
+        except orjson.JSONDecodeError:
+            return error_response(400, "invalid JSON body")
+        except BadRequest as e:
+            return e.response()
+        return web.json_response({"prompt": self.tok.detokenize(ids)}, dumps=dumps)
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()
@@ -700,16 +615,16 @@ class SimBackend:
         ``{}`` when KV events are off."""
         pub = self.kv_publisher
         if pub is None:
-            return web.json_response({}, dumps=_dumps)
+            return web.json_response({}, dumps=dumps)
         c = pub.cfg
         return web.json_response({str(c.data_parallel_rank): {
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub.endpoint,
             "replay_endpoint": pub.replay_endpoint, "buffer_steps": c.buffer_steps, "topic": c.topic,
             "block_size": self.profile.block_size, "base_model": self.cfg.models[0]}},
-            dumps=_dumps)
+            dumps=dumps)
 
     async def get_faults(self, request: web.Request) -> web.Response:
-        return web.json_response(self.faults.to_dict(), dumps=_dumps)
+        return web.json_response(self.faults.to_dict(), dumps=dumps)
 
     async def set_faults(self, request: web.Request) -> web.Response:
         try:
@@ -723,7 +638,7 @@ class SimBackend:
         if self.kv_publisher is not None:
             self.kv_publisher.set_faults(self.faults.kv_events_drop_rate, self.faults.kv_events_stop)
         self._schedule_crashes()
-        return web.json_response(self.faults.to_dict(), dumps=_dumps)
+        return web.json_response(self.faults.to_dict(), dumps=dumps)
 
     async def crash_handler(self, request: web.Request) -> web.Response:
         try:
@@ -733,7 +648,7 @@ class SimBackend:
                 raise ValueError
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError):
             return error_response(400, "body must be {\"down_s\": seconds >= 0}")
-        resp = web.json_response({"crashing": True, "down_s": down_s}, dumps=_dumps)
+        resp = web.json_response({"crashing": True, "down_s": down_s}, dumps=dumps)
         await resp.prepare(request)
         await resp.write_eof()
         t = asyncio.get_running_loop().create_task(self.crash(down_s, spare=request.transport))
@@ -750,9 +665,9 @@ class SimBackend:
                 "event_loop_lag_s": LOOP_LAG.lag.summary()}
 
     async def stats_handler(self, request: web.Request) -> web.Response:
-        return web.json_response(self.stats(), dumps=_dumps)
+        return web.json_response(self.stats(), dumps=dumps)
 
-    # --- completions ------------------------------------------------------------------------
+    # --- the request path every engine API shares ---------------------------------------
 
     def _inject(self, kind: str) -> None:
         self.faults_injected[kind] = self.faults_injected.get(kind, 0) + 1
@@ -772,27 +687,28 @@ class SimBackend:
             n = mt
         return n
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def _admit(self, request: web.Request) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Count the request, read its JSON object body and its ``model`` (one this
+        backend serves, or a LoRA adapter it has or can resolve), then apply the faults
+        due before the first byte (stall, hang, error, rate limit). Returns the body and
+        the LoRA keywords for :meth:`_submit` (``lora``, ``lora_id``). Raises
+        :class:`BadRequest`: 400 for a body that is no JSON object, vLLM's 404 for a
+        model not served, the injected error or 429 (with ``Retry-After``)."""
         self.http_requests += 1
-        chat = request.path.endswith("/chat/completions")
         try:
             data = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
-            return error_response(400, "invalid JSON body")
+            raise BadRequest("invalid JSON body") from None
         if not isinstance(data, dict):
-            return error_response(400, "the body must be a JSON object")
+            raise BadRequest("the body must be a JSON object")
         model = data.get("model")
-        lora: str | None = None
-        lora_id: int | None = None
+        lora: dict[str, Any] = {"lora": None, "lora_id": None}
         if model not in self.cfg.models:
             lc = self.lora
             if isinstance(model, str) and model and (model in self.lora_adapters or (lc is not None and lc.dynamic)):
-                lora_id = self._register_lora(model)  # a resolver registers it; the engine reads it
-                lora = model
+                lora = {"lora": model, "lora_id": self._register_lora(model)}  # a resolver registers it
             else:
-                return error_response(404, f"The model `{model}` does not exist.", param="model")
-
-        # Faults before the first byte.
+                raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
         f = self.faults
         rng = self._rng
         if f.stall_s > 0:
@@ -803,20 +719,164 @@ class SimBackend:
             await asyncio.Event().wait()  # until the client disconnects (handler cancelled)
         if f.error_rate and rng.random() < f.error_rate:
             self._inject("error")
-            return error_response(f.error_status, f"simulated failure (HTTP {f.error_status})")
+            raise BadRequest(f"simulated failure (HTTP {f.error_status})", status=f.error_status)
         if f.rate_limit_rate and rng.random() < f.rate_limit_rate:
             self._inject("rate_limit")
             ra = f.retry_after_s
             ra_text = str(int(ra)) if float(ra).is_integer() else f"{ra:g}"
-            return error_response(429, "simulated rate limit", headers={"Retry-After": ra_text})
+            raise BadRequest("simulated rate limit", status=429, headers={"Retry-After": ra_text})
+        return data, lora
 
+    def _max_tokens(self, max_tokens: int | None, ids: list[int]) -> int:
+        """``max_tokens`` as asked, else the spec's default, else the rest of
+        ``max_model_len`` (as vLLM)."""
+        if max_tokens is not None:
+            return max_tokens
+        return self.cfg.max_tokens_default or max(1, self.profile.max_model_len - len(ids))
+
+    def _submit(self, rid: str, ids: list[int], max_tokens: int, data: dict[str, Any], **kw: Any) -> RequestStream:
+        """Put one prompt (token ids) into the engine as part of request ``rid``; ``kw``
+        as :meth:`Engine.add_request` takes it, to which the body's ``seed`` and, unless
+        ``prefill_only``, the spec's ``eos_after`` are added. Close the stream (or read
+        it to the end): closing it early aborts the request. Raises :class:`BadRequest`
+        when the engine refuses it (context length, KV blocks)."""
+        if not kw.get("prefill_only"):
+            kw.setdefault("output_tokens", self._output_tokens(data, ids))
+        seed = data.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF
         try:
+            return self.runner.submit(f"{rid}-{next(self._ids)}", ids, max_tokens, **kw)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
+    async def _collect(self, request: web.Request, rs: RequestStream) -> tuple[list[int], RequestOutput]:
+        """Every token of a request not streamed and its last output, under the faults
+        ``close_after_chunks`` (the connection drops after that many tokens) and
+        ``drip_s`` (the answer waits that long per token)."""
+        f = self.faults
+        toks: list[int] = []
+        last: RequestOutput | None = None
+        async for out in rs:
+            toks.extend(out.new_token_ids)
+            last = out
+            if f.close_after_chunks is not None and len(toks) >= f.close_after_chunks:
+                self._inject("close")
+                self._close_connection(request)
+        assert last is not None
+        if f.drip_s > 0:
+            self._inject("drip")
+            await asyncio.sleep(f.drip_s * max(1, len(toks)))
+        return toks, last
+
+    def _close_connection(self, request: web.Request) -> NoReturn:
+        tr = request.transport
+        if tr is not None:
+            tr.abort()
+        raise asyncio.CancelledError  # nothing more to send on this connection
+
+    async def _relay(self, request: web.Request, rs: RequestStream, head: list[bytes],
+                     render: Callable[[RequestOutput], list[bytes]],
+                     tail: Callable[[], list[bytes]]) -> web.StreamResponse:
+        """Stream a request as SSE: headers at once (as vLLM's StreamingResponse), the
+        ``head`` events, ``render(output)``'s events for each engine output (outputs
+        that piled up are written together), then ``tail()``'s. Faults: ``drip_s``
+        before each event, ``close_after_chunks`` drops the connection after that many
+        events (head and token events count, the tail does not)."""
+        f = self.faults
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        sent = 0
+        close_after = f.close_after_chunks
+        drip = f.drip_s
+        if drip > 0:
+            self._inject("drip")
+
+        async def send(parts: list[bytes]) -> None:
+            nonlocal sent
+            if drip > 0:
+                for part in parts:
+                    if close_after is not None and sent >= close_after:
+                        self._inject("close")
+                        self._close_connection(request)
+                    await asyncio.sleep(drip)
+                    await resp.write(part)
+                    sent += 1
+                return
+            if close_after is not None and sent + len(parts) >= close_after:
+                keep = close_after - sent
+                if keep > 0:
+                    await resp.write(b"".join(parts[:keep]))
+                self._inject("close")
+                self._close_connection(request)
+            if parts:
+                await resp.write(b"".join(parts))
+                sent += len(parts)
+
+        if head:
+            await send(head)
+        async for out in rs:
+            outs = [out]
+            if drip <= 0:
+                outs.extend(rs.ready())  # coalesce tokens that piled up into one write
+            await send([part for o in outs for part in render(o)])
+        if close_after is not None and sent >= close_after:
+            self._inject("close")
+            self._close_connection(request)
+        await resp.write(b"".join(tail()))
+        await resp.write_eof()
+        return resp
+
+    async def serve(self, request: web.Request, api: Api) -> web.StreamResponse:
+        """The handler of every API in :mod:`loadtest.sim.apis`: :meth:`_admit`, the
+        API reads the request (:meth:`Api.parse`), each of its prompts goes into the
+        engine (prefill only, one engine request per input, for a pooling API), and the
+        API shapes the answer, whole (:meth:`Api.whole`) or streamed
+        (:meth:`Api.events`). Refusals are answered in the API's error shape."""
+        with contextlib.ExitStack() as held:
+            try:
+                data, lora = await self._admit(request)
+                job = api.parse(data, self.tok)
+                rid = api.id_prefix + uuid.uuid4().hex
+                streams: list[RequestStream] = []
+                for ids in job.prompts:
+                    if api.pooling:
+                        rs = self._submit(rid, ids, 1, data, prefill_only=True, **lora)
+                    else:
+                        rs = self._submit(rid, ids, self._max_tokens(job.max_tokens, ids), data, **lora)
+                    streams.append(held.enter_context(rs))
+            except BadRequest as e:
+                return api.error(e)
+            created = int(time.time())
+            if job.stream and not api.pooling:
+                ev = api.events(job, rid, created, self.tok)
+                return await self._relay(request, streams[0], ev.head(), ev.tokens, ev.tail)
+            results = [await self._collect(request, rs) for rs in streams]
+            body = api.whole(job, rid, created, results, self.tok)
+            return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the
+        prompt as a Messages request renders it (nothing runs in the engine)."""
+        api = apis.MESSAGES
+        try:
+            data, _ = await self._admit(request)
+            return web.json_response(api.count_tokens(data, self.tok), dumps=dumps)
+        except BadRequest as e:
+            return api.error(e)
+
+    # --- completions ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        try:
+            data, lora = await self._admit(request)
+            model = data["model"]
             ids = prompt_token_ids(data, chat, self.tok)
             max_tokens = data.get("max_completion_tokens")
             if max_tokens is None:
                 max_tokens = data.get("max_tokens")
-            if max_tokens is None:
-                max_tokens = self.cfg.max_tokens_default or max(1, self.profile.max_model_len - len(ids))
+            max_tokens = self._max_tokens(max_tokens, ids)
             if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
                 raise BadRequest("max_tokens must be an integer >= 1", "max_tokens")
             if data.get("n", 1) not in (1, None):
@@ -831,16 +891,12 @@ class SimBackend:
             if kvp is not None and not isinstance(kvp, dict):
                 raise BadRequest("`kv_transfer_params` must be an object", "kv_transfer_params")
         except BadRequest as e:
-            return error_response(e.status, str(e), param=e.param, etype=e.etype)
+            return e.response()
 
-        kw: dict[str, Any] = {"output_tokens": self._output_tokens(data, ids), "lora": lora, "lora_id": lora_id}
-        seed = data.get("seed")
-        if isinstance(seed, int) and not isinstance(seed, bool):
-            kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF
+        kw: dict[str, Any] = dict(lora)
         prefill_only = bool(kvp and kvp.get("do_remote_decode") and self.role in ("mixed", "prefill"))
         if prefill_only:
             kw["prefill_only"] = True
-            kw["output_tokens"] = None
             max_tokens = 1
         elif kvp and kvp.get("do_remote_prefill") and self.role in ("mixed", "decode"):
             n = kvp.get("remote_num_tokens") or kvp.get("num_tokens")
@@ -850,29 +906,17 @@ class SimBackend:
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            rs = self.runner.submit(f"{rid}-{next(self._ids)}", ids, max_tokens, **kw)
-        except ValueError as e:
-            return error_response(400, str(e))
+            rs = self._submit(rid, ids, max_tokens, data, **kw)
+        except BadRequest as e:
+            return e.response()
         with rs:
             ctx = _Ctx(rid, int(time.time()), model, chat, len(ids))
             if stream:
                 return await self._stream(request, rs, ctx, so)
-            return await self._complete(request, rs, ctx, prefill_only)
+            return await self._complete(request, rs, ctx)
 
-    async def _complete(self, request: web.Request, rs, ctx: _Ctx, prefill_only: bool) -> web.StreamResponse:
-        f = self.faults
-        toks: list[int] = []
-        last: RequestOutput | None = None
-        async for out in rs:
-            toks.extend(out.new_token_ids)
-            last = out
-            if f.close_after_chunks is not None and len(toks) >= f.close_after_chunks:
-                self._inject("close")
-                return self._close_connection(request)
-        assert last is not None
-        if f.drip_s > 0:
-            self._inject("drip")
-            await asyncio.sleep(f.drip_s * max(1, len(toks)))
+    async def _complete(self, request: web.Request, rs: RequestStream, ctx: _Ctx) -> web.StreamResponse:
+        toks, last = await self._collect(request, rs)
         text = self.tok.detokenize(toks)
         kvp = None
         if last.kv_transfer_params is not None:
@@ -890,68 +934,36 @@ class SimBackend:
                 "usage": usage, "prompt_logprobs": None, "kv_transfer_params": kvp}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
-    def _close_connection(self, request: web.Request) -> web.StreamResponse:
-        tr = request.transport
-        if tr is not None:
-            tr.abort()
-        raise asyncio.CancelledError  # nothing more to send on this connection
-
-    async def _stream(self, request: web.Request, rs, ctx: _Ctx, so: dict) -> web.StreamResponse:
-        f = self.faults
+    async def _stream(self, request: web.Request, rs: RequestStream, ctx: _Ctx, so: dict) -> web.StreamResponse:
         include_usage = bool(so.get("include_usage"))
         continuous = include_usage and bool(so.get("continuous_usage_stats"))
-        resp = web.StreamResponse(headers=_SSE_HEADERS)
-        await resp.prepare(request)  # headers now, as vLLM's StreamingResponse
         head = ctx.chunk_head()
-        chunks_sent = 0
         n_gen = 0
         cached = 0
         first = True
-        close_after = f.close_after_chunks
-        drip = f.drip_s
-        if drip > 0:
-            self._inject("drip")
-        async for out in rs:
-            outs = [out]
-            if drip <= 0:
-                outs.extend(rs.ready())  # coalesce tokens that piled up into one write
-            parts: list[bytes] = []
-            for o in outs:
-                cached = o.num_cached_tokens
-                if first and ctx.chat:
-                    first = False
-                    parts.append(ctx.chunk(head, {"role": "assistant", "content": ""}, None,
-                                           ctx.usage(0, cached) if continuous else None))
-                text = self.tok.detokenize(o.new_token_ids)
-                n_gen += len(o.new_token_ids)
-                parts.append(ctx.chunk(head, text, o.finish_reason,
-                                       ctx.usage(n_gen, cached) if continuous else None))
-            if drip > 0:
-                for part in parts:
-                    if close_after is not None and chunks_sent >= close_after:
-                        self._inject("close")
-                        return self._close_connection(request)
-                    await asyncio.sleep(drip)
-                    await resp.write(part)
-                    chunks_sent += 1
-            else:
-                if close_after is not None and chunks_sent + len(parts) >= close_after:
-                    keep = close_after - chunks_sent
-                    if keep > 0:
-                        await resp.write(b"".join(parts[:keep]))
-                    self._inject("close")
-                    return self._close_connection(request)
-                await resp.write(b"".join(parts))
-                chunks_sent += len(parts)
-        if close_after is not None and chunks_sent >= close_after:
-            self._inject("close")
-            return self._close_connection(request)
-        tail = b""
-        if include_usage:
-            tail += b"data: " + orjson.dumps({**head, "choices": [], "usage": ctx.usage(n_gen, cached)}) + b"\n\n"
-        await resp.write(tail + b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+
+        def render(o: RequestOutput) -> list[bytes]:
+            nonlocal n_gen, cached, first
+            parts = []
+            cached = o.num_cached_tokens
+            if first and ctx.chat:
+                first = False
+                parts.append(ctx.chunk(head, {"role": "assistant", "content": ""}, None,
+                                       ctx.usage(0, cached) if continuous else None))
+            n_gen += len(o.new_token_ids)
+            parts.append(ctx.chunk(head, self.tok.detokenize(o.new_token_ids), o.finish_reason,
+                                   ctx.usage(n_gen, cached) if continuous else None))
+            return parts
+
+        def tail() -> list[bytes]:
+            parts = []
+            if include_usage:
+                parts.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": ctx.usage(n_gen, cached)})
+                             + b"\n\n")
+            return [*parts, b"data: [DONE]\n\n"]
+
+        return await self._relay(request, rs, [], render, tail)
+
 
 
 class _Ctx:

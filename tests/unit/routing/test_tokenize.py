@@ -14,7 +14,7 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from loadtest.sim.server import render_chat as sim_render_chat
+from loadtest.sim.prompt import render_chat as sim_render_chat
 from routing.core import BackendSpec, DecisionCore
 from routing.tokenizer import ModelTokenizer, TokenizerError, Unsupported, load_tokenizer
 from routing.tokenizer.prefix_cache import _SEPARABLE_SPLITS, CHUNK_CHARS, MIN_SEGMENT_CHARS, OFFLOAD_CHARS

@@ -22,7 +22,8 @@ from gateway.config import load_config, parse_config
 from loadtest.sim import tokenizer
 from loadtest.sim.__main__ import main as sim_main
 from loadtest.sim.fleet import gateway_config, load_fleet
-from loadtest.sim.server import SimBackendConfig, render_chat, start_backends
+from loadtest.sim.prompt import render_chat
+from loadtest.sim.server import SimBackendConfig, start_backends
 from tests.support.servers import running_gateway
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -1,0 +1,149 @@
+"""Reading a request for the simulated engine: the prompt it asks for and the refusals.
+
+* :func:`render_chat`: the ChatML rendering of chat messages every chat-like API of the
+  simulator uses (chat completions, Responses, Anthropic Messages), so a conversation
+  shares its prefix-cache blocks across turns whatever API carries it.
+* :func:`prompt_token_ids`: a chat or completions request's prompt as token ids, checked
+  as vLLM checks them.
+* :class:`BadRequest`: a refusal (status, message, param, error type, headers), which
+  each API answers in its own error shape; :func:`error_response` is the OpenAI/vLLM one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from loadtest.sim import tokenizer
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's ``content``: a string, or a list of parts whose texts
+    are joined by newlines (an image part is ``<image>``, an audio part ``<audio>``)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict):
+                if isinstance(p.get("text"), str):
+                    parts.append(p["text"])
+                elif p.get("type") in ("image_url", "input_image", "image"):
+                    parts.append("<image>")
+                elif p.get("type") == "input_audio":
+                    parts.append("<audio>")
+            elif isinstance(p, str):
+                parts.append(p)
+        return "\n".join(parts)  # as vLLM joins a message's text parts
+    return "" if content is None else str(content)
+
+
+def render_chat(messages: list[Any], tools: Any = None) -> str:
+    """ChatML rendering of chat messages, ending with the assistant header::
+
+        <|im_start|>system\\nYou are...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
+    """
+    out = []
+    if tools:
+        out.append("<|im_start|>system\n# Tools\n" + orjson.dumps(tools).decode() + "<|im_end|>\n")
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        text = content_text(m.get("content"))
+        if m.get("tool_calls"):
+            text += orjson.dumps(m["tool_calls"]).decode()
+        out.append(f"<|im_start|>{m.get('role', 'user')}\n{text}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+class BadRequest(Exception):
+    """A request the server refuses: ``status`` (400 by default), the ``param`` it
+    names, ``etype``, the error ``type`` when it is not the status's usual one, and
+    ``headers`` for the answer (``Retry-After``). Each API answers it in its own error
+    shape; :meth:`response` is the OpenAI one."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, etype: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.etype = etype
+        self.headers = headers
+
+    def response(self) -> web.Response:
+        return error_response(self.status, str(self), param=self.param, etype=self.etype, headers=self.headers)
+
+
+# vLLM answers a request body that fails its pydantic model with this error type
+# (`validation_exception_handler` in vllm/entrypoints/serve/exception_handling/).
+VALIDATION_ERROR_TYPE = "Bad Request"
+
+
+def check_token_ids(p: list[Any], loc: str, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked as vLLM 0.32 checks it: its request model
+    (``prompt: list[Annotated[int, Field(ge=0)]] | ...``, pydantic's lax integers, so
+    ``true`` is 1 and ``2.0`` is 2) and then its renderer's vocabulary check
+    (``validate_token_ids`` in ``vllm/renderers/base.py``). Raises :class:`BadRequest`
+    with vLLM's wording: an element that is no integer or a negative one names its
+    place (``param`` ``body.prompt.I``, type ``Bad Request``); an id past the
+    vocabulary (``vocab_size`` ids) is ``Token id N is out of vocabulary``."""
+    out = []
+    for i, x in enumerate(p):
+        if isinstance(x, float) and x.is_integer():
+            x = int(x)
+        elif isinstance(x, float):
+            raise BadRequest("Input should be a valid integer, got a number with a fractional part",
+                             f"{loc}.{i}", etype=VALIDATION_ERROR_TYPE)
+        elif not isinstance(x, int):  # bool is an int
+            raise BadRequest("Input should be a valid integer", f"{loc}.{i}", etype=VALIDATION_ERROR_TYPE)
+        if x < 0:
+            raise BadRequest("Input should be greater than or equal to 0", f"{loc}.{i}",
+                             etype=VALIDATION_ERROR_TYPE)
+        out.append(int(x))
+    top = max(out)
+    if top >= vocab_size:
+        raise BadRequest(f"Token id {top} is out of vocabulary")
+    return out
+
+
+def prompt_token_ids(data: dict[str, Any], chat: bool,
+                     tok: tokenizer.Tokenizer = tokenizer.EMULATOR) -> list[int]:
+    """Token ids of the request's prompt with ``tok`` (a rendered chat without added
+    special tokens, a text prompt with them, as vLLM). A prompt given as token ids is
+    checked as vLLM checks it (:func:`check_token_ids`). Raises :class:`BadRequest`."""
+    if chat:
+        msgs = data.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("`messages` must be a non-empty list", "messages")
+        return tok.tokenize(render_chat(msgs, data.get("tools")), add_special_tokens=False)
+    p = data.get("prompt")
+    loc = "body.prompt"
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p, loc = p[0], "body.prompt.0"
+    if isinstance(p, str):
+        return tok.tokenize(p)
+    if isinstance(p, list) and len(p) > 1 and (all(isinstance(x, str) for x in p)
+                                               or all(isinstance(x, list) for x in p)):
+        raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)",
+                         "prompt")
+    if isinstance(p, list) and p and isinstance(p[0], (int, float)):
+        return check_token_ids(p, loc, tok.vocab_size)
+    raise BadRequest("`prompt` must be a string or a list of token ids", "prompt")
+
+
+def dumps(o: Any) -> str:
+    """JSON text of ``o`` (orjson), for ``web.json_response(dumps=...)``."""
+    return orjson.dumps(o).decode()
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   headers: dict[str, str] | None = None, etype: str | None = None) -> web.Response:
+    """An OpenAI-shaped error (``{"error": {message, type, param, code}}``); ``etype``:
+    the ``type``, by default the one vLLM gives ``status``."""
+    etype = etype or {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(
+        status, "InternalServerError" if status >= 500 else "BadRequestError")
+    body = {"error": {"message": message, "type": etype, "param": param, "code": status}}
+    return web.json_response(body, status=status, headers=headers, dumps=dumps)
