@@ -205,7 +205,8 @@ class TokenEstimator:
 
     def estimate(self, model: str, text: str, max_tokens: int | None, cache_salt: str | None = None,
                  token_ids: Sequence[int] | None = None) -> PromptEstimate:
-        """Estimate a request. ``max_tokens`` caps the expected output. The prompt's
+        """Estimate a request. ``max_tokens`` caps the expected output (0: a request
+        that generates nothing, an embedding or a rerank, costs its prefill only). The prompt's
         tokens are ``len(token_ids)`` when the model's tokenizer gave them (exact),
         else counted as :meth:`prompt_tokens` counts them."""
         raw = text.encode("utf-8", "surrogatepass")
@@ -215,7 +216,7 @@ class TokenEstimator:
         if max_tokens is not None:
             out = min(out, max_tokens)
         return PromptEstimate(text, len(raw), block_hashes(raw, self.block_bytes, chain_seed(model, cache_salt)),
-                              prompt_tokens, max(out, 1))
+                              prompt_tokens, max(out, 1) if max_tokens != 0 else 0)
 
     def observe_usage(self, model: str, prompt_bytes: int, prompt_tokens: int | None,
                       completion_tokens: int | None, finish_reason_length: bool = False) -> None:

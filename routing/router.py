@@ -265,6 +265,7 @@ class Router:
             match.adapter_set = self.fleet.adapter_sets.members(request.model)
         decision = self.policy.choose(request, candidates, match)
         decision.detail.setdefault("matched_tokens", match.cached_tokens(decision.backend.name))
+        decision.detail["output_tokens"] = request.output_tokens
         if match.exact_tokens:
             decision.evidence = self.evidence(request, match, decision.backend.name)
         reservation = self.reserve(request, decision.backend, now)

@@ -6,6 +6,8 @@ Its stream is typed events (``message_start``, ``content_block_delta``,
 ``message_delta`` the output's. Its clients parse errors as
 ``{"type": "error", "error": {"type": ..., "message": ...}}``
 (https://docs.anthropic.com/en/api/errors), the shape :meth:`Messages.error_body` gives.
+``POST /v1/messages/count_tokens`` (:class:`CountTokens`) is routed like a Messages
+request that generates nothing.
 The prompt is routed as the chat conversation the engine renders from it."""
 
 from __future__ import annotations
@@ -114,3 +116,16 @@ class Messages(Api):
 
     def error_event(self, status: int, body: bytes) -> bytes:
         return b"event: error\ndata: " + self.error_body(status, body) + b"\n\n"
+
+
+class CountTokens(Messages):
+    """``POST /v1/messages/count_tokens``: a Messages request (``max_tokens`` not
+    needed) whose answer is ``{"input_tokens": N}``, at no generation cost."""
+
+    name, path, operation = "count_tokens", "/v1/messages/count_tokens", "count_tokens"
+    generates = False
+    end_events = frozenset()
+
+    def read(self, data: dict[str, Any]) -> Fields:
+        model, _, _, _ = super().read({**data, "max_tokens": 1, "stream": False})
+        return Fields(model, False, True, 0)

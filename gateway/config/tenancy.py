@@ -56,8 +56,9 @@ class ClientKey(Strict):
         "limits. From any other key the header is ignored and the request is served as interactive.")
     route_details: bool = Field(
         False, description="This key's answers carry the cache details of `x-turbo-route` (`reason`, "
-        "`matched_tokens`, `evidence`, `ttft_est_ms`) although `auth.route_details` is `granted`: for an "
-        "operator's own key. They tell whether a prompt's prefix is cached, i.e. whether someone sent it lately.")
+        "`matched_tokens`, `evidence`, `ttft_est_ms`, `output_tokens_est`) although `auth.route_details` is "
+        "`granted`: for an operator's own key. They tell whether a prompt's prefix is cached, i.e. whether "
+        "someone sent it lately.")
 
     _digest: bytes = PrivateAttr(b"")
 

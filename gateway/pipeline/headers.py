@@ -44,8 +44,9 @@ def route_header(decision: Decision, fallback: str = "", fallback_reason: str = 
     to see the cache: ``auth.route_details``), the reason, matched prefix tokens and
     the kind of evidence behind them (``precise``, ``speculative`` or ``approximate``)
     and the estimate that decided (when the policy made one), each of which tells
-    whether the prompt's prefix is cached; for a request served by a fallback model,
-    that model and the failure that sent it there."""
+    whether the prompt's prefix is cached, and the output tokens the estimate expected
+    (0: a prefill-only API); for a request served by a fallback model, that model and
+    the failure that sent it there."""
     parts = [f"policy={decision.policy}", f"backend={decision.backend.name}"]
     if details:
         d = decision.detail
@@ -53,6 +54,8 @@ def route_header(decision: Decision, fallback: str = "", fallback_reason: str = 
                   f"evidence={decision.evidence}"]
         if "ttft_est_s" in d:
             parts.append(f"ttft_est_ms={d['ttft_est_s'] * 1000:.1f}")
+        if "output_tokens" in d:  # the decode term's length; 0: a prefill-only API (embeddings, rerank)
+            parts.append(f"output_tokens_est={d['output_tokens']}")
         if "metrics_stale" in d:
             parts.append("metrics_stale=1")
     if fallback_reason:

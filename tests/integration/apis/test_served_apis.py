@@ -1,0 +1,152 @@
+"""Every API the gateway serves besides chat and completions, through its own data
+plane over real sockets: two simulated engines (loadtest/sim, which serve each API in
+vLLM's or Anthropic's shape) behind it, the official ``openai`` and ``anthropic`` SDKs
+in front. Each API is routed (prefix affinity across a conversation's turns), counted
+from its own usage (metrics and the usage ledger), priced as its API costs (the pooling
+APIs as prefill only, in ``x-turbo-route``), authenticated (``x-api-key`` for the
+anthropic SDK) and refused in its own error shape."""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import asynccontextmanager
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from loadtest.sim.server import SimBackendConfig, start_backends
+from tests.support.servers import gateway_config, running_gateway
+
+MODEL = "sim-model"
+KEY = "sk-apis"
+SYSTEM = "You are a careful assistant who answers in full sentences. " * 20
+
+
+@asynccontextmanager
+async def fleet(**overrides):
+    runners, urls = await start_backends([SimBackendConfig.from_dict(
+        {"name": n, "models": [MODEL], "speed": 50.0, "eos_after": 4}) for n in ("a", "b")])
+    cfg = gateway_config([{"name": n, "url": u, "models": [MODEL]} for n, u in urls.items()],
+                         routing={"policy": "cache_aware"},
+                         auth={"keys": [{"name": "tenant", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest(),
+                                         "route_details": True}]},
+                         **overrides)
+    try:
+        async with running_gateway(cfg) as gw:
+            yield gw
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+def route(headers) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in headers["x-turbo-route"].split("; "))
+
+
+def served(gw, status: str = "200") -> float:
+    return sum(gw.metric("turbo_gateway_requests_total", model=MODEL, backend=b, status=status) for b in ("a", "b"))
+
+
+async def test_responses_turns_stay_on_one_backend_and_are_counted_from_their_usage():
+    async with fleet() as gw, openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0) as client:
+        raw = await client.responses.with_raw_response.create(model=MODEL, instructions=SYSTEM, input="Hello.",
+                                                              max_output_tokens=8)
+        r = raw.parse()
+        first = raw.headers["x-turbo-backend"]
+        assert r.status == "completed" and len(r.output_text.split()) == 4
+        turn2 = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": r.output_text},
+                 {"role": "user", "content": "And then?"}]
+        streamed = []
+        async with client.responses.stream(model=MODEL, instructions=SYSTEM, input=turn2,
+                                           max_output_tokens=8) as stream:
+            async for event in stream:
+                streamed.append(event.type)
+            final = await stream.get_final_response()
+        assert streamed[0] == "response.created" and streamed[-1] == "response.completed"
+        assert streamed.count("response.output_text.delta") == 4
+        assert final.usage is not None and final.usage.input_tokens_details.cached_tokens > 0
+        # the second turn went where the first left its KV cache
+        assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend=first, status="200") == 2
+        assert gw.metric("turbo_gateway_prompt_tokens_total", model=MODEL) == \
+            r.usage.input_tokens + final.usage.input_tokens
+        assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 8
+        assert gw.metric("turbo_gateway_cached_prompt_tokens_total", model=MODEL) == \
+            final.usage.input_tokens_details.cached_tokens
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(model=MODEL, input=7)  # type: ignore[arg-type]
+        assert e.value.body["param"] == "input"
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(model="no-such-model", input="x")
+    assert served(gw) == 2
+
+
+async def test_messages_with_the_anthropic_sdk_key_usage_stream_and_errors():
+    async with fleet() as gw:
+        client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0)
+        m = await client.messages.create(model=MODEL, system=SYSTEM, max_tokens=8,
+                                         messages=[{"role": "user", "content": "Hello."}])
+        assert m.type == "message" and m.stop_reason == "end_turn" and len(m.content[0].text.split()) == 4
+        async with client.messages.stream(model=MODEL, system=SYSTEM, max_tokens=3, messages=[
+                {"role": "user", "content": "Hello."}, {"role": "assistant", "content": m.content[0].text},
+                {"role": "user", "content": "More."}]) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert len(text.split()) == 3 and final.stop_reason == "max_tokens"
+        assert final.usage.cache_read_input_tokens and final.usage.cache_read_input_tokens > 0
+        prompt = (m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) + final.usage.input_tokens
+                  + final.usage.cache_read_input_tokens)
+        assert gw.metric("turbo_gateway_prompt_tokens_total", model=MODEL) == prompt
+        assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 4 + 3
+        count = await client.messages.count_tokens(model=MODEL, system=SYSTEM,
+                                                   messages=[{"role": "user", "content": "Hello."}])
+        assert count.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+        # errors as the anthropic SDK raises them: Anthropic's shape, the gateway's statuses
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+        assert "max_tokens" in e.value.body["error"]["message"]
+        with pytest.raises(anthropic.NotFoundError) as e:
+            await client.messages.create(model="no-such-model", max_tokens=4,
+                                         messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "not_found_error"
+        wrong = anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            await wrong.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "authentication_error"
+    assert served(gw) == 3  # create, stream, count_tokens; the refusals never reached a backend
+
+
+async def test_embeddings_rerank_and_score_are_priced_as_prefill_only():
+    async with fleet() as gw, openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0) as client:
+        raw = await client.embeddings.with_raw_response.create(model=MODEL, input=[SYSTEM, "short text"])
+        e = raw.parse()
+        assert len(e.data) == 2 and len(e.data[0].embedding) > 0
+        assert route(raw.headers)["output_tokens_est"] == "0"
+        assert gw.metric("turbo_gateway_prompt_tokens_total", model=MODEL) == e.usage.prompt_tokens > 0
+        assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 0
+        chat = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert int(route(chat.headers)["output_tokens_est"]) > 0
+        auth = {"Authorization": f"Bearer {KEY}"}
+        async with aiohttp.ClientSession(headers=auth) as s:
+            for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+                async with s.post(gw.url + path, json={"model": MODEL, "query": "which?",
+                                                       "documents": ["one", {"text": "two"}], "top_n": 1}) as r:
+                    body = await r.json()
+                    assert r.status == 200 and len(body["results"]) == 1, body
+                    assert route(r.headers)["output_tokens_est"] == "0"
+            async with s.post(gw.url + "/v1/score", json={"model": MODEL, "text_1": "a", "text_2": ["b", "c"]}) as r:
+                body = await r.json()
+                assert r.status == 200 and len(body["data"]) == 2, body
+            async with s.post(gw.url + "/v1/rerank", json={"model": MODEL, "query": "q"}) as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["param"] == "documents", body
+            async with s.post(gw.url + "/v1/embeddings", json={"model": MODEL, "input": "x", "stream": True}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "stream"
+        with pytest.raises(openai.AuthenticationError):
+            async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-wrong", max_retries=0) as wrong:
+                await wrong.embeddings.create(model=MODEL, input="x")
+    assert served(gw) == 1 + 1 + 3 + 1
+    assert gw.idle("a") and gw.idle("b")
