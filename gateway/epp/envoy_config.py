@@ -11,7 +11,10 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   response headers, and the response body ``STREAMED`` when ``listen.epp.response_body``;
   the ``upstream.address`` attribute with the response headers) then the router; on
   paths other than the completions' the response phase is skipped (a per-route
-  processing mode: the picker follows only a completion's response);
+  processing mode: the picker follows only a completion's response). The completions'
+  mode is set per route too, so that the picker may override it for one stream
+  (``allow_mode_override``, which Envoy ignores when the filter's own mode is
+  ``FULL_DUPLEX_STREAMED``): an error answer's body, buffered, to classify it;
 - routes for what the gateway serves and nothing else: the completions, ``/health``,
   ``/ready`` and ``/v1/models`` (answered by the picker), ``listen.epp.pass_through_paths``;
   any other path is Envoy's own 404 with an OpenAI error body, the picker not asked. The
@@ -140,7 +143,11 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
             "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}, "timeout": "30s"},
             "failure_mode_allow": fail_open,
             "message_timeout": f"{max(wait_s + 5.0, 5.0):.3f}s",
-            "processing_mode": mode,
+            # every route the picker sees sets its own mode (below); Envoy lets the picker
+            # override a stream's mode (an error answer's body, buffered: ERROR_BODY_MODE)
+            # only when the filter's own mode is not FULL_DUPLEX_STREAMED
+            "processing_mode": {**mode, "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP"},
+            "allow_mode_override": True,
             "response_attributes": [UPSTREAM_ADDRESS],
             "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]},
                                  "receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
@@ -172,7 +179,9 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
             r["typed_per_filter_config"] = per_route
         return r
 
-    routes = [served(path, None) for path in COMPLETION_PATHS]
+    completions = {"envoy.filters.http.ext_proc": {
+        "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute", "overrides": {"processing_mode": mode}}}
+    routes = [served(path, completions) for path in COMPLETION_PATHS]
     routes += [served(path, others) for path in (*ANSWERED_PATHS, *pe.pass_through_paths)]
     routes.append(served("/v1/models", others, prefix=True))
     routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": _NOT_FOUND}},
