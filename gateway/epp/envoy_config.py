@@ -28,7 +28,10 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
 - the gateway's retry and timeout semantics where Envoy has them: retries on connect
   failures, resets before the response (``reset``: also a backend that read the request
   and closed the connection without answering), 429, 502, 503 and 504, at most as many as the
-  picker lists fallbacks (and ``retries.max_attempts - 1``); ``timeouts.connect_s``,
+  picker lists fallbacks (and ``retries.max_attempts - 1``), never past the picker's
+  list (it sets ``x-envoy-max-retries``); each attempt answered 429 or above logged
+  to the picker with its ``Retry-After`` (the router's upstream log, gRPC access log
+  service: :mod:`gateway.epp.access_log`); ``timeouts.connect_s``,
   ``timeouts.total_s`` (the route timeout) and ``timeouts.idle_s`` (the stream's idle
   timeout), global values only (Envoy has no first-byte timeout: ``ttft_s`` does not
   apply);
@@ -52,6 +55,8 @@ from typing import Any
 import yaml
 
 from gateway.config import GatewayConfig, load_config
+from gateway.epp.access_log import LOG_NAME as ATTEMPTS_LOG
+from gateway.epp.access_log import RETRY_AFTER
 from gateway.epp.ext_proc import (
     ANSWERED_PATHS,
     COMPLETION_PATHS,
@@ -148,13 +153,27 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
             # only when the filter's own mode is not FULL_DUPLEX_STREAMED
             "processing_mode": {**mode, "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP"},
             "allow_mode_override": True,
+            # the picker sets x-envoy-max-retries: Envoy retries on its listed endpoints only
+            "mutation_rules": {"allow_envoy": True},
             "response_attributes": [UPSTREAM_ADDRESS],
             "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]},
                                  "receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
         },
     }
+    # each upstream attempt answered 429 or above is logged to the picker with its
+    # Retry-After (gateway/epp/access_log.py): the picker sees only a request's final
+    # answer, and an attempt Envoy retried past must still keep its backend out of routing
+    attempts_log = {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"status_code_filter": {"comparison": {
+            "op": "GE", "value": {"default_value": 429, "runtime_key": "turbo_gateway.attempt_log_min_status"}}}},
+        "typed_config": {
+            "@type": f"{_T}.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {"log_name": ATTEMPTS_LOG, "transport_api_version": "V3", "buffer_size_bytes": 0,
+                              "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}}},
+            "additional_response_headers_to_log": [RETRY_AFTER]}}
     router = {"name": "envoy.filters.http.router",
-              "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"}}
+              "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router", "upstream_log": [attempts_log]}}
     t = cfg.timeouts
     route: dict[str, Any] = {
         "cluster": "pool", "timeout": _seconds(t.total_s),

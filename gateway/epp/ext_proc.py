@@ -21,6 +21,7 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+MAX_RETRIES = "x-envoy-max-retries"  # the request's retries, set by the picker (Envoy's router reads it)
 UPSTREAM_ADDRESS = "upstream.address"  # the ext_proc response attribute naming the endpoint that answered
 COMPLETION_PATHS = BY_PATH  # the APIs the picker routes (gateway/apis/registry.py): canonical path -> adapter
 ANSWERED_PATHS = ("/health", "/ready", "/v1/models")  # answered by the picker itself (and /v1/models/{id})

@@ -55,6 +55,7 @@ from gateway.epp.ext_proc import (
     DESTINATION,
     HEADERS_UNCHANGED,
     LB_NAMESPACE,
+    MAX_RETRIES,
     UNCHANGED,
     error_body_mode,
     header_option,
@@ -360,7 +361,10 @@ async def hand_off(state: GatewayState, ctx: RequestContext, client: BackendClie
     others = [c for b in state.core.alternatives(req, primary, state.loop.time(), epp.fallback_endpoints)
               if (c := state.clients.get(b.name)) is not None and c.auth_header == client.auth_header]
     endpoints = [client.endpoint] + [c.endpoint for c in others]
-    sets = {REQUEST_ID_HEADER: upstream_id(ctx.request_id)}
+    # Envoy retries on the listed endpoints only: past them its fallback (round robin)
+    # would choose a backend the picker keeps out of routing (cooling down, breaker open)
+    sets = {REQUEST_ID_HEADER: upstream_id(ctx.request_id),
+            MAX_RETRIES: str(min(len(endpoints), state.cfg.retries.max_attempts) - 1)}
     if client.auth_header:  # the backend's own key; the caller's never goes on
         sets["authorization"] = client.auth_header
     await stream.forward(endpoints, sets, ctx.body)

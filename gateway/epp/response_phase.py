@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.epp.ext_proc import served_endpoint
+from gateway.epp.ext_proc import headers_of, served_endpoint
 from gateway.errors import SHOULD_RETRY_HEADER, ProxyRetried
 from gateway.pipeline import engine_errors, settlement
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.headers import response_headers
+from gateway.pipeline.retry import parse_retry_after
 from gateway.pipeline.stream_scan import StreamScan, scan_for
 from routing.core import BackendState, Reservation
 
@@ -32,7 +33,7 @@ MAX_WHOLE_BYTES = 4 * 1024 * 1024  # a whole answer's bytes kept to read its usa
 class Served:
     """Where a handed-off request stands in its response phase."""
 
-    __slots__ = ("backend", "reservation", "status", "scan", "whole", "settled", "error")
+    __slots__ = ("backend", "reservation", "status", "scan", "whole", "settled", "error", "retry_after_s")
 
     def __init__(self, backend: BackendState, reservation: Reservation) -> None:
         self.backend = backend
@@ -42,6 +43,7 @@ class Served:
         self.whole: bytearray | None = None
         self.settled = False
         self.error: bytearray | None = None  # an error answer's body, read whole to classify it
+        self.retry_after_s: float | None = None  # an error answer's Retry-After
 
 
 def on_response_headers(state: GatewayState, ctx: RequestContext, served: Served, msg: Any) -> dict[str, str]:
@@ -50,6 +52,8 @@ def on_response_headers(state: GatewayState, ctx: RequestContext, served: Served
     status_text = next((h.raw_value.decode() if h.raw_value else h.value
                         for h in msg.response_headers.headers.headers if h.key == ":status"), "0")
     served.status = status = int(status_text) if status_text.isdigit() else 0
+    if status != 200:
+        served.retry_after_s = parse_retry_after(headers_of(msg.response_headers).get("retry-after"))
     now = state.loop.time()
     endpoint = served_endpoint(msg)
     client = state.clients.get(served.backend.name)
@@ -69,10 +73,13 @@ def on_response_headers(state: GatewayState, ctx: RequestContext, served: Served
         served.error = bytearray()  # settled with its body (on_error_body)
     elif status != 200:
         served.settled = True
-        settlement.proxied_status(state, ctx, served.backend.name, served.reservation, status)
+        settlement.proxied_status(state, ctx, served.backend, served.reservation, status, served.retry_after_s)
     elif not state.cfg.listen.epp.response_body:
         settlement.served(state, ctx)
-    return response_headers(ctx, served.backend.name)
+    extra = response_headers(ctx, served.backend.name)
+    if status != 200:  # Envoy retried already, as the gateway would have: the client should not
+        extra[SHOULD_RETRY_HEADER] = "false"
+    return extra
 
 
 def on_response_body(state: GatewayState, ctx: RequestContext, served: Served, chunk: bytes, end: bool) -> None:
@@ -115,7 +122,7 @@ def on_error_body(state: GatewayState, ctx: RequestContext, served: Served, chun
     served.settled = True
     answer = engine_errors.classify(served.status, bytes(served.error), ctx.parsed.endpoint)
     status = served.status if answer is None else answer[0]
-    settlement.proxied_status(state, ctx, served.backend.name, served.reservation, status)
+    settlement.proxied_status(state, ctx, served.backend, served.reservation, status, served.retry_after_s)
     if answer is None or (answer[0] == served.status and answer[1] == served.error):
         return None
     return answer[0], answer[1], {"content-type": "application/json", "content-length": str(len(answer[1])),
@@ -130,7 +137,8 @@ def settle_closed(state: GatewayState, ctx: RequestContext, served: Served) -> N
         settle_end(state, ctx, served)
     elif served.error is not None:
         served.settled = True
-        settlement.proxied_status(state, ctx, served.backend.name, served.reservation, served.status)
+        settlement.proxied_status(state, ctx, served.backend, served.reservation, served.status,
+                                  served.retry_after_s)
     else:
         served.settled = True
         settlement.client_left(state, ctx, served.backend.name)

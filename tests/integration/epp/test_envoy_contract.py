@@ -185,3 +185,27 @@ async def test_an_unrecognised_engine_error_passes_through_envoy_byte_for_byte()
             status, _, raw = await engine_errors_suite.post(stack.url, "chat",
                                                            engine_errors_suite.request_body("chat", False))
             assert (status, raw) == (400, answer.body)
+
+
+async def test_a_backends_retry_after_is_waited_out_behind_envoy():
+    """Every backend answers 429 with ``Retry-After: 30``: Envoy tries each listed
+    endpoint once (never one again, past the picker's list), the client gets the 429
+    with its ``Retry-After`` and ``x-should-retry: false``, and the next request reaches
+    no backend inside the window (here refused at once: ``max_retry_after_s`` is 0)."""
+    async def busy(backend, request, body):
+        return web.json_response({"error": {"message": "busy", "type": "rate_limit", "code": 429}}, status=429,
+                                 headers={"Retry-After": "30"})
+
+    a, b = ScriptedBackend(handler=busy), ScriptedBackend(handler=busy)
+    async with a.running(), b.running():
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}, {"name": "b", "url": b.url, "models": ["m"]}],
+                             retries={"max_retry_after_s": 0.0}, breaker={"failure_threshold": 100})
+        async with picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
+            async with s.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+                assert r.status == 429 and r.headers["Retry-After"] == "30"
+                assert r.headers["x-should-retry"] == "false"
+            assert (len(a.attempt_times), len(b.attempt_times)) == (1, 1)
+            for _ in range(3):
+                async with s.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+                    assert r.status == 503 and int(r.headers["Retry-After"]) > 20
+            assert (len(a.attempt_times), len(b.attempt_times)) == (1, 1)
