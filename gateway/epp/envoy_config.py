@@ -33,8 +33,8 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   to the picker with its ``Retry-After`` (the router's upstream log, gRPC access log
   service: :mod:`gateway.epp.access_log`); ``timeouts.connect_s``,
   ``timeouts.total_s`` (the route timeout) and ``timeouts.idle_s`` (the stream's idle
-  timeout), global values only (Envoy has no first-byte timeout: ``ttft_s`` does not
-  apply);
+  timeout), ``timeouts.ttft_s`` (the per-try timeout: Envoy stops it once the answer's
+  head went on, so it bounds the time to the response head), global values only;
 - the picker's message timeout covers the admission queue's wait
   (``admission.queue_timeout_s``): a request may wait there before it is handed off;
 - Envoy's own failures (a timeout, no endpoint that answers) answered as the gateway
@@ -180,6 +180,10 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
         "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,reset,retriable-status-codes",
                          "retriable_status_codes": sorted(RETRYABLE_STATUSES),
                          "num_retries": min(pe.fallback_endpoints, cfg.retries.max_attempts - 1)}}
+    if t.ttft_s is not None:
+        # Envoy's per-try timeout stops counting once the answer's head went on to the
+        # client: it is a time to the response head, retried (``reset``) on the next endpoint
+        route["retry_policy"]["per_try_timeout"] = _seconds(t.ttft_s)
     if t.idle_s is not None:
         route["idle_timeout"] = _seconds(t.idle_s)
     # the picker follows the response only of a completion (its status, served endpoint,

@@ -198,7 +198,8 @@ async def test_a_backends_retry_after_is_waited_out_behind_envoy():
 
     a, b = ScriptedBackend(handler=busy), ScriptedBackend(handler=busy)
     async with a.running(), b.running():
-        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}, {"name": "b", "url": b.url, "models": ["m"]}],
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]},
+                              {"name": "b", "url": b.url, "models": ["m"]}],
                              retries={"max_retry_after_s": 0.0}, breaker={"failure_threshold": 100})
         async with picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
             async with s.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
@@ -209,3 +210,27 @@ async def test_a_backends_retry_after_is_waited_out_behind_envoy():
                 async with s.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
                     assert r.status == 503 and int(r.headers["Retry-After"]) > 20
             assert (len(a.attempt_times), len(b.attempt_times)) == (1, 1)
+
+
+async def test_a_silent_backend_is_cut_at_the_first_token_timeout_and_retried_on_another():
+    """A backend that reads the request and never answers is cut at
+    ``timeouts.ttft_s`` (Envoy's per-try timeout: the time to the answer's head) and
+    the request retried on another backend, long before the total timeout."""
+    silent_hits = []
+
+    async def silent(backend, request, body):
+        silent_hits.append(1)
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    quiet, good = ScriptedBackend(handler=silent), ScriptedBackend()
+    async with quiet.running(), good.running():
+        cfg = gateway_config([{"name": "quiet", "url": quiet.url, "models": ["m"]},
+                              {"name": "good", "url": good.url, "models": ["m"]}],
+                             timeouts={"ttft_s": 0.5, "total_s": 60.0}, breaker={"failure_threshold": 100})
+        async with picker_stack(cfg) as stack:
+            client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="sk-any", max_retries=0, timeout=30)
+            for _ in range(4):  # the picker chooses "quiet" for some of them
+                r = await client.chat.completions.create(model="m", messages=CHAT)
+                assert r.choices[0].message.content == "hello"
+            assert silent_hits and len(good.bodies) == 4
