@@ -11,7 +11,10 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   response headers, and the response body ``STREAMED`` when ``listen.epp.response_body``;
   the ``upstream.address`` attribute with the response headers) then the router; on
   paths other than the completions' the response phase is skipped (a per-route
-  processing mode: the picker follows only a completion's response);
+  processing mode: the picker follows only a completion's response). The completions'
+  mode is set per route too, so that the picker may override it for one stream
+  (``allow_mode_override``, which Envoy ignores when the filter's own mode is
+  ``FULL_DUPLEX_STREAMED``): an error answer's body, buffered, to classify it;
 - routes for what the gateway serves and nothing else: the completions, ``/health``,
   ``/ready`` and ``/v1/models`` (answered by the picker), ``listen.epp.pass_through_paths``;
   any other path is Envoy's own 404 with an OpenAI error body, the picker not asked. The
@@ -25,10 +28,13 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
 - the gateway's retry and timeout semantics where Envoy has them: retries on connect
   failures, resets before the response (``reset``: also a backend that read the request
   and closed the connection without answering), 429, 502, 503 and 504, at most as many as the
-  picker lists fallbacks (and ``retries.max_attempts - 1``); ``timeouts.connect_s``,
+  picker lists fallbacks (and ``retries.max_attempts - 1``), never past the picker's
+  list (it sets ``x-envoy-max-retries``); each attempt answered 429 or above logged
+  to the picker with its ``Retry-After`` (the router's upstream log, gRPC access log
+  service: :mod:`gateway.epp.access_log`); ``timeouts.connect_s``,
   ``timeouts.total_s`` (the route timeout) and ``timeouts.idle_s`` (the stream's idle
-  timeout), global values only (Envoy has no first-byte timeout: ``ttft_s`` does not
-  apply);
+  timeout), ``timeouts.ttft_s`` (the per-try timeout: Envoy stops it once the answer's
+  head went on, so it bounds the time to the response head), global values only;
 - the picker's message timeout covers the admission queue's wait
   (``admission.queue_timeout_s``): a request may wait there before it is handed off;
 - Envoy's own failures (a timeout, no endpoint that answers) answered as the gateway
@@ -49,6 +55,8 @@ from typing import Any
 import yaml
 
 from gateway.config import GatewayConfig, load_config
+from gateway.epp.access_log import LOG_NAME as ATTEMPTS_LOG
+from gateway.epp.access_log import RETRY_AFTER
 from gateway.epp.ext_proc import (
     ANSWERED_PATHS,
     COMPLETION_PATHS,
@@ -140,20 +148,42 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
             "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}, "timeout": "30s"},
             "failure_mode_allow": fail_open,
             "message_timeout": f"{max(wait_s + 5.0, 5.0):.3f}s",
-            "processing_mode": mode,
+            # every route the picker sees sets its own mode (below); Envoy lets the picker
+            # override a stream's mode (an error answer's body, buffered: ERROR_BODY_MODE)
+            # only when the filter's own mode is not FULL_DUPLEX_STREAMED
+            "processing_mode": {**mode, "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP"},
+            "allow_mode_override": True,
+            # the picker sets x-envoy-max-retries: Envoy retries on its listed endpoints only
+            "mutation_rules": {"allow_envoy": True},
             "response_attributes": [UPSTREAM_ADDRESS],
             "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]},
                                  "receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
         },
     }
+    # each upstream attempt answered 429 or above is logged to the picker with its
+    # Retry-After (gateway/epp/access_log.py): the picker sees only a request's final
+    # answer, and an attempt Envoy retried past must still keep its backend out of routing
+    attempts_log = {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"status_code_filter": {"comparison": {
+            "op": "GE", "value": {"default_value": 429, "runtime_key": "turbo_gateway.attempt_log_min_status"}}}},
+        "typed_config": {
+            "@type": f"{_T}.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {"log_name": ATTEMPTS_LOG, "transport_api_version": "V3", "buffer_size_bytes": 0,
+                              "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}}},
+            "additional_response_headers_to_log": [RETRY_AFTER]}}
     router = {"name": "envoy.filters.http.router",
-              "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"}}
+              "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router", "upstream_log": [attempts_log]}}
     t = cfg.timeouts
     route: dict[str, Any] = {
         "cluster": "pool", "timeout": _seconds(t.total_s),
         "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request,reset,retriable-status-codes",
                          "retriable_status_codes": sorted(RETRYABLE_STATUSES),
                          "num_retries": min(pe.fallback_endpoints, cfg.retries.max_attempts - 1)}}
+    if t.ttft_s is not None:
+        # Envoy's per-try timeout stops counting once the answer's head went on to the
+        # client: it is a time to the response head, retried (``reset``) on the next endpoint
+        route["retry_policy"]["per_try_timeout"] = _seconds(t.ttft_s)
     if t.idle_s is not None:
         route["idle_timeout"] = _seconds(t.idle_s)
     # the picker follows the response only of a completion (its status, served endpoint,
@@ -172,7 +202,9 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
             r["typed_per_filter_config"] = per_route
         return r
 
-    routes = [served(path, None) for path in COMPLETION_PATHS]
+    completions = {"envoy.filters.http.ext_proc": {
+        "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute", "overrides": {"processing_mode": mode}}}
+    routes = [served(path, completions) for path in COMPLETION_PATHS]
     routes += [served(path, others) for path in (*ANSWERED_PATHS, *pe.pass_through_paths)]
     routes.append(served("/v1/models", others, prefix=True))
     routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": _NOT_FOUND}},

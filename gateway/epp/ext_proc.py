@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from multidict import CIMultiDict
 
@@ -20,6 +21,7 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+MAX_RETRIES = "x-envoy-max-retries"  # the request's retries, set by the picker (Envoy's router reads it)
 UPSTREAM_ADDRESS = "upstream.address"  # the ext_proc response attribute naming the endpoint that answered
 COMPLETION_PATHS = BY_PATH  # the APIs the picker routes (gateway/apis/registry.py): canonical path -> adapter
 ANSWERED_PATHS = ("/health", "/ready", "/v1/models")  # answered by the picker itself (and /v1/models/{id})
@@ -93,3 +95,14 @@ UNCHANGED = {
     "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
 }
 HEADERS_UNCHANGED = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def error_body_mode(duplex: bool) -> ProcessingMode:
+    """The processing mode the picker asks for (``mode_override``, in its answer to the
+    response headers) when a completion's answer is an error it may rewrite: the
+    response body buffered, sent whole in one message while Envoy holds the headers;
+    the request's modes as they were (``duplex``: ``FULL_DUPLEX_STREAMED``)."""
+    return ProcessingMode(
+        request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED if duplex else ProcessingMode.BUFFERED,
+        request_trailer_mode=ProcessingMode.SEND if duplex else ProcessingMode.SKIP,
+        response_body_mode=ProcessingMode.BUFFERED)

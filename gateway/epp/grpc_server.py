@@ -1,5 +1,6 @@
 """The endpoint picker's gRPC server: Envoy's ``ext_proc`` service (one
-:class:`~gateway.epp.picker.EppStream` per call) and the gRPC health service
+:class:`~gateway.epp.picker.EppStream` per call), the access log service of Envoy's
+failed upstream attempts (:mod:`gateway.epp.access_log`) and the gRPC health service
 (``liveness``, ``readiness``, the ext_proc service name), in the gateway's event loop.
 What one stream does is :mod:`gateway.epp.picker`'s.
 """
@@ -11,9 +12,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gateway.epp.access_log import UpstreamAttempts
 from gateway.epp.ext_proc import SERVICE
 from gateway.epp.picker import EppStream
 from gateway.pipeline.downstream import ClientGone
@@ -49,6 +52,7 @@ class EndpointPicker:
         self.state = state
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(state), self.server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(UpstreamAttempts(state), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0

@@ -55,12 +55,14 @@ from gateway.epp.ext_proc import (
     DESTINATION,
     HEADERS_UNCHANGED,
     LB_NAMESPACE,
+    MAX_RETRIES,
     UNCHANGED,
+    error_body_mode,
     header_option,
     headers_of,
     subset_hint,
 )
-from gateway.epp.response_phase import Served, on_response_body, on_response_headers, settle_end
+from gateway.epp.response_phase import Served, on_error_body, on_response_body, on_response_headers, settle_closed
 from gateway.errors import REQUEST_ID_HEADER, SHOULD_RETRY_HEADER, ClientError, error_body
 from gateway.paths import canonical_path
 from gateway.pipeline import director, settlement
@@ -312,18 +314,31 @@ class EppStream:
             await self.context.write(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
                                                            dynamic_metadata=md))
 
-    async def acknowledge(self, msg: Any, response_headers: dict[str, str]) -> bool:
+    async def acknowledge(self, msg: Any, response_headers: dict[str, str], whole_body: bool = False,
+                          rewrite: tuple[int, bytes, dict[str, str]] | None = None) -> bool:
         """Let a response-phase message go on unchanged (``response_headers`` added
-        to the response's headers). Returns whether it was Envoy's last message of the
-        exchange (the response body's end, or its trailers): Envoy then closes the
-        stream, and the picker ends its side without waiting for that close."""
+        to the response's headers; ``whole_body``: Envoy is asked to send the body
+        whole, buffered, :func:`~gateway.epp.ext_proc.error_body_mode`), or, with
+        ``rewrite`` ``(status, body, headers)``, replace the whole body it carries and
+        the response's status and headers. Returns whether it was Envoy's last message
+        of the exchange (the response body's end, or its trailers): Envoy then closes
+        the stream, and the picker ends its side without waiting for that close."""
         kind = msg.WhichOneof("request")
         if kind == "response_headers":
             mutation = pb.HeaderMutation(set_headers=[header_option(k, v) for k, v in response_headers.items()])
-            await self.context.write(pb.ProcessingResponse(
-                response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))))
+            answer = pb.ProcessingResponse(
+                response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation)))
+            if whole_body:
+                answer.mode_override.CopyFrom(error_body_mode(self.duplex))
+            await self.context.write(answer)
             return False
-        if (ack := UNCHANGED.get(kind)) is not None:
+        if rewrite is not None:
+            status, body, headers = rewrite
+            mutation = pb.HeaderMutation(set_headers=[header_option(":status", str(status))] +
+                                         [header_option(k, v) for k, v in headers.items()])
+            await self.context.write(pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                header_mutation=mutation, body_mutation=pb.BodyMutation(body=body)))))
+        elif (ack := UNCHANGED.get(kind)) is not None:
             await self.context.write(ack)
         return kind == "response_trailers" or (kind == "response_body" and msg.response_body.end_of_stream)
 
@@ -346,7 +361,10 @@ async def hand_off(state: GatewayState, ctx: RequestContext, client: BackendClie
     others = [c for b in state.core.alternatives(req, primary, state.loop.time(), epp.fallback_endpoints)
               if (c := state.clients.get(b.name)) is not None and c.auth_header == client.auth_header]
     endpoints = [client.endpoint] + [c.endpoint for c in others]
-    sets = {REQUEST_ID_HEADER: upstream_id(ctx.request_id)}
+    # Envoy retries on the listed endpoints only: past them its fallback (round robin)
+    # would choose a backend the picker keeps out of routing (cooling down, breaker open)
+    sets = {REQUEST_ID_HEADER: upstream_id(ctx.request_id),
+            MAX_RETRIES: str(min(len(endpoints), state.cfg.retries.max_attempts) - 1)}
     if client.auth_header:  # the backend's own key; the caller's never goes on
         sets["authorization"] = client.auth_header
     await stream.forward(endpoints, sets, ctx.body)
@@ -356,25 +374,22 @@ async def hand_off(state: GatewayState, ctx: RequestContext, client: BackendClie
         while (msg := await stream.read()) is not None:
             kind = msg.WhichOneof("request")
             extra: dict[str, str] = {}
+            rewrite = None
             if kind == "response_headers":
                 extra = on_response_headers(state, ctx, served, msg)
             elif kind == "response_body" and not served.settled:
-                on_response_body(state, ctx, served, msg.response_body.body, msg.response_body.end_of_stream)
-            if await stream.acknowledge(msg, extra):
+                body = msg.response_body
+                if served.error is not None:  # an error answer, whole: an engine's caller error is rewritten
+                    rewrite = on_error_body(state, ctx, served, body.body, body.end_of_stream)
+                else:
+                    on_response_body(state, ctx, served, body.body, body.end_of_stream)
+            if await stream.acknowledge(msg, extra, served.error is not None, rewrite):
                 break
         if not served.settled:  # Envoy closed its side before the body's end
-            if served.status == 200 and not epp.response_body:
-                settle_end(state, ctx, served)  # without body processing, that is how a response ends
-            else:
-                served.settled = True
-                settlement.client_left(state, ctx, served.backend.name)
+            settle_closed(state, ctx, served)
     except asyncio.CancelledError:
         if not served.settled:
-            if served.status == 200 and not epp.response_body:
-                settle_end(state, ctx, served)  # without body processing, a reset is how a response ends
-            else:
-                served.settled = True
-                settlement.client_left(state, ctx, served.backend.name)
+            settle_closed(state, ctx, served)
         raise
     finally:
         settlement.release(state, served.reservation)

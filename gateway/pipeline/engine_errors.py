@@ -170,6 +170,10 @@ _RULES: tuple[_Rule, ...] = (
 )
 
 
+# the statuses :func:`classify` may classify (any other is relayed as the engine sent it)
+CLASSIFIED_STATUSES = frozenset({s for rule in _RULES for s in rule.statuses} | set(OPENAI_STATUS.values()))
+
+
 class _EngineError(NamedTuple):
     envelope: str
     message: str

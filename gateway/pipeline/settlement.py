@@ -152,16 +152,20 @@ def _charge_relayed(ctx: RequestContext) -> None:
     ctx.tokens = prompt + completion
 
 
-def proxied_status(state: GatewayState, ctx: RequestContext, backend: str, reservation: Reservation,
-                   status: int) -> None:
+def proxied_status(state: GatewayState, ctx: RequestContext, backend: BackendState, reservation: Reservation,
+                   status: int, retry_after_s: float | None = None) -> None:
     """A proxy (Envoy, behind the endpoint picker) relayed ``backend``'s answer with
     ``status`` other than 200 (0: none): the backend's outcome (its 4xx are not its
-    faults), the reservation released, the failure and the request counted."""
+    faults), the reservation released, the backend kept out of routing for as long as
+    it asked (``retry_after_s``, its ``Retry-After``), the failure and the request
+    counted."""
     now = state.loop.time()
     reservation.outcome(status < 500 and status != 0, now)
     reservation.release(now)
+    if retry_after_s is not None:
+        state.core.cool_down(backend, now + retry_after_s)
     if status >= 500 or status == 0:
-        state.metrics.child(state.metrics.upstream_errors, backend, "backend_status").inc()
+        state.metrics.child(state.metrics.upstream_errors, backend.name, "backend_status").inc()
     finish(state, ctx, status)
 
 

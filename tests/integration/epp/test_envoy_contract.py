@@ -6,7 +6,9 @@ wheel) started from the bootstrap :mod:`gateway.epp.envoy_config` renders.
   OpenAI error body with ``x-should-retry: false``, so the openai SDK does not retry what
   Envoy has retried already;
 - a request head that does not arrive whole within ``listen.head_timeout_s`` has its
-  connection closed, as on the gateway's own stacks.
+  connection closed, as on the gateway's own stacks;
+- an engine's context-length error, in its own words, is a 400
+  ``context_length_exceeded`` in OpenAI's form, as the gateway's own data plane answers it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import asyncio
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from aiohttp import web
 
+from tests.integration.pipeline import test_engine_errors as engine_errors_suite
 from tests.support.envoy import picker_stack
 from tests.support.servers import ScriptedBackend, free_port, gateway_config, raw_backend, running_gateway
 
@@ -138,3 +142,95 @@ async def test_a_backend_that_closes_without_answering_is_retried_on_another():
                 r = await client.chat.completions.create(model="m", messages=CHAT)
                 assert r.choices[0].message.content == "hello"
             assert hung_up and len(good.bodies) == 4
+
+
+ENGINE_CONTEXT_ERRORS = ["sglang-input-longer", "sglang-requested-token-count", "sglang-internal-server-error-context",
+                         "vllm-requested-tokens", "vllm-request-has-input-tokens", "llama.cpp-exceed-context-size"]
+
+
+@pytest.mark.parametrize("name", ENGINE_CONTEXT_ERRORS)
+async def test_an_engines_context_length_error_is_a_400_context_length_exceeded_on_both_data_planes(name):
+    """SGLang's, vLLM's and llama.cpp's own wordings of a prompt too long for the
+    context come back in OpenAI's form (400, ``context_length_exceeded``), from one
+    attempt, the breakers closed, as on the gateway's own data plane; an unrecognised
+    engine 400 passes through byte for byte and a stream's answer is not held."""
+    case = engine_errors_suite.CASES[name]
+    answer = case.answer
+    async with engine_errors_suite.replaying(answer).running() as a, \
+            engine_errors_suite.replaying(answer).running() as b:
+        cfg = engine_errors_suite.two_backends_config(a, b)
+        async with running_gateway(cfg) as gw, picker_stack(cfg) as stack:
+            for endpoint in ("chat", "completions"):
+                body = engine_errors_suite.request_body(endpoint, False)
+                own = await engine_errors_suite.post(gw.url, endpoint, body)
+                sent = len(a.attempt_times) + len(b.attempt_times)
+                behind = await engine_errors_suite.post(stack.url, endpoint, body)
+                assert len(a.attempt_times) + len(b.attempt_times) == sent + 1, "retried behind Envoy"
+                for status, headers, raw in (own, behind):
+                    assert status == 400 and headers["Content-Type"].startswith("application/json")
+                    assert headers["x-should-retry"] == "false"
+                    assert orjson.loads(raw) == {"error": {
+                        "message": answer.message, "type": "invalid_request_error",
+                        "param": "messages" if endpoint == "chat" else "prompt", "code": "context_length_exceeded"}}
+            assert all(x.breaker.state == "closed" for x in stack.state.fleet.backends.values())
+            assert stack.gateway.idle("a") and stack.gateway.idle("b")
+
+
+async def test_an_unrecognised_engine_error_passes_through_envoy_byte_for_byte():
+    answer = engine_errors_suite.UNRECOGNISED["vllm-other-400"]
+    async with engine_errors_suite.replaying(answer).running() as a, \
+            engine_errors_suite.replaying(answer).running() as b:
+        cfg = engine_errors_suite.two_backends_config(a, b)
+        async with picker_stack(cfg) as stack:
+            status, _, raw = await engine_errors_suite.post(stack.url, "chat",
+                                                           engine_errors_suite.request_body("chat", False))
+            assert (status, raw) == (400, answer.body)
+
+
+async def test_a_backends_retry_after_is_waited_out_behind_envoy():
+    """Every backend answers 429 with ``Retry-After: 30``: Envoy tries each listed
+    endpoint once (never one again, past the picker's list), the client gets the 429
+    with its ``Retry-After`` and ``x-should-retry: false``, and the next request reaches
+    no backend inside the window (here refused at once: ``max_retry_after_s`` is 0)."""
+    async def busy(backend, request, body):
+        return web.json_response({"error": {"message": "busy", "type": "rate_limit", "code": 429}}, status=429,
+                                 headers={"Retry-After": "30"})
+
+    a, b = ScriptedBackend(handler=busy), ScriptedBackend(handler=busy)
+    async with a.running(), b.running():
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]},
+                              {"name": "b", "url": b.url, "models": ["m"]}],
+                             retries={"max_retry_after_s": 0.0}, breaker={"failure_threshold": 100})
+        async with picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
+            async with s.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+                assert r.status == 429 and r.headers["Retry-After"] == "30"
+                assert r.headers["x-should-retry"] == "false"
+            assert (len(a.attempt_times), len(b.attempt_times)) == (1, 1)
+            for _ in range(3):
+                async with s.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+                    assert r.status == 503 and int(r.headers["Retry-After"]) > 20
+            assert (len(a.attempt_times), len(b.attempt_times)) == (1, 1)
+
+
+async def test_a_silent_backend_is_cut_at_the_first_token_timeout_and_retried_on_another():
+    """A backend that reads the request and never answers is cut at
+    ``timeouts.ttft_s`` (Envoy's per-try timeout: the time to the answer's head) and
+    the request retried on another backend, long before the total timeout."""
+    silent_hits = []
+
+    async def silent(backend, request, body):
+        silent_hits.append(1)
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    quiet, good = ScriptedBackend(handler=silent), ScriptedBackend()
+    async with quiet.running(), good.running():
+        cfg = gateway_config([{"name": "quiet", "url": quiet.url, "models": ["m"]},
+                              {"name": "good", "url": good.url, "models": ["m"]}],
+                             timeouts={"ttft_s": 0.5, "total_s": 60.0}, breaker={"failure_threshold": 100})
+        async with picker_stack(cfg) as stack:
+            client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="sk-any", max_retries=0, timeout=30)
+            for _ in range(4):  # the picker chooses "quiet" for some of them
+                r = await client.chat.completions.create(model="m", messages=CHAT)
+                assert r.choices[0].message.content == "hello"
+            assert silent_hits and len(good.bodies) == 4
