@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gateway.apis.base import reshape
 from gateway.epp.ext_proc import headers_of, served_endpoint
 from gateway.errors import SHOULD_RETRY_HEADER, ProxyRetried
 from gateway.pipeline import engine_errors, settlement
@@ -113,7 +114,7 @@ def on_error_body(state: GatewayState, ctx: RequestContext, served: Served, chun
     """A chunk of an error answer's body (Envoy sends it whole, buffered). At its end
     the answer is classified (:func:`gateway.pipeline.engine_errors.classify`) and
     settled with the status the client gets. Returns the rewritten answer, ``(status,
-    OpenAI error body, headers to set)``, when an engine's caller error was recognised,
+    error body in the API's shape, headers to set)``, when an engine's caller error was recognised,
     else ``None`` (relayed as the engine sent it)."""
     assert served.error is not None
     served.error += chunk
@@ -125,8 +126,9 @@ def on_error_body(state: GatewayState, ctx: RequestContext, served: Served, chun
     settlement.proxied_status(state, ctx, served.backend, served.reservation, status, served.retry_after_s)
     if answer is None or (answer[0] == served.status and answer[1] == served.error):
         return None
-    return answer[0], answer[1], {"content-type": "application/json", "content-length": str(len(answer[1])),
-                                  SHOULD_RETRY_HEADER: "false"}
+    body = reshape(ctx.parsed.api, answer[0], answer[1])  # in the shape that API's clients parse
+    return answer[0], body, {"content-type": "application/json", "content-length": str(len(body)),
+                             SHOULD_RETRY_HEADER: "false"}
 
 
 def settle_closed(state: GatewayState, ctx: RequestContext, served: Served) -> None:

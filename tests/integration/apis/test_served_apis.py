@@ -8,6 +8,7 @@ anthropic SDK) and refused in its own error shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from contextlib import asynccontextmanager
 
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from loadtest.sim.server import SimBackendConfig, start_backends
+from tests.support.envoy import picker_stack
 from tests.support.servers import gateway_config, running_gateway
 
 MODEL = "sim-model"
@@ -25,17 +27,22 @@ SYSTEM = "You are a careful assistant who answers in full sentences. " * 20
 
 
 @asynccontextmanager
-async def fleet(**overrides):
+async def fleet(behind_envoy: bool = False):
+    """The gateway before two simulated engines; ``behind_envoy``: its endpoint picker
+    behind a real Envoy, whose address is then the one served (``gw.url``)."""
     runners, urls = await start_backends([SimBackendConfig.from_dict(
         {"name": n, "models": [MODEL], "speed": 50.0, "eos_after": 4}) for n in ("a", "b")])
     cfg = gateway_config([{"name": n, "url": u, "models": [MODEL]} for n, u in urls.items()],
                          routing={"policy": "cache_aware"},
                          auth={"keys": [{"name": "tenant", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest(),
-                                         "route_details": True}]},
-                         **overrides)
+                                         "route_details": True}]})
     try:
-        async with running_gateway(cfg) as gw:
-            yield gw
+        if behind_envoy:
+            async with picker_stack(cfg) as stack:
+                yield dataclasses.replace(stack.gateway, url=stack.url)  # the gateway's state, Envoy's address
+        else:
+            async with running_gateway(cfg) as gw:
+                yield gw
     finally:
         for r in runners:
             await r.cleanup()
@@ -49,8 +56,9 @@ def served(gw, status: str = "200") -> float:
     return sum(gw.metric("turbo_gateway_requests_total", model=MODEL, backend=b, status=status) for b in ("a", "b"))
 
 
-async def test_responses_turns_stay_on_one_backend_and_are_counted_from_their_usage():
-    async with fleet() as gw, openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0) as client:
+@pytest.mark.parametrize("behind_envoy", [False, True], ids=["own_data_plane", "behind_envoy"])
+async def test_responses_turns_stay_on_one_backend_and_are_counted_from_their_usage(behind_envoy):
+    async with fleet(behind_envoy) as gw, openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0) as client:
         raw = await client.responses.with_raw_response.create(model=MODEL, instructions=SYSTEM, input="Hello.",
                                                               max_output_tokens=8)
         r = raw.parse()
@@ -82,8 +90,9 @@ async def test_responses_turns_stay_on_one_backend_and_are_counted_from_their_us
     assert served(gw) == 2
 
 
-async def test_messages_with_the_anthropic_sdk_key_usage_stream_and_errors():
-    async with fleet() as gw:
+@pytest.mark.parametrize("behind_envoy", [False, True], ids=["own_data_plane", "behind_envoy"])
+async def test_messages_with_the_anthropic_sdk_key_usage_stream_and_errors(behind_envoy):
+    async with fleet(behind_envoy) as gw:
         client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0)
         m = await client.messages.create(model=MODEL, system=SYSTEM, max_tokens=8,
                                          messages=[{"role": "user", "content": "Hello."}])
