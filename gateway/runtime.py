@@ -27,6 +27,7 @@ from gateway.engine_signals.metrics_scraper import MetricsScraper
 from gateway.ops.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
 from gateway.pipeline.keepalive import KeepAlives
 from gateway.pipeline.retry import RetryPolicy, policy_from_config
+from gateway.store.responses import ResponseStore
 from gateway.store.routing_state import InProcessStore, RedisStore
 from gateway.tenancy.admission import AdmissionControl
 from gateway.tenancy.keys import KeyRing
@@ -70,6 +71,7 @@ class GatewayState:
     adapters: AdapterLoader = field(default_factory=AdapterLoader)  # LoRA adapters loaded on demand
     batch_gate: Any = None  # gateway.batch.batch_gate.BatchGate when batch is enabled
     tracer: Tracer | None = None  # OpenTelemetry traces, with tracing.enabled (started by the app)
+    responses: ResponseStore = field(init=False)  # the Responses API's stored responses (gateway.store.responses)
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read
     reloads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
@@ -138,6 +140,9 @@ def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str
     state = GatewayState(cfg, core, store, metrics, Limiter(), AdmissionControl(cfg.admission, core.fleet),
                          config_path=config_path)
     configure(state, cfg)
+    st, rs = cfg.state, cfg.responses
+    state.responses = ResponseStore(st.url, st.namespace, ttl_s=rs.ttl_s, max_in_process=rs.max_in_process,
+                                    max_record_bytes=rs.max_record_bytes, timeout_s=st.timeout_s, cluster=st.cluster)
     metrics.registry.register(HardeningCollector(state))
     metrics.registry.register(TokenizerCollector(core))
     return state

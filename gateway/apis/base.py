@@ -91,6 +91,7 @@ class Api:
     prompt_param = "messages"  # the request field a context-length error names
     generates = True  # False: no output tokens (embeddings, rerank): cost is prefill only
     disaggregates = False  # may be split into a prefill leg and a decode leg
+    stateful = False  # its conversations are kept by the gateway (gateway.pipeline.conversation)
     end_events: frozenset[bytes] = frozenset()  # SSE event names that end its stream; empty: ``data: [DONE]``
     delta_event = b""  # the SSE event name of one output token; empty: every ``data:`` event
 
@@ -117,6 +118,16 @@ class Api:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return (pt if isinstance(pt, int) else None, max(cached, 0) if isinstance(cached, int) else None,
                 ct if isinstance(ct, int) else None)
+
+    def expand(self, data: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+        """A stateful API: request ``data`` with the stored turn ``record`` (of
+        :meth:`record`) it continues put before its own input."""
+        raise NotImplementedError
+
+    def record(self, data: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        """A stateful API: what is kept of a turn, request ``data`` (expanded) and its
+        ``answer`` object, for the next turn's :meth:`expand`."""
+        raise NotImplementedError
 
     def error_body(self, status: int, body: bytes) -> bytes:
         """``body``, an OpenAI error body answered with ``status``, in this API's shape."""

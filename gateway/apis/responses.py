@@ -56,11 +56,20 @@ def chat_messages(data: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def input_items(data: dict[str, Any]) -> list[Any]:
+    """A request's ``input`` as a list of items (a string is one user message)."""
+    inp = data.get("input")
+    if isinstance(inp, str):
+        return [{"type": "message", "role": "user", "content": inp}]
+    return list(inp) if isinstance(inp, list) else []
+
+
 class Responses(Api):
     """``POST /v1/responses`` (see the module docstring)."""
 
     name, path, operation = "responses", "/v1/responses", "chat"
     prompt_param = "input"
+    stateful = True
     end_events = frozenset((b"response.completed", b"response.incomplete", b"response.failed"))
     delta_event = b"response.output_text.delta"
 
@@ -76,6 +85,19 @@ class Responses(Api):
         if data.get("tools"):
             view["tools"] = data["tools"]
         return view
+
+    def expand(self, data: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+        """``data`` whose ``previous_response_id`` named the turn ``record``: its input
+        is that turn's input, that turn's output items, then its own input; the
+        ``instructions`` stay its own (the API does not carry them over)."""
+        response = record.get("response")
+        output = response.get("output") if isinstance(response, dict) else None
+        out = {k: v for k, v in data.items() if k != "previous_response_id"}
+        out["input"] = [*record.get("input", ()), *(output if isinstance(output, list) else ()), *input_items(data)]
+        return out
+
+    def record(self, data: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return {"input": input_items(data), "response": answer}
 
     def usage_in(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         usage = obj.get("usage")

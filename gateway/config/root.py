@@ -14,7 +14,7 @@ from pydantic import (
 from gateway.config.base import AUTO_MODELS, Strict
 from gateway.config.routing_rules import ModelSettings, Routing
 from gateway.config.serving import Lifecycle, Limits, Listen, Pool, Streaming
-from gateway.config.stores import Batch, StateStore, Usage
+from gateway.config.stores import Batch, StateStore, StoredResponses, Usage
 from gateway.config.tenancy import Admin, Admission, Auth
 from gateway.config.tracing import Tracing
 from gateway.config.upstream import Backend, Breaker, HealthChecks, KVEvents, Retries, Timeouts
@@ -68,6 +68,9 @@ class GatewayConfig(Strict):
     admission: Admission = Field(
         Admission(), description="Admission control when the fleet is saturated: requests wait in a queue per "
         "priority, served round robin across keys, then get 503 with `Retry-After`.")
+    responses: StoredResponses = Field(
+        StoredResponses(), description="The Responses API's stored responses (`previous_response_id`, "
+        "`GET /v1/responses/{id}`), kept for the whole fleet. Changing it needs a restart.")
     batch: Batch = Field(
         Batch(), description="The OpenAI Files and Batches API and its queue consumers, at a lower priority "
         "than interactive traffic.")

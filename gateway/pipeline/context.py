@@ -89,3 +89,4 @@ class RequestContext:
     ttft_s: float | None = None  # arrival to the answer's first byte (s), once it went out
     subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
     trace: RequestTrace | None = None  # its spans, with tracing on (gateway.ops.tracing)
+    answer: bytes | None = None  # a whole (non-streamed) answer's body, once relayed

@@ -5,11 +5,14 @@ routes of :mod:`gateway.server.app`), the endpoint picker (:mod:`gateway.epp.pic
 and the in-process batch consumers (:func:`collect`) call :func:`handle`, which reads
 as the request's story, every step a call into a module named after it::
 
-    authenticate -> parse -> admit -> [estimate -> plan -> [prefill leg] ->
+    authenticate -> parse -> (expand) -> admit -> [estimate -> plan -> [prefill leg] ->
         route -> attempt (retry) -> relay -> settle] for the model, then its fallbacks
+        -> (keep)
 
 - authenticate: :meth:`gateway.tenancy.keys.KeyRing.authenticate` (401);
 - parse: :func:`parse` (:mod:`~gateway.pipeline.openai_request`; 400, 404, 413, 415);
+- expand and keep, for an API whose conversations the gateway keeps (Responses):
+  :mod:`gateway.pipeline.conversation` (400, 503);
 - admit: :class:`~gateway.pipeline.admit.Ticket` (the batch gate, the caller's limits,
   the admission queue; 429, 503), released once at the end;
 - trace: with ``tracing`` on, ``ctx.trace`` (:class:`gateway.ops.tracing.RequestTrace`)
@@ -46,7 +49,7 @@ import orjson
 from gateway.apis.base import Api, reshape
 from gateway.errors import ClientError, internal_error_answer
 from gateway.ops import access_log
-from gateway.pipeline import attempt, fallback, prefill, prompt, settlement
+from gateway.pipeline import attempt, conversation, fallback, prefill, prompt, settlement
 from gateway.pipeline.admit import Ticket
 from gateway.pipeline.context import RequestContext, Send
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
@@ -89,10 +92,12 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
         if caller is None:  # 401
             caller = state.keyring.authenticate(headers) if batch_owner is None else state.keyring.named(batch_owner)
         parsed = await parse(state, api, headers, body, caller, in_process)  # 400, 404, 413, 415
+        key_name = caller.name if batch_owner is None else batch_owner
+        if api.stateful:  # a Responses turn: its previous turns, from the fleet's store (400, 503)
+            parsed = await conversation.expand(state, parsed, key_name)
         # the batch class: the gateway's own lines, or a key granted it (auth.keys[].batch_priority)
         batch = state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch" and caller.batch_priority
         admitting = ticket.admit(state, caller, parsed, batch, in_process, arrival)  # 429, 503
-        key_name = caller.name if batch_owner is None else batch_owner
         arrival = await (admitting if trace is None else trace.admission(admitting, parsed, key_name))
         ring = state.keyring
         if ring.isolate:  # auth.cache_isolation: per_key
@@ -120,6 +125,8 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
                     # route -> attempt (ctx.send: relay, settle) -> retry elsewhere
                     failure = await attempt.with_retries(state, ctx, Retrier(state.retry, t0), roles, remote, now)
                 if failure is None:  # answered (or a stream that failed after its first byte)
+                    if api.stateful:  # the turn kept for the next one
+                        await conversation.keep(state, ctx)
                     return
                 if not fallback.take(state, ctx, failure, tried, t0):
                     return await settlement.failed(state, ctx, *failure)

@@ -188,9 +188,15 @@ def request_usage(body: bytes, data: dict[str, Any]) -> bytes:
     opts = obj.get("stream_options")
     opts = {k: v for k, v in opts.items() if k != "continuous_usage_stats"} if isinstance(opts, dict) else {}
     obj["stream_options"] = {**opts, "include_usage": True}
+    return dumps_json(obj)
+
+
+def dumps_json(obj: dict[str, Any]) -> bytes:
+    """``obj`` as compact JSON bytes; an integer beyond 64 bits (which orjson does not
+    write, though a request may carry one) by the standard library."""
     try:
         return orjson.dumps(obj)
-    except TypeError:  # an integer beyond 64 bits, which orjson does not write
+    except TypeError:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 

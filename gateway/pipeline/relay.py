@@ -123,6 +123,7 @@ class StreamRelay:
 
 def whole(state: GatewayState, ctx: RequestContext, up: Upstream, data: bytes, reservation: Reservation) -> None:
     """Answer with a whole (non-streamed) response ``data`` and settle it."""
+    ctx.answer = data
     settlement.first_byte(state, ctx, None, state.loop.time(), data)
     settlement.completed(state, ctx, reservation, whole_usage(data, ctx.parsed.api), 0, whole=True)
     settlement.finish(state, ctx, 200)

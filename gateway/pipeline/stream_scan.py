@@ -166,11 +166,12 @@ class TypedEventScan(StreamScan):
     objects of its events (:meth:`gateway.apis.base.Api.usage_in`: Messages reports the
     prompt's at the start, the output's at the end). Nothing is withheld."""
 
-    __slots__ = ("api", "deltas", "ends")
+    __slots__ = ("api", "deltas", "ends", "final")
 
     def __init__(self, api: Api) -> None:
         super().__init__(False)
         self.api = api
+        self.final: dict[str, Any] | None = None  # the last event that carried usage (Responses: the response)
         self.deltas = _type_markers(api.delta_event)
         self.ends = tuple(m for e in api.end_events for m in _type_markers(e))
 
@@ -207,6 +208,7 @@ class TypedEventScan(StreamScan):
             usage = self.api.usage_in(obj) if isinstance(obj, dict) else None
             if usage is not None:
                 self.usage = {**self.usage, **usage} if self.usage else usage
+                self.final = obj
 
     @property
     def content_events(self) -> int:

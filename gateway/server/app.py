@@ -31,6 +31,7 @@ from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.request_ids import REQUEST_ID, request_id
 from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
+from gateway.server import stored_responses
 from gateway.tenancy.keys import CALLER
 
 log = logging.getLogger("gateway")
@@ -68,6 +69,7 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    stored_responses.setup(app)
     setup_admin(app)
     setup_batch(app, cfg)
     return app
@@ -147,6 +149,7 @@ def _lifecycle(backend_urls: dict[str, str]):
             if state.tracer is not None:  # the spans still buffered are exported
                 await state.tracer.shutdown()
                 state.tracer = None
+            await state.responses.close()
 
     return ctx
 

@@ -58,7 +58,8 @@ def served(gw, status: str = "200") -> float:
 
 @pytest.mark.parametrize("behind_envoy", [False, True], ids=["own_data_plane", "behind_envoy"])
 async def test_responses_turns_stay_on_one_backend_and_are_counted_from_their_usage(behind_envoy):
-    async with fleet(behind_envoy) as gw, openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0) as client:
+    async with fleet(behind_envoy) as gw, \
+            openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0) as client:
         raw = await client.responses.with_raw_response.create(model=MODEL, instructions=SYSTEM, input="Hello.",
                                                               max_output_tokens=8)
         r = raw.parse()
