@@ -234,6 +234,22 @@ class BackendStatus(UpstreamError):
             self.retryable = False
 
 
+class ApiNotServed(BackendStatus):
+    """``backend`` has no route for the request's API ``api`` on ``model`` (it answered
+    the API's path with a 404 not about the model; ``backend`` empty: no backend of the
+    model serves it): another backend may (:mod:`gateway.apis.support`), so it is
+    retryable, and not the backend's fault (its breaker is untouched). When none
+    serves it the client gets a 404 ``api_not_served``."""
+
+    def __init__(self, backend: str, api: str, model: str) -> None:
+        message = (f"No backend of model `{model}` serves the {api} API." if not backend
+                   else f"Backend {backend} has no route for the {api} API.")
+        super().__init__(backend, 404, error_body(message, 404, code="api_not_served"), "application/json")
+        self.message = message
+        self.retryable = bool(backend)
+        self.reason = "api_not_served"
+
+
 def _retry_after_header(seconds: float) -> str:
     return str(max(int(seconds + 0.999), 1))
 

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from gateway.apis.registry import BY_NAME
+from gateway.apis.support import ApiSupport
 from gateway.config import Backend, GatewayConfig, KVEvents
 from gateway.engine_signals.health_checks import HealthChecker
 from gateway.engine_signals.kv_event_subscriber import KVEventSubscribers
@@ -72,6 +74,7 @@ class GatewayState:
     batch_gate: Any = None  # gateway.batch.batch_gate.BatchGate when batch is enabled
     tracer: Tracer | None = None  # OpenTelemetry traces, with tracing.enabled (started by the app)
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses (gateway.store.responses)
+    api_support: ApiSupport = field(default_factory=ApiSupport)  # which backend serves which API (gateway.apis.support)
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read
     reloads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "rejected": 0})
@@ -177,6 +180,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     for backend in core.fleet.backends.values():
         backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)
     state.retry = policy_from_config(cfg.retries)
+    state.api_support.configure(((b.name, b.apis) for b in cfg.backends), BY_NAME)
     state.keyring = KeyRing(cfg.auth, cfg.limits)
     state.metrics.set_key_label_mode(cfg.auth.metrics_key_labels)
     state.limiter.configure(cfg.auth.keys)

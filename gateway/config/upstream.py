@@ -189,6 +189,10 @@ class Backend(Strict):
         "base model in `parent`), with each model's `max_model_len`. A model or adapter loaded on the backend "
         "later becomes routable there without a reload; one unloaded stops being routed there.")
     pool: str = Field("mixed", description="The name of a pool from `pools`.")
+    apis: list[str] | None = Field(
+        None, description="The APIs this backend serves, by name (`chat`, `completions`, `responses`, `messages`, "
+        "`count_tokens`, `embeddings`, `rerank`, `score`); unset: every one, until it answers an API's path "
+        "with a 404 that is not about the model (it is then not sent that API again, its breaker untouched).")
     weight: float = Field(
         1.0, gt=0, description="Relative capacity, for the load-aware policies (a weight-2 backend takes "
         "about twice the work of a weight-1 one).")
@@ -241,6 +245,16 @@ class Backend(Strict):
     def static_models(self) -> list[str]:
         """The configured model names, ``auto`` left out."""
         return [m for m in self.models if m != AUTO_MODELS]
+
+    @field_validator("apis")
+    @classmethod
+    def _known_apis(cls, v: list[str] | None) -> list[str] | None:
+        from gateway.apis.registry import BY_NAME
+
+        unknown = [a for a in v or () if a not in BY_NAME]
+        if unknown:
+            raise ValueError(f"unknown API {unknown[0]!r}; the APIs are {', '.join(BY_NAME)}")
+        return v
 
     @field_validator("url")
     @classmethod

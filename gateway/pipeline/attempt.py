@@ -20,7 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from gateway.apis.base import Api
-from gateway.errors import REQUEST_ID_HEADER, BackendStatus, Disconnected, UpstreamError
+from gateway.errors import REQUEST_ID_HEADER, ApiNotServed, BackendStatus, Disconnected, UpstreamError
 from gateway.pipeline import engine_errors, relay, settlement
 from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.deadlines import Deadlines
@@ -57,12 +57,21 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
     req = ctx.request
     assert req is not None
     pools, stable_pools = core.canary_pools(ctx.model)
+    api = ctx.parsed.endpoint
     excluded: set[str] = set()
+    subset = req.subset
     last: UpstreamError | None = None
     while True:
-        if (roles, remote_prefill, pools) != (req.roles, req.remote_prefill, req.pools) or excluded:
+        unserved = state.api_support.unserved_by(api)  # backends without a route for the API: never tried
+        if unserved:
+            subset = frozenset(b.name for b in core.fleet.candidates(ctx.model)
+                               if b.name not in unserved and (ctx.subset is None or b.name in ctx.subset))
+            if not subset:
+                return ApiNotServed("", api, ctx.model), None
+        if (roles, remote_prefill, pools, subset) != (req.roles, req.remote_prefill, req.pools, req.subset) or \
+                excluded:
             req = ctx.request = req._replace(roles=roles, remote_prefill=remote_prefill, pools=pools,
-                                             exclude=frozenset(excluded))
+                                             exclude=frozenset(excluded), subset=subset)
         try:
             decision, reservation = core.route(req, now)
         except NoBackendAvailable as e:
@@ -92,6 +101,8 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
         except UpstreamError as err:
             if trace is not None:
                 trace.attempt_ended(err)
+            if isinstance(err, ApiNotServed):
+                state.api_support.learn(api, backend.name)
             settlement.attempt_failed(state, backend, reservation, err)
             ctx.attempts[-1] = (backend.name, now, err.reason)
             if ctx.scan is not None:  # the backend's bytes already reached the client: end the stream
@@ -137,8 +148,18 @@ async def _raise_status(client: BackendClient, up: Upstream, api: Api) -> None:
         up.finish()  # the caller may finish it again: a no-op
     ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     openai = engine_errors.classify(up.status, body, api.name)
+    if up.status == 404 and openai is None and _no_route(body):
+        raise ApiNotServed(client.state.name, api.name, "")
     raise BackendStatus(client.state.name, up.status, body, ctype, parse_retry_after(up.headers.get("retry-after")),
                         openai)
+
+
+def _no_route(body: bytes) -> bool:
+    """A 404 body that says the path has no route (FastAPI's ``{"detail": "Not
+    Found"}``, llama.cpp's ``File Not Found``, aiohttp's ``404: Not Found``), not that
+    the model or a resource is missing."""
+    low = body[:512].lower()
+    return b"not found" in low and b"model" not in low
 
 
 def _request_headers(client: BackendClient, request_id: str, stream: bool, trace: bytes = b"") -> bytes:

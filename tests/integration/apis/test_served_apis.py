@@ -19,7 +19,7 @@ import pytest
 
 from loadtest.sim.server import SimBackendConfig, start_backends
 from tests.support.envoy import picker_stack
-from tests.support.servers import gateway_config, running_gateway
+from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
 
 MODEL = "sim-model"
 KEY = "sk-apis"
@@ -160,3 +160,46 @@ async def test_embeddings_rerank_and_score_are_priced_as_prefill_only():
                 await wrong.embeddings.create(model=MODEL, input="x")
     assert served(gw) == 1 + 1 + 3 + 1
     assert gw.idle("a") and gw.idle("b")
+
+
+async def test_a_backend_without_an_apis_route_is_learned_and_skipped_not_broken():
+    """A backend that answers an API's path with a 404 not about the model (the
+    scripted backend serves only chat and completions) is retried elsewhere, left out
+    of that API from then on, its breaker untouched; when no backend serves the API the
+    client gets a 404 ``api_not_served`` in the API's shape, and a backend configured
+    without an API is never sent it."""
+    be = ScriptedBackend()
+    runners, urls = await start_backends([SimBackendConfig.from_dict({"name": "sim", "models": [MODEL],
+                                                                      "speed": 50.0})])
+    try:
+        async with be.running():
+            cfg = gateway_config([{"name": "old", "url": be.url, "models": [MODEL]},
+                                  {"name": "sim", "url": urls["sim"], "models": [MODEL],
+                                   "apis": ["chat", "embeddings"]}])
+            async with running_gateway(cfg) as gw, \
+                    openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0) as client:
+                for _ in range(4):  # round robin would send two of them to the old backend
+                    e = await client.embeddings.create(model=MODEL, input="some text")
+                    assert len(e.data) == 1
+                assert gw.metric("turbo_gateway_upstream_errors_total", backend="old", reason="api_not_served") == 1
+                assert gw.state.fleet.backends["old"].breaker.state == "closed"
+                assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend="sim", status="200") == 4
+                # no backend serves Messages: the old one has no route, the other is configured without it
+                anthropic_client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="unused", max_retries=0)
+                with pytest.raises(anthropic.NotFoundError) as err:
+                    await anthropic_client.messages.create(model=MODEL, max_tokens=4,
+                                                           messages=[{"role": "user", "content": "x"}])
+                assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "not_found_error"
+                assert "messages API" in err.value.body["error"]["message"]
+                with pytest.raises(anthropic.NotFoundError):  # now known: no backend is even tried
+                    await anthropic_client.messages.create(model=MODEL, max_tokens=4,
+                                                           messages=[{"role": "user", "content": "x"}])
+                assert gw.metric("turbo_gateway_upstream_errors_total", backend="old", reason="api_not_served") == 2
+                assert gw.metric("turbo_gateway_upstream_errors_total", backend="sim", reason="api_not_served") == 0
+                # the old backend still serves chat
+                for _ in range(2):
+                    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+                assert be.bodies  # it got its share of chat
+    finally:
+        for r in runners:
+            await r.cleanup()

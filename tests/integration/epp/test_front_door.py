@@ -31,7 +31,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CREDS = {"x-api-key": KEY, "Cookie": "session=caller", "Proxy-Authorization": "Basic Y2FsbGVyOnB3"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 # paths engines answer (generation, admin) that the gateway does not serve
-ENGINE_PATHS = ["/invocations", "/v1/responses/resp_1/cancel", "/completion", "/chat/completions", "/generate",
+ENGINE_PATHS = ["/invocations", "/v1/audio/transcriptions", "/completion", "/chat/completions", "/generate",
                 "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize",
                 "/v1/completions/x"]
 # spellings of a completion path that an engine decodes to the path itself
