@@ -120,7 +120,9 @@ class Messages(Api):
 
 class CountTokens(Messages):
     """``POST /v1/messages/count_tokens``: a Messages request (``max_tokens`` not
-    needed) whose answer is ``{"input_tokens": N}``, at no generation cost."""
+    needed) whose answer is ``{"input_tokens": N}``: the gateway's own when the model's
+    tokenizer is configured (its chat template renders the messages as the engine
+    does), else an engine's, at no generation cost."""
 
     name, path, operation = "count_tokens", "/v1/messages/count_tokens", "count_tokens"
     generates = False
@@ -129,3 +131,6 @@ class CountTokens(Messages):
     def read(self, data: dict[str, Any]) -> Fields:
         model, _, _, _ = super().read({**data, "max_tokens": 1, "stream": False})
         return Fields(model, False, True, 0)
+
+    def token_count_answer(self, prompt_tokens: int) -> bytes | None:
+        return orjson.dumps({"input_tokens": prompt_tokens})

@@ -129,6 +129,12 @@ class Api:
         ``answer`` object, for the next turn's :meth:`expand`."""
         raise NotImplementedError
 
+    def token_count_answer(self, prompt_tokens: int) -> bytes | None:
+        """The whole answer to a request whose prompt the model's own tokenizer counted
+        as ``prompt_tokens``, when that count is all the API answers (the gateway then
+        answers without an engine); ``None``: an engine answers."""
+        return None
+
     def error_body(self, status: int, body: bytes) -> bytes:
         """``body``, an OpenAI error body answered with ``status``, in this API's shape."""
         return body

@@ -3,7 +3,8 @@
 :func:`estimate` tokenizes the prompt with the model's own tokenizer when one is
 configured (else the decision core estimates it from its bytes), asks the decision core
 for the prompt's estimate and routing input (``ctx.estimate``, ``ctx.request``) and
-refuses, unsent, a prompt whose exact token count fits no backend of the model.
+refuses, unsent, a prompt whose exact token count fits no backend of the model;
+:func:`counted_here` answers a request whose answer is that count (count_tokens).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gateway.errors import BackendStatus
+from gateway.errors import REQUEST_ID_HEADER, BackendStatus
+from gateway.pipeline import settlement
 from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.engine_errors import context_length_exceeded
 from gateway.pipeline.openai_request import off_loop, prompt_token_ids
@@ -45,7 +47,8 @@ async def token_ids_of(state: GatewayState, ctx: RequestContext) -> Sequence[int
     tokenizer, a completions prompt given as token ids is taken as it is when a
     backend of the model publishes KV events (its token-exact keys need them)."""
     data = ctx.data or ctx.parsed.data
-    tz = state.core.tokenization(ctx.model, ctx.parsed.endpoint, data)
+    api = ctx.parsed.api
+    tz = state.core.tokenization(ctx.model, api.prompt_kind, api.view(data))
     if tz is None:
         if ctx.parsed.endpoint == "completions" and state.core.wants_token_ids(ctx.model):
             return prompt_token_ids(data)
@@ -53,3 +56,18 @@ async def token_ids_of(state: GatewayState, ctx: RequestContext) -> Sequence[int
     if tz.offload:
         await state.loop.run_in_executor(None, tz.encode)
     return tz.token_ids()
+
+
+def counted_here(state: GatewayState, ctx: RequestContext) -> bool:
+    """Answer ``ctx`` from its prompt's exact token count when that count is its whole
+    answer (:meth:`gateway.apis.base.Api.token_count_answer`: Anthropic's count_tokens)
+    and the model's tokenizer gave it; whether it did. No engine is asked."""
+    req = ctx.request
+    if req is None or req.token_ids is None:
+        return False
+    body = ctx.parsed.api.token_count_answer(len(req.token_ids))
+    if body is None:
+        return False
+    settlement.finish(state, ctx, 200)
+    ctx.down.respond(200, body, {"Content-Type": "application/json", REQUEST_ID_HEADER: ctx.request_id})
+    return True

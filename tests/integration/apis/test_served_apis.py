@@ -18,6 +18,8 @@ import openai
 import pytest
 
 from loadtest.sim.server import SimBackendConfig, start_backends
+from routing.tokenizer import load_tokenizer
+from tests.support.chat_cases import TINY
 from tests.support.envoy import picker_stack
 from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
 
@@ -200,6 +202,34 @@ async def test_a_backend_without_an_apis_route_is_learned_and_skipped_not_broken
                 for _ in range(2):
                     await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
                 assert be.bodies  # it got its share of chat
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+async def test_count_tokens_is_answered_from_the_models_tokenizer_without_an_engine():
+    """With the model's own tokenizer configured, count_tokens is the gateway's answer:
+    the messages rendered by the chat template as an engine renders them, no backend
+    asked; without one, an engine answers."""
+    tok = load_tokenizer(TINY)
+    runners, urls = await start_backends([SimBackendConfig.from_dict({"name": "sim", "models": ["tiny", MODEL],
+                                                                      "speed": 50.0})])
+    cfg = gateway_config([{"name": "sim", "url": urls["sim"], "models": ["tiny", MODEL]}],
+                         models={"tiny": {"tokenizer": str(TINY)}})
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Wie weit ist es nach Zürich?"}]},
+                {"role": "assistant", "content": "Weit."}, {"role": "user", "content": "Und nach Bern?"}]
+    view = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "Wie weit ist es nach Zürich?"}]}, *messages[1:]]
+    try:
+        async with running_gateway(cfg) as gw:
+            client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="unused", max_retries=0)
+            count = await client.messages.count_tokens(model="tiny", system="Be brief.", messages=messages)
+            assert count.input_tokens == len(tok.encode(tok.render_chat({"messages": view}), False))
+            assert gw.metric("turbo_gateway_requests_total", model="tiny", backend="none", status="200") == 1
+            assert gw.metric("turbo_gateway_requests_total", model="tiny", backend="sim", status="200") == 0
+            other = await client.messages.count_tokens(model=MODEL, messages=messages)  # no tokenizer: the engine's
+            assert other.input_tokens > 0
+            assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend="sim", status="200") == 1
     finally:
         for r in runners:
             await r.cleanup()
