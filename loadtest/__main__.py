@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from loadtest import procs, report
-from loadtest.client import ClientOptions
+from loadtest.client import PATHS, ClientOptions
 from loadtest.metrics import parse_slo, percentile
 from loadtest.runner import LoadSpec, RunResult, Target, run_load
 from loadtest.workloads import WORKLOADS, make_workload, parse_params
@@ -62,7 +62,7 @@ def _add_load_args(ap: argparse.ArgumentParser, sweep: bool) -> None:
     ld.add_argument("--duration", type=float, help="seconds of sending")
     c = ap.add_argument_group("requests")
     c.add_argument("--model", help="model id (default: the first of GET /v1/models)")
-    c.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    c.add_argument("--endpoint", choices=tuple(PATHS), default="chat")
     c.add_argument("--no-stream", action="store_true", help="non-streamed requests (no TTFT/ITL)")
     c.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
     c.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default 300)")

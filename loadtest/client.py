@@ -35,12 +35,16 @@ from loadtest.workloads import Session
 
 BACKEND_HEADER = "x-turbo-backend"
 ROUTE_HEADER = "x-turbo-route"
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+         "responses_chained": "/v1/responses", "embeddings": "/v1/embeddings"}
 
 
 @dataclass(slots=True)
 class ClientOptions:
-    """How requests are made. ``endpoint``: ``chat`` or ``completions``; ``model``:
+    """How requests are made. ``endpoint``: ``chat``, ``completions``, ``responses``
+    (each turn sends the whole conversation), ``responses_chained`` (each turn sends
+    its own input and the previous turn's ``previous_response_id``: the server keeps
+    the conversation) or ``embeddings`` (the turn's prompt embedded, never streamed); ``model``:
     the model id sent; ``stream`` (default) with ``stream_options.include_usage`` so the
     last event carries ``usage`` (and ``cached_tokens``); ``ignore_eos`` makes the
     server generate exactly ``max_tokens``; ``timeout_s``: total time bound of one
@@ -56,10 +60,14 @@ class ClientOptions:
     extra_body: dict[str, Any] | None = None
 
 
-def build_body(opts: ClientOptions, session: Session, turn: int, history: list[str]) -> dict[str, Any]:
+def build_body(opts: ClientOptions, session: Session, turn: int, history: list[str],
+               previous_id: str | None = None) -> dict[str, Any]:
     """The request body of ``session.turns[turn]``; ``history`` holds the previous
-    turns' answers (multi-turn: user, assistant, ..., user)."""
+    turns' answers (multi-turn: user, assistant, ..., user); ``previous_id``: the
+    previous turn's response id (``responses_chained``)."""
     t = session.turns[turn]
+    if opts.endpoint.startswith("responses") or opts.endpoint == "embeddings":
+        return _other_api_body(opts, session, turn, history, previous_id)
     body: dict[str, Any] = {"model": opts.model, "max_tokens": t.output_tokens, "stream": opts.stream}
     if opts.ignore_eos:
         body["ignore_eos"] = True
@@ -83,6 +91,98 @@ def build_body(opts: ClientOptions, session: Session, turn: int, history: list[s
     if opts.extra_body:
         body.update(opts.extra_body)
     return body
+
+
+def _other_api_body(opts: ClientOptions, session: Session, turn: int, history: list[str],
+                    previous_id: str | None) -> dict[str, Any]:
+    t = session.turns[turn]
+    body: dict[str, Any] = {"model": opts.model}
+    if opts.endpoint == "embeddings":
+        body["input"] = (session.system or "") + t.text
+    else:
+        body.update(max_output_tokens=t.output_tokens, stream=opts.stream)
+        if opts.ignore_eos:
+            body["ignore_eos"] = True
+        if session.system:
+            body["instructions"] = session.system
+        if opts.endpoint == "responses_chained" and previous_id is not None:
+            body.update(previous_response_id=previous_id, input=t.text)
+        else:
+            items: list[dict[str, str]] = []
+            for i in range(turn):
+                items += [{"role": "user", "content": session.turns[i].text},
+                          {"role": "assistant", "content": history[i]}]
+            body["input"] = [*items, {"role": "user", "content": t.text}]
+    if opts.extra_body:
+        body.update(opts.extra_body)
+    return body
+
+
+def _responses_usage(rec: RequestRecord, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    if isinstance(usage.get("input_tokens"), int):
+        rec.prompt_tokens = usage["input_tokens"]
+    if isinstance(usage.get("output_tokens"), int):
+        rec.output_tokens = usage["output_tokens"]
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        rec.cached_tokens = details["cached_tokens"]
+
+
+def _response_text(obj: dict[str, Any]) -> str:
+    return "".join(c.get("text") or "" for item in obj.get("output") or () if isinstance(item, dict)
+                   for c in item.get("content") or () if isinstance(c, dict))
+
+
+async def _read_other(resp: aiohttp.ClientResponse, opts: ClientOptions, rec: RequestRecord, st: float,
+                      keep_text: bool) -> None:
+    """Read a Responses or embeddings answer into ``rec``."""
+    if opts.endpoint == "embeddings" or not opts.stream:
+        data = orjson.loads(await resp.read())
+        rec.e2e_s = rec.ttft_s = time.perf_counter() - st
+        if opts.endpoint == "embeddings":
+            _take_usage(rec, data.get("usage"))
+            rec.output_tokens = 0
+            return
+        text = _response_text(data)
+        rec.chunks = 1 if text else 0
+        _responses_usage(rec, data.get("usage"))
+        rec.response_id = data.get("id")
+        if keep_text:
+            rec.output_text = text
+        return
+    parts: list[str] = []
+    last = None
+    done = False
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        obj = orjson.loads(line[5:].strip())
+        kind = obj.get("type")
+        if kind == "error" or ("error" in obj and kind is None):
+            rec.error, rec.error_detail = "stream_error", str(obj)[:500]
+            return
+        if kind == "response.output_text.delta":
+            now = time.perf_counter()
+            if last is None:
+                rec.ttft_s = now - st
+            else:
+                rec.itl_s.append(now - last)
+            last = now
+            rec.chunks += 1
+            if keep_text:
+                parts.append(obj.get("delta") or "")
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            response = obj.get("response") or {}
+            _responses_usage(rec, response.get("usage"))
+            rec.response_id = response.get("id")
+            done = kind != "response.failed"
+    rec.e2e_s = (last if last is not None else time.perf_counter()) - st
+    if not done:
+        rec.error = "incomplete"
+    if keep_text:
+        rec.output_text = "".join(parts)
 
 
 def _chunk_text(obj: dict[str, Any]) -> str:
@@ -129,6 +229,8 @@ async def send(http: aiohttp.ClientSession, base_url: str, opts: ClientOptions, 
                     rec.error = f"http_{resp.status}"
                     rec.error_detail = (await resp.text(errors="replace"))[:500]
                     return
+                if opts.endpoint not in ("chat", "completions"):
+                    return await _read_other(resp, opts, rec, st, keep_text)
                 if not opts.stream:
                     data = orjson.loads(await resp.read())
                     rec.e2e_s = time.perf_counter() - st

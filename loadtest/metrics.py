@@ -70,6 +70,7 @@ class RequestRecord:
     error: str | None = None
     error_detail: str | None = None
     output_text: str | None = None  # kept only while a conversation needs it; not saved
+    response_id: str | None = None  # a Responses answer's id, kept while a chained conversation needs it; not saved
 
     @property
     def ok(self) -> bool:

@@ -216,6 +216,7 @@ class _Run:
 
     async def session(self, lane: int, sid: int, s: Session, scheduled_s: float | None) -> None:
         history: list[str] = []
+        previous_id: str | None = None
         keep_text = len(s.turns) > 1
         for turn in range(len(s.turns)):
             if turn > 0 and time.perf_counter() > self.send_deadline:
@@ -225,7 +226,7 @@ class _Run:
                                 session=sid, turn=turn, scheduled_s=scheduled_s if turn == 0 else None,
                                 input_tokens_expected=t.input_tokens, max_tokens=t.output_tokens)
             self.next_index[lane] += 1
-            body = client.build_body(self.opts, s, turn, history)
+            body = client.build_body(self.opts, s, turn, history, previous_id)
             try:
                 if self.slots:
                     async with self.slots[lane]:
@@ -240,7 +241,7 @@ class _Run:
                 raise
             finally:
                 history.append(rec.output_text or "")
-                rec.output_text = None
+                previous_id, rec.output_text, rec.response_id = rec.response_id, None, None
                 self.lanes[lane].records.append(rec)
                 self.progress.update(rec)
             if not rec.ok:

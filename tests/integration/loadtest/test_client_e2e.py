@@ -251,3 +251,28 @@ def test_a_load_without_rate_concurrency_or_arrivals_is_refused_in_plain_words()
     wl = make_workload("fixed", {}, 0)
     with pytest.raises(ValueError, match="'fixed' has no arrival times of its own: give --rate or --concurrency"):
         asyncio.run(run_load([Target("t", "http://127.0.0.1:9")], [wl], LoadSpec(num_requests=1), ClientOptions()))
+
+
+@pytest.mark.parametrize("endpoint", ["responses", "responses_chained", "embeddings"])
+async def test_the_client_speaks_the_other_apis(endpoint):
+    """Conversations over Responses (whole, or chained by ``previous_response_id``, which
+    the gateway expands from its store) and embeddings: every turn answered, its usage
+    read, a conversation's later turns longer and hitting the prefix cache."""
+    async with sim_fleet() as urls, gateway_over(urls, "cache_aware") as gw:
+        wl = make_workload("multi-turn", {"turns": 3, "system_prompt_len": 64, "user_len": 16, "output_len": 4})
+        opts = ClientOptions(model="demo-model", endpoint=endpoint, stream=endpoint != "embeddings", timeout_s=30)
+        result = await run_load([Target(endpoint, gw.url)], [wl], LoadSpec(concurrency=2, num_requests=6), opts,
+                                show_progress=False)
+    recs = result.lanes[0].records
+    assert len(recs) == 6 and all(r.ok for r in recs), [(r.error, r.error_detail) for r in recs]
+    assert all(r.prompt_tokens and r.ttft_s is not None for r in recs)
+    assert all(r.response_id is None and r.output_text is None for r in recs)  # not kept past their use
+    if endpoint == "embeddings":
+        assert all(r.output_tokens == 0 for r in recs)
+        return
+    assert all(r.output_tokens == 4 and r.chunks == 4 for r in recs)
+    for s in {r.session for r in recs}:
+        turns = sorted((r for r in recs if r.session == s), key=lambda r: r.turn)
+        assert [t.turn for t in turns] == [0, 1, 2]
+        assert turns[0].prompt_tokens < turns[1].prompt_tokens < turns[2].prompt_tokens
+        assert turns[2].cached_tokens and turns[2].cached_tokens > 0
