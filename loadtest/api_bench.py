@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 from collections import defaultdict
 from typing import Any
@@ -91,7 +92,8 @@ def _ms(v: float | None) -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
-    sim = gw = None
+    sim: subprocess.Popen | None = None
+    gw: subprocess.Popen | None = None
     try:
         print("| API | requests | failed | prefix hit ratio | TTFT p50 ms | TTFT p99 ms "
               "| conversations on one backend |")

@@ -126,6 +126,7 @@ class CountTokens(Messages):
 
     name, path, operation = "count_tokens", "/v1/messages/count_tokens", "count_tokens"
     generates = False
+    counts_tokens = True
     end_events = frozenset()
 
     def read(self, data: dict[str, Any]) -> Fields:

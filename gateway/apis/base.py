@@ -92,6 +92,7 @@ class Api:
     generates = True  # False: no output tokens (embeddings, rerank): cost is prefill only
     disaggregates = False  # may be split into a prefill leg and a decode leg
     stateful = False  # its conversations are kept by the gateway (gateway.pipeline.conversation)
+    counts_tokens = False  # its answer is the prompt's token count (:meth:`token_count_answer`)
     end_events: frozenset[bytes] = frozenset()  # SSE event names that end its stream; empty: ``data: [DONE]``
     delta_event = b""  # the SSE event name of one output token; empty: every ``data:`` event
 

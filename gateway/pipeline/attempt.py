@@ -57,19 +57,14 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
     req = ctx.request
     assert req is not None
     pools, stable_pools = core.canary_pools(ctx.model)
-    api = ctx.parsed.endpoint
     excluded: set[str] = set()
-    subset = req.subset
+    subset = _served_by(state, ctx) if state.api_support.unserved else req.subset
+    if subset is not None and not subset:
+        return ApiNotServed("", ctx.parsed.endpoint, ctx.model), None
     last: UpstreamError | None = None
     while True:
-        unserved = state.api_support.unserved_by(api)  # backends without a route for the API: never tried
-        if unserved:
-            subset = frozenset(b.name for b in core.fleet.candidates(ctx.model)
-                               if b.name not in unserved and (ctx.subset is None or b.name in ctx.subset))
-            if not subset:
-                return ApiNotServed("", api, ctx.model), None
-        if (roles, remote_prefill, pools, subset) != (req.roles, req.remote_prefill, req.pools, req.subset) or \
-                excluded:
+        if (roles, remote_prefill, pools) != (req.roles, req.remote_prefill, req.pools) or excluded or \
+                subset is not req.subset:
             req = ctx.request = req._replace(roles=roles, remote_prefill=remote_prefill, pools=pools,
                                              exclude=frozenset(excluded), subset=subset)
         try:
@@ -101,10 +96,13 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
         except UpstreamError as err:
             if trace is not None:
                 trace.attempt_ended(err)
-            if isinstance(err, ApiNotServed):
-                state.api_support.learn(api, backend.name)
             settlement.attempt_failed(state, backend, reservation, err)
             ctx.attempts[-1] = (backend.name, now, err.reason)
+            if isinstance(err, ApiNotServed):  # from now on, no request of the API goes there
+                state.api_support.learn(ctx.parsed.endpoint, backend.name)
+                subset = _served_by(state, ctx)
+                if subset is not None and not subset:
+                    return ApiNotServed("", ctx.parsed.endpoint, ctx.model), None
             if ctx.scan is not None:  # the backend's bytes already reached the client: end the stream
                 await settlement.stream_failed(state, ctx, err)
                 return None
@@ -125,6 +123,16 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
             settlement.release(state, reservation)
             if trace is not None:
                 trace.attempt_ended()
+
+
+def _served_by(state: GatewayState, ctx: RequestContext) -> frozenset[str] | None:
+    """The backends ``ctx`` may go to: those of its model that serve its API
+    (:mod:`gateway.apis.support`) within its subset hint; ``None``: any."""
+    unserved = state.api_support.unserved_by(ctx.parsed.endpoint)
+    if not unserved:
+        return ctx.subset
+    return frozenset(b.name for b in state.core.fleet.candidates(ctx.model)
+                     if b.name not in unserved and (ctx.subset is None or b.name in ctx.subset))
 
 
 async def _load_adapter(state: GatewayState, ctx: RequestContext, backend: BackendState,

@@ -112,7 +112,7 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
         try:
             while True:  # the requested model, then its fallbacks
                 failure = await prompt.estimate(state, ctx)  # None, or a prompt too long for every backend
-                if failure is None and prompt.counted_here(state, ctx):  # count_tokens, from the tokenizer
+                if failure is None and api.counts_tokens and prompt.counted_here(state, ctx):  # from the tokenizer
                     return
                 if failure is None:
                     assert ctx.request is not None
