@@ -42,6 +42,8 @@ def test_rerank_is_served_on_its_aliases_and_routes_query_then_documents():
     assert RERANK.read(body) == PREFILL_ONLY
     assert RERANK.view(body) == {"prompt": "q\none\ntwo\n5 6\n"}
     assert SCORE.path == "/v1/score" and SCORE.aliases == ()
+    # the engine tokenizes the query with each document: the view is no exact prompt
+    assert not RERANK.exact_view and not SCORE.exact_view and EMBED.exact_view
 
 
 def test_score_routes_both_sides_as_one_prompt():
