@@ -115,8 +115,9 @@ class ClientError(Exception):
 def unknown_route(method: str, path: str) -> ClientError:
     """404 ``unknown_route`` for a path the gateway does not serve, naming what it does."""
     return ClientError(404, f"Unknown route {method} {path}. This gateway serves the OpenAI API under /v1/ "
-                       "(chat/completions, completions, models, usage; files and batches with batch.enabled), "
-                       "/health, /ready and /metrics; every route is listed at GET /openapi.json.",
+                       "(chat/completions, completions, responses, embeddings, rerank, score, models, usage; files "
+                       "and batches with batch.enabled), Anthropic's /v1/messages, /health, /ready and /metrics; "
+                       "every route is listed at GET /openapi.json.",
                        code="unknown_route")
 
 
