@@ -237,7 +237,8 @@ class BackendStatus(UpstreamError):
 
 class ApiNotServed(BackendStatus):
     """``backend`` has no route for the request's API ``api`` on ``model`` (it answered
-    the API's path with a 404 not about the model; ``backend`` empty: no backend of the
+    the API's path with a 404 not about the model, or with llama.cpp's 501 for an API
+    it was not started for; ``backend`` empty: no backend of the
     model serves it): another backend may (:mod:`gateway.apis.support`), so it is
     retryable, and not the backend's fault (its breaker is untouched). When none
     serves it the client gets a 404 ``api_not_served``."""

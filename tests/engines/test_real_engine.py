@@ -515,3 +515,23 @@ def test_rerank_matches_the_engine_on_every_path(gateway_apis):
     status, headers, err = _post(gw.url + "/v1/rerank", {**body, "documents": [{"text": "one"}]})
     assert status == 400 and headers["x-turbo-backend"] == rerank.name
     assert err["error"]["type"] == "invalid_request_error" and "documents" in err["error"]["message"]
+
+
+def test_a_llama_server_not_started_for_an_api_is_learned_and_skipped(engines_pair, pooling_engines, workdir):
+    """One model on a generating llama-server and on one started with ``--embeddings``:
+    each answers the other's API with llama.cpp's 501 "This server does not support
+    ...", which the gateway learns as "no route for that API" (the request retried on
+    the other, the breaker untouched), so every request of either API is served."""
+    gen, embed = engines_pair[1], pooling_engines[0]
+    backends = {gen.name: gen.url, embed.name: embed.url}
+    with engines.GatewayProcess(backends, workdir, name="gw-mixed").start() as gw:
+        client = sdk(gw)
+        for i in range(4):  # round robin would send half of each API to the wrong server
+            raw = client.embeddings.with_raw_response.create(model=MODEL, input=f"text {i}")
+            assert raw.headers["x-turbo-backend"] == embed.name and len(raw.parse().data) == 1
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=chat(f"hi {i}"),
+                                                                   max_tokens=2, extra_body=NO_EOS)
+            assert raw.headers["x-turbo-backend"] == gen.name and raw.parse().usage.completion_tokens == 2
+        for backend in (gen.name, embed.name):  # each learned once, by the first request of the other's API
+            assert gw.metric("turbo_gateway_upstream_errors_total", backend=backend, reason="api_not_served") <= 1
+            assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend=backend, status="501") == 0
