@@ -535,3 +535,28 @@ def test_a_llama_server_not_started_for_an_api_is_learned_and_skipped(engines_pa
         for backend in (gen.name, embed.name):  # each learned once, by the first request of the other's API
             assert gw.metric("turbo_gateway_upstream_errors_total", backend=backend, reason="api_not_served") <= 1
             assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend=backend, status="501") == 0
+
+
+def test_a_responses_chain_is_kept_by_the_gateway_for_an_engine_that_keeps_none(gateway_apis):
+    """llama.cpp keeps no responses (it refuses ``previous_response_id``); the gateway
+    keeps them and sends the engine the whole conversation: the follow-up turn's prompt
+    is the engine's own count of the first turn's input, its output and the new input."""
+    gw, gen, _, _ = gateway_apis
+    client = sdk(gw)
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="Name a colour.",
+                                    max_output_tokens=4, extra_body=ONE_CHUNK_PER_TOKEN)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with client.responses.create(model=MODEL, instructions="Be brief.", input="Another one?",
+                                 previous_response_id=first.id, max_output_tokens=4, stream=True,
+                                 extra_body=ONE_CHUNK_PER_TOKEN) as stream:
+        second = list(stream)[-1].response
+    assert second.status == "completed" and second.usage.output_tokens == 4
+    # the same conversation sent whole, straight to the engine
+    whole = [{"type": "message", "role": "user", "content": "Name a colour."},
+             *(item.model_dump(exclude_none=True) for item in first.output),
+             {"type": "message", "role": "user", "content": "Another one?"}]
+    direct = openai.OpenAI(base_url=gen.url + "/v1", api_key="unused", max_retries=0).responses.create(
+        model=MODEL, instructions="Be brief.", input=whole, max_output_tokens=4, extra_body=ONE_CHUNK_PER_TOKEN)
+    assert second.usage.input_tokens == direct.usage.input_tokens > first.usage.input_tokens
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [getattr(i, "role", None) for i in items] == ["user", "assistant", "user"]
