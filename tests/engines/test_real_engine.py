@@ -422,7 +422,10 @@ def test_messages_create_stream_and_count_tokens_match_the_engine(gateway_apis):
                                                    extra_body=NO_EOS)
     m = raw.parse()
     assert raw.headers["x-turbo-backend"] == gen.name
-    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens" and m.content[0].text
+    # llama.cpp applies no grammar to Messages: a random model's tokens may all decode to
+    # nothing (special tokens), so the text is not asserted, only its shape
+    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert all(block.type == "text" for block in m.content)
     # llama.cpp's input_tokens leave out the prompt read from the cache; the prompt is their sum
     assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == prompt
     assert m.usage.output_tokens == 6
@@ -434,10 +437,11 @@ def test_messages_create_stream_and_count_tokens_match_the_engine(gateway_apis):
         assert stream.response.headers["x-turbo-backend"] == gen.name
         events = list(stream)
     types = [e.type for e in events]
-    n = types.count("content_block_delta")  # a token ending inside a UTF-8 character waits for the next one
-    assert 1 <= n <= 5
+    # a token ending inside a UTF-8 character waits for the next one; one decoding to nothing sends nothing
+    n = types.count("content_block_delta")
+    assert n <= 5
     assert types == ["message_start", "content_block_start", *["content_block_delta"] * n, "content_block_stop",
-                     "message_delta", "message_stop"]
+                     "message_delta", "message_stop"], types
     start, end = events[0].message.usage, events[-2].usage
     assert start.input_tokens + (start.cache_read_input_tokens or 0) == prompt
     assert end.output_tokens == 5 and events[-2].delta.stop_reason == "max_tokens"
