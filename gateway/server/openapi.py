@@ -60,6 +60,7 @@ _OBJ = {"type": "object"}
 _INT = {"type": "integer"}
 _STRINGS = {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}
 _POOL_USAGE = {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}}
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _ANTHROPIC_KEY: list[dict[str, list[str]]] = [{"bearer": []}, {"apiKey": []}]
 
 _BATCH_STATUSES = ["validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired",
@@ -131,10 +132,12 @@ OPENAPI = {
                                "instructions": {"type": ["string", "null"]},
                                "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
                                "stream": {"type": ["boolean", "null"]}, "tools": {"type": "array"},
-                               "previous_response_id": {"type": ["string", "null"],
-                                                        "description": "passed to the engine as it is"},
-                               "store": {"type": ["boolean", "null"],
-                                         "description": "passed to the engine as it is"}}},
+                               "previous_response_id": {"type": ["string", "null"], "description": (
+                                   "a response of the caller's, kept by the gateway: its input and output go "
+                                   "before `input`")},
+                               "store": {"type": ["boolean", "null"], "description": "false: the gateway keeps "
+                                                                                     "nothing of this turn"},
+                               "background": {"const": False, "description": "not served (400)"}}},
             "Response": {
                 "type": "object", "required": ["id", "object", "status"], "additionalProperties": True,
                 "properties": {"id": {"type": "string"}, "object": {"const": "response"},
@@ -247,11 +250,31 @@ OPENAPI = {
         "/v1/responses": _api("createResponse", "ResponsesRequest", "Response",
                               "OpenAI's Responses API; a stream ends with `response.completed`, "
                               "`response.incomplete` or `response.failed`, whose `usage` is counted."),
+        "/v1/responses/{response_id}": {
+            "get": {"operationId": "getResponse", "parameters": [_RESPONSE_ID],
+                    "responses": {"200": {"description": "a stored response of the caller's", "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Response"}}}},
+                        "404": _err("no such response of the caller's"), "503": _err("the store did not answer")}},
+            "delete": {"operationId": "deleteResponse", "parameters": [_RESPONSE_ID],
+                       "responses": {"200": {"description": '`{"id", "object": "response", "deleted": true}`'},
+                                     "404": _err("no such response of the caller's"),
+                                     "503": _err("the store did not answer")}}},
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "operationId": "listResponseInputItems",
+            "parameters": [_RESPONSE_ID] + [{"name": n, "in": "query", "required": False, "schema": sch} for n, sch in (
+                ("order", {"enum": ["asc", "desc"]}), ("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                ("after", {"type": "string"}))],
+            "responses": {"200": {"description": "the items it answered, previous turns included (a list)"},
+                          "404": _err("no such response of the caller's"), "503": _err("the store did not answer")}}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "operationId": "cancelResponse", "parameters": [_RESPONSE_ID],
+            "responses": {"400": _err("only background responses can be cancelled; the gateway runs none")}}},
         "/v1/messages": _api("createMessage", "MessagesRequest", "Message",
                              "Anthropic's Messages API; errors in Anthropic's shape. A stream's usage is "
                              "`message_start`'s and `message_delta`'s.", _ANTHROPIC_ERRORS, _ANTHROPIC_KEY),
         "/v1/messages/count_tokens": _api("countMessageTokens", "CountTokensRequest", "CountTokens",
-                                          "The prompt tokens of a Messages request, answered by the engine.",
+                                          "The prompt tokens of a Messages request: from the model's tokenizer when "
+                                          "configured, else an engine's answer.",
                                           _ANTHROPIC_ERRORS, _ANTHROPIC_KEY, streams=False),
         "/v1/embeddings": _api("createEmbedding", "EmbeddingsRequest", "EmbeddingList",
                                "OpenAI's embeddings." + _PREFILL_ONLY, streams=False),

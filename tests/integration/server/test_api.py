@@ -271,8 +271,14 @@ async def test_openapi_lists_every_routed_api_as_its_adapter_reads_it():
             with pytest.raises(ClientError) as e:
                 api.read({k: v for k, v in minimal.items() if k != field})
             assert e.value.param == field, (path, field)
+    # the stored responses, answered by the gateway itself (gateway/server/stored_responses.py)
+    assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    assert set(doc["paths"]["/v1/responses/{response_id}/input_items"]) == {"get"}
+    assert set(doc["paths"]["/v1/responses/{response_id}/cancel"]) == {"post"}
     ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
     assert len(ids) == len(set(ids))
+    for schema in schemas.values():
+        jsonschema.Draft202012Validator.check_schema(schema)
 
 
 async def test_openapi_lists_the_admin_routes_only_when_they_are_served():
