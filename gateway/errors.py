@@ -115,8 +115,9 @@ class ClientError(Exception):
 def unknown_route(method: str, path: str) -> ClientError:
     """404 ``unknown_route`` for a path the gateway does not serve, naming what it does."""
     return ClientError(404, f"Unknown route {method} {path}. This gateway serves the OpenAI API under /v1/ "
-                       "(chat/completions, completions, models, usage; files and batches with batch.enabled), "
-                       "/health, /ready and /metrics; every route is listed at GET /openapi.json.",
+                       "(chat/completions, completions, responses, embeddings, rerank, score, models, usage; files "
+                       "and batches with batch.enabled), Anthropic's /v1/messages, /health, /ready and /metrics; "
+                       "every route is listed at GET /openapi.json.",
                        code="unknown_route")
 
 
@@ -236,7 +237,8 @@ class BackendStatus(UpstreamError):
 
 class ApiNotServed(BackendStatus):
     """``backend`` has no route for the request's API ``api`` on ``model`` (it answered
-    the API's path with a 404 not about the model; ``backend`` empty: no backend of the
+    the API's path with a 404 not about the model, or with llama.cpp's 501 for an API
+    it was not started for; ``backend`` empty: no backend of the
     model serves it): another backend may (:mod:`gateway.apis.support`), so it is
     retryable, and not the backend's fault (its breaker is untouched). When none
     serves it the client gets a 404 ``api_not_served``."""

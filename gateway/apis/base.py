@@ -9,7 +9,9 @@ each API is an :class:`Api` whose few methods say how its requests and answers r
 - :meth:`Api.view`: the request's prompt as the engine will render it, as a chat
   request (``{"messages": [...], "tools": [...]}``, rendered through the model's chat
   template) or a text one (``{"prompt": ...}``), per :attr:`Api.prompt_kind`; the
-  decision core estimates and tokenizes that view, so routing is the same for every API;
+  decision core estimates that view, and tokenizes it with the model's own tokenizer
+  when the view is the prompt the engine tokenizes (:attr:`Api.exact_view`), so
+  routing is the same for every API;
 - :meth:`Api.usage_in` and :meth:`Api.counts`: where an answer (whole, or one event of
   a stream) reports its usage, and the (prompt, cached prompt, completion) tokens it
   reports;
@@ -89,6 +91,7 @@ class Api:
     operation = ""  # OpenTelemetry GenAI ``gen_ai.operation.name``
     prompt_kind = "chat"  # how :meth:`view` renders: "chat" (chat template) or "completions" (text)
     prompt_param = "messages"  # the request field a context-length error names
+    exact_view = True  # :meth:`view` is the prompt the engine tokenizes (False: an approximation, never counted exact)
     generates = True  # False: no output tokens (embeddings, rerank): cost is prefill only
     disaggregates = False  # may be split into a prefill leg and a decode leg
     stateful = False  # its conversations are kept by the gateway (gateway.pipeline.conversation)

@@ -57,6 +57,7 @@ class Rerank(Api):
     aliases: tuple[str, ...] = ("/rerank", "/v2/rerank")
     prompt_kind, prompt_param = "completions", "documents"
     generates = False
+    exact_view = False  # the engine tokenizes the query with each document, not this one text
 
     def read(self, data: dict[str, Any]) -> Fields:
         model = read_model(data)

@@ -2,10 +2,12 @@
 
 Every backend serves every API unless its config says otherwise (``backends[].apis``)
 or it answered an API's path with a 404 that is not about the model (the engine has no
-such route: an older vLLM without ``/v1/responses``, a llama.cpp server started without
-``--embeddings``). Such a backend is then left out of that API's routing, its circuit
-breaker untouched (:func:`gateway.pipeline.attempt.with_retries`), until the config is
-reloaded with a different ``apis`` list or the gateway restarts.
+such route: an older vLLM without ``/v1/responses``) or with llama.cpp's 501 "This
+server does not support ..." (a llama-server started without ``--embeddings`` or
+``--reranking``, or with ``--embeddings`` for a generating API). Such a backend is then
+left out of that API's routing, its circuit breaker untouched
+(:func:`gateway.pipeline.attempt.with_retries`), until the config is reloaded with a
+different ``apis`` list or the gateway restarts.
 """
 
 from __future__ import annotations

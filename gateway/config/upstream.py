@@ -192,7 +192,8 @@ class Backend(Strict):
     apis: list[str] | None = Field(
         None, description="The APIs this backend serves, by name (`chat`, `completions`, `responses`, `messages`, "
         "`count_tokens`, `embeddings`, `rerank`, `score`); unset: every one, until it answers an API's path "
-        "with a 404 that is not about the model (it is then not sent that API again, its breaker untouched).")
+        "with a 404 that is not about the model, or with llama.cpp's 501 for an API it was not started for "
+        "(it is then not sent that API again, its breaker untouched).")
     weight: float = Field(
         1.0, gt=0, description="Relative capacity, for the load-aware policies (a weight-2 backend takes "
         "about twice the work of a weight-1 one).")

@@ -156,18 +156,22 @@ async def _raise_status(client: BackendClient, up: Upstream, api: Api) -> None:
         up.finish()  # the caller may finish it again: a no-op
     ctype = up.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     openai = engine_errors.classify(up.status, body, api.name)
-    if up.status == 404 and openai is None and _no_route(body):
+    if openai is None and _no_route(up.status, body):
         raise ApiNotServed(client.state.name, api.name, "")
     raise BackendStatus(client.state.name, up.status, body, ctype, parse_retry_after(up.headers.get("retry-after")),
                         openai)
 
 
-def _no_route(body: bytes) -> bool:
-    """A 404 body that says the path has no route (FastAPI's ``{"detail": "Not
-    Found"}``, llama.cpp's ``File Not Found``, aiohttp's ``404: Not Found``), not that
-    the model or a resource is missing."""
+def _no_route(status: int, body: bytes) -> bool:
+    """An answer that says the path has no route: a 404 (FastAPI's ``{"detail": "Not
+    Found"}``, llama.cpp's ``File Not Found``, aiohttp's ``404: Not Found``) not saying
+    that the model or a resource is missing, or llama.cpp's 501 for an API it was not
+    started for (``This server does not support embeddings. Start it with
+    `--embeddings```; also reranking, and completions on an embedding server)."""
     low = body[:512].lower()
-    return b"not found" in low and b"model" not in low
+    if status == 501:
+        return b"server does not support" in low
+    return status == 404 and b"not found" in low and b"model" not in low
 
 
 def _request_headers(client: BackendClient, request_id: str, stream: bool, trace: bytes = b"") -> bytes:

@@ -43,12 +43,14 @@ async def token_ids_of(state: GatewayState, ctx: RequestContext) -> Sequence[int
     """The prompt's token ids by ``ctx.model``'s own tokenizer, or ``None`` (no
     tokenizer, or a prompt it cannot reproduce). A long encoding runs in the loop's
     default executor (``tokenizers`` releases the GIL), so other requests go on
-    meanwhile; the prefix cache makes a conversation's next turn short. Without a
-    tokenizer, a completions prompt given as token ids is taken as it is when a
-    backend of the model publishes KV events (its token-exact keys need them)."""
-    data = ctx.data or ctx.parsed.data
-    api = ctx.parsed.api
-    tz = state.core.tokenization(ctx.model, api.prompt_kind, api.view(data))
+    meanwhile; the prefix cache makes a conversation's next turn short. The prompt
+    is the API adapter's view of the request (a Responses or Messages request as the
+    chat it renders); an API whose view is not what the engine tokenizes (rerank,
+    score) is not tokenized. Without a tokenizer, a completions prompt given as token
+    ids is taken as it is when a backend of the model publishes KV events (its
+    token-exact keys need them)."""
+    data, api = ctx.data or ctx.parsed.data, ctx.parsed.api
+    tz = state.core.tokenization(ctx.model, api.prompt_kind, api.view(data)) if api.exact_view else None
     if tz is None:
         if ctx.parsed.endpoint == "completions" and state.core.wants_token_ids(ctx.model):
             return prompt_token_ids(data)

@@ -1,8 +1,11 @@
 """The OpenAPI 3.1 document of the gateway's own HTTP API, served at ``GET /openapi.json``
-(:mod:`gateway.ops.admin` routes it): the OpenAI-compatible completions, the Files and
-Batches API, usage, health, metrics and the admin endpoints, with their error answers;
-and the same document without the admin endpoints, for a gateway without an admin key.
-It is data, kept apart from the handlers it describes so that they read as code.
+(:mod:`gateway.ops.admin` routes it): every API the gateway routes (chat and
+completions, Responses, Anthropic Messages, embeddings, rerank, score: the paths of
+:mod:`gateway.apis.registry`), models, usage, health, metrics and the admin endpoints,
+with their error answers; and the same document without the admin endpoints, for a
+gateway without an admin key. Schemas list only the fields the gateway reads or
+answers with; every other field passes through. It is data, kept apart from the
+handlers it describes so that they read as code.
 """
 
 from __future__ import annotations
@@ -28,6 +31,38 @@ _COMMON_ERRORS = {
     "504": _err("the backends timed out"),
 }
 
+_ANTHROPIC_ERRORS = {status: {"description": e["description"], "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/AnthropicError"}}}} for status, e in _COMMON_ERRORS.items()}
+_PREFILL_ONLY = " Priced as prefill only (no output tokens); never streams."
+
+
+def _api(op_id: str, request: str, answer: str, desc: str, errors: dict = _COMMON_ERRORS,
+         security: list | None = None, streams: bool = True) -> dict:
+    """A ``POST`` of one routed API: its request and answer schemas (component names)."""
+    ok = "the engine's answer (JSON), or its stream (text/event-stream)" if streams else "the engine's answer"
+    op = {"operationId": op_id, "description": desc,
+          "requestBody": {"required": True, "content": {"application/json": {
+              "schema": {"$ref": f"#/components/schemas/{request}"}}}},
+          "responses": {"200": {"description": ok, "content": {"application/json": {
+              "schema": {"$ref": f"#/components/schemas/{answer}"}}}}, **errors}}
+    if security is not None:
+        op["security"] = security
+    return {"post": op}
+
+
+def _rerank(op_id: str) -> dict:
+    return _api(op_id, "RerankRequest", "RerankResult",
+                "Rerank `documents` by relevance to `query` (vLLM's and Jina's shape); `/v1/rerank`, `/rerank` "
+                "and `/v2/rerank` are one API, sent upstream as `/v1/rerank`." + _PREFILL_ONLY, streams=False)
+
+
+_OBJ = {"type": "object"}
+_INT = {"type": "integer"}
+_STRINGS = {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}
+_POOL_USAGE = {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}}
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_ANTHROPIC_KEY: list[dict[str, list[str]]] = [{"bearer": []}, {"apiKey": []}]
+
 _BATCH_STATUSES = ["validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired",
                    "cancelled"]
 
@@ -52,10 +87,13 @@ _USAGE_PARAMS = [
 OPENAPI = {
     "openapi": "3.1.0",
     "info": {"title": "turbo-gateway", "version": "0.1.0",
-             "description": "OpenAI-compatible gateway. Request bodies are forwarded byte for byte; only the fields "
-                            "below are validated, every other field passes through to the backend."},
+             "description": "OpenAI-compatible gateway, also serving Anthropic's Messages API. Request bodies are "
+                            "forwarded byte for byte; only the fields below are validated, every other field passes "
+                            "through to the backend."},
     "components": {
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                       "description": "the same keys, as the anthropic SDK sends them"}},
         "schemas": {
             "Error": {"type": "object", "required": ["error"], "properties": {"error": {
                 "type": "object", "required": ["message", "type"],
@@ -73,6 +111,92 @@ OPENAPI = {
                 "properties": {"model": {"type": "string", "minLength": 1},
                                "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1}]},
                                **_STREAMING}},
+            "ChatCompletion": {
+                "type": "object", "required": ["id", "object", "choices"], "additionalProperties": True,
+                "properties": {"id": {"type": "string"}, "object": {"const": "chat.completion"},
+                               "choices": {"type": "array", "items": _OBJ},
+                               "usage": {"$ref": "#/components/schemas/CompletionUsage"}}},
+            "Completion": {
+                "type": "object", "required": ["id", "object", "choices"], "additionalProperties": True,
+                "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},
+                               "choices": {"type": "array", "items": _OBJ},
+                               "usage": {"$ref": "#/components/schemas/CompletionUsage"}}},
+            "CompletionUsage": {
+                "type": "object", "properties": {
+                    "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+                    "prompt_tokens_details": {"type": ["object", "null"], "properties": {"cached_tokens": _INT}}}},
+            "ResponsesRequest": {
+                "type": "object", "required": ["model", "input"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _OBJ}]},
+                               "instructions": {"type": ["string", "null"]},
+                               "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+                               "stream": {"type": ["boolean", "null"]}, "tools": {"type": "array"},
+                               "previous_response_id": {"type": ["string", "null"], "description": (
+                                   "a response of the caller's, kept by the gateway: its input and output go "
+                                   "before `input`")},
+                               "store": {"type": ["boolean", "null"], "description": "false: the gateway keeps "
+                                                                                     "nothing of this turn"},
+                               "background": {"const": False, "description": "not served (400)"}}},
+            "Response": {
+                "type": "object", "required": ["id", "object", "status"], "additionalProperties": True,
+                "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                               "status": {"type": "string"}, "output": {"type": "array", "items": _OBJ},
+                               "usage": {"type": "object", "properties": {
+                                   "input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT,
+                                   "input_tokens_details": {"type": "object",
+                                                            "properties": {"cached_tokens": _INT}}}}}},
+            "MessagesRequest": {
+                "type": "object", "required": ["model", "messages", "max_tokens"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "messages": {"type": "array", "minItems": 1, "items": {
+                                   "type": "object", "required": ["role"], "additionalProperties": True,
+                                   "properties": {"role": {"enum": ["user", "assistant"]}}}},
+                               "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": _OBJ}]},
+                               "max_tokens": {"type": "integer", "minimum": 1},
+                               "stream": {"type": ["boolean", "null"]}, "tools": {"type": "array"}}},
+            "Message": {
+                "type": "object", "required": ["id", "type", "role", "content"], "additionalProperties": True,
+                "properties": {"id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+                               "content": {"type": "array", "items": _OBJ}, "stop_reason": {"type": ["string", "null"]},
+                               "usage": {"type": "object", "properties": {
+                                   "input_tokens": _INT, "output_tokens": _INT, "cache_read_input_tokens": _INT,
+                                   "cache_creation_input_tokens": _INT}}}},
+            "CountTokensRequest": {
+                "type": "object", "required": ["model", "messages"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "messages": {"type": "array", "minItems": 1, "items": _OBJ},
+                               "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": _OBJ}]}}},
+            "CountTokens": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
+            "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+                "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+                    "type": {"type": "string"}, "message": {"type": "string"}}}}},
+            "EmbeddingsRequest": {
+                "type": "object", "required": ["model", "input"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1}, "input": _STRINGS,
+                               "encoding_format": {"enum": ["float", "base64"]}}},
+            "EmbeddingList": {
+                "type": "object", "required": ["object", "data"], "additionalProperties": True,
+                "properties": {"object": {"const": "list"}, "usage": _POOL_USAGE, "data": {"type": "array", "items": {
+                    "type": "object", "properties": {"index": _INT, "embedding": {
+                        "oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}}}},
+            "RerankRequest": {
+                "type": "object", "required": ["model", "query", "documents"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1}, "query": {"type": "string"},
+                               "documents": {"type": "array", "minItems": 1, "items": {
+                                   "oneOf": [{"type": "string"}, _OBJ]}},
+                               "top_n": {"type": "integer", "minimum": 1}}},
+            "RerankResult": {
+                "type": "object", "required": ["results"], "additionalProperties": True,
+                "properties": {"usage": _POOL_USAGE, "results": {"type": "array", "items": {
+                    "type": "object", "properties": {"index": _INT, "relevance_score": {"type": "number"}}}}}},
+            "ScoreRequest": {
+                "type": "object", "required": ["model", "text_1", "text_2"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1}, "text_1": _STRINGS, "text_2": _STRINGS}},
+            "ScoreList": {
+                "type": "object", "required": ["data"], "additionalProperties": True,
+                "properties": {"usage": _POOL_USAGE, "data": {"type": "array", "items": {
+                    "type": "object", "properties": {"index": _INT, "score": {"type": "number"}}}}}},
             "Model": {"type": "object", "required": ["id", "object"],
                       "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                                      "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
@@ -119,18 +243,46 @@ OPENAPI = {
     },
     "security": [{"bearer": []}],
     "paths": {
-        "/v1/chat/completions": {"post": {
-            "operationId": "createChatCompletion",
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
-            "responses": {"200": {"description": "a chat completion (JSON) or a stream (text/event-stream)"},
-                          **_COMMON_ERRORS}}},
-        "/v1/completions": {"post": {
-            "operationId": "createCompletion",
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
-            "responses": {"200": {"description": "a completion (JSON) or a stream (text/event-stream)"},
-                          **_COMMON_ERRORS}}},
+        "/v1/chat/completions": _api("createChatCompletion", "ChatCompletionRequest", "ChatCompletion",
+                                     "OpenAI's Chat Completions; a stream ends with `data: [DONE]`."),
+        "/v1/completions": _api("createCompletion", "CompletionRequest", "Completion",
+                                "OpenAI's Completions; a stream ends with `data: [DONE]`."),
+        "/v1/responses": _api("createResponse", "ResponsesRequest", "Response",
+                              "OpenAI's Responses API; a stream ends with `response.completed`, "
+                              "`response.incomplete` or `response.failed`, whose `usage` is counted."),
+        "/v1/responses/{response_id}": {
+            "get": {"operationId": "getResponse", "parameters": [_RESPONSE_ID],
+                    "responses": {"200": {"description": "a stored response of the caller's", "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Response"}}}},
+                        "404": _err("no such response of the caller's"), "503": _err("the store did not answer")}},
+            "delete": {"operationId": "deleteResponse", "parameters": [_RESPONSE_ID],
+                       "responses": {"200": {"description": '`{"id", "object": "response", "deleted": true}`'},
+                                     "404": _err("no such response of the caller's"),
+                                     "503": _err("the store did not answer")}}},
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "operationId": "listResponseInputItems",
+            "parameters": [_RESPONSE_ID] + [{"name": n, "in": "query", "required": False, "schema": sch} for n, sch in (
+                ("order", {"enum": ["asc", "desc"]}), ("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                ("after", {"type": "string"}))],
+            "responses": {"200": {"description": "the items it answered, previous turns included (a list)"},
+                          "404": _err("no such response of the caller's"), "503": _err("the store did not answer")}}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "operationId": "cancelResponse", "parameters": [_RESPONSE_ID],
+            "responses": {"400": _err("only background responses can be cancelled; the gateway runs none")}}},
+        "/v1/messages": _api("createMessage", "MessagesRequest", "Message",
+                             "Anthropic's Messages API; errors in Anthropic's shape. A stream's usage is "
+                             "`message_start`'s and `message_delta`'s.", _ANTHROPIC_ERRORS, _ANTHROPIC_KEY),
+        "/v1/messages/count_tokens": _api("countMessageTokens", "CountTokensRequest", "CountTokens",
+                                          "The prompt tokens of a Messages request: from the model's tokenizer when "
+                                          "configured, else an engine's answer.",
+                                          _ANTHROPIC_ERRORS, _ANTHROPIC_KEY, streams=False),
+        "/v1/embeddings": _api("createEmbedding", "EmbeddingsRequest", "EmbeddingList",
+                               "OpenAI's embeddings." + _PREFILL_ONLY, streams=False),
+        "/v1/rerank": _rerank("createRerank"),
+        "/rerank": _rerank("createRerankUnversioned"),
+        "/v2/rerank": _rerank("createRerankV2"),
+        "/v1/score": _api("createScore", "ScoreRequest", "ScoreList",
+                          "vLLM's score: `text_1` against each of `text_2`." + _PREFILL_ONLY, streams=False),
         "/v1/models": {"get": {"operationId": "listModels", "responses": {
             "200": {"description": "the served models", "content": {"application/json": {"schema": {
                 "type": "object", "properties": {"object": {"const": "list"}, "data": {

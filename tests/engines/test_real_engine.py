@@ -3,7 +3,13 @@
 Two llama-servers serve a tiny random-weight model generated locally
 (``scripts/make_tiny_model.py``); ``python -m gateway`` runs as a subprocess with a
 temporary config in front of them. Everything is real: processes, sockets on
-127.0.0.1, the official ``openai`` SDK and curl as clients.
+127.0.0.1, the official ``openai`` and ``anthropic`` SDKs and curl as clients.
+
+The APIs besides chat and completions (Responses, Anthropic Messages, embeddings,
+rerank) are checked against the engine's own answer to the same request sent to it
+directly. llama-server serves embeddings and rerank only when started for them
+(``--embeddings``, ``--reranking``), so two more llama-servers on the same tiny model
+serve those, under their own model names, behind one gateway with a generating one.
 
 The output text is gibberish; ``ignore_eos`` makes lengths exact. Needs the
 llama-server binary (``scripts/ci_build_llama_server.sh`` builds it once into the
@@ -17,6 +23,8 @@ import asyncio
 import json
 import shutil
 import subprocess
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -28,9 +36,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 BIN = engines.require_llama_server()
 
+import anthropic
 import openai
 
 MODEL = engines.MODEL_ALIAS
+EMBED_MODEL, RERANK_MODEL = "tiny-embed", "tiny-rerank"  # the pooling llama-servers' aliases
 NO_EOS = {"ignore_eos": True}  # llama.cpp extension: exactly max_tokens tokens
 # One streamed chunk per token, exactly: llama.cpp holds back a token that ends inside a
 # multi-byte UTF-8 character and sends it with the next one (~0.5% of this model's
@@ -76,6 +86,35 @@ def gateway_one(engines_pair, workdir):
     e = engines_pair[0]
     with engines.GatewayProcess({e.name: e.url}, workdir, name="gw-one").start() as gw:
         yield gw, e
+
+
+@pytest.fixture(scope="module")
+def pooling_engines(workdir):
+    """A llama-server serving embeddings (``--embeddings --pooling mean``) and one
+    serving rerank (``--reranking``), both on the tiny model."""
+    model = engines.tiny_model()
+    servers = []
+    try:
+        for name, alias, extra in (("llama-embed", EMBED_MODEL, ["--embeddings", "--pooling", "mean"]),
+                                   ("llama-rerank", RERANK_MODEL, ["--reranking"])):
+            servers.append(engines.LlamaServer(BIN, model, workdir, name=name, alias=alias, parallel=1,
+                                               ctx_per_slot=4096, extra=extra).start())
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway_apis(engines_pair, pooling_engines, workdir):
+    """A gateway before llama-1 (the model ``tiny``), the embedding server
+    (``tiny-embed``) and the rerank server (``tiny-rerank``): ``(gateway, llama-1,
+    embedding server, rerank server)``."""
+    gen, (embed, rerank) = engines_pair[1], pooling_engines
+    backends = {gen.name: gen.url, embed.name: embed.url, rerank.name: rerank.url}
+    models = {embed.name: EMBED_MODEL, rerank.name: RERANK_MODEL}
+    with engines.GatewayProcess(backends, workdir, name="gw-apis", models=models).start() as gw:
+        yield gw, gen, embed, rerank
 
 
 def sdk(gw, cls=openai.OpenAI):
@@ -281,3 +320,247 @@ def test_models_auto_discovers_the_engines_model(engines_pair, workdir):
                                                                 extra_body=NO_EOS)
         assert r.headers["x-turbo-backend"] == e.name
         assert r.parse().usage.completion_tokens == 4
+
+
+# ---- (d) Responses, Messages, embeddings and rerank, against the engine's own answers ----
+
+def _tokens(gw, model: str) -> tuple[float, float, float]:
+    """The gateway's (prompt, cached prompt, completion) token counters of ``model``."""
+    return (gw.metric("turbo_gateway_prompt_tokens_total", model=model),
+            gw.metric("turbo_gateway_cached_prompt_tokens_total", model=model),
+            gw.metric("turbo_gateway_completion_tokens_total", model=model))
+
+
+def _counted(gw, model: str, before: tuple[float, float, float], prompt: int, cached: int | None,
+             completion: int) -> None:
+    """Wait until the gateway counted one more answer of ``model`` (settled once the
+    engine ended it, which can be after the client read it), then check its counts."""
+    engines.wait_for(lambda: _tokens(gw, model)[2] - before[2] >= completion and
+                     _tokens(gw, model)[0] - before[0] >= prompt, f"the {model} answer counted", SETTLE_S)
+    after = _tokens(gw, model)
+    assert after[0] - before[0] == prompt and after[2] - before[2] == completion, (before, after)
+    if cached is not None:
+        assert after[1] - before[1] == cached, (before, after)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict[str, str], dict]:
+    """``POST`` JSON ``body``: ``(status, headers (lower-case names), JSON answer)``."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+
+def _route(headers) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in headers["x-turbo-route"].split("; "))
+
+
+def test_responses_create_and_stream_match_the_engine(gateway_apis):
+    gw, gen, _, _ = gateway_apis
+    request = {"model": MODEL, "instructions": "Answer in one short sentence.", "input": "What does a gateway do?",
+               "max_output_tokens": 7, "extra_body": ONE_CHUNK_PER_TOKEN}
+    direct = openai.OpenAI(base_url=gen.url + "/v1", api_key="unused", max_retries=0).responses.create(**request)
+    assert direct.usage.input_tokens > 0 and direct.usage.output_tokens == 7
+
+    client = sdk(gw)
+    before = _tokens(gw, MODEL)
+    raw = client.responses.with_raw_response.create(**request)
+    r = raw.parse()
+    assert raw.headers["x-turbo-backend"] == gen.name
+    assert r.object == "response" and r.status == "completed" and r.output_text
+    assert r.usage.input_tokens == direct.usage.input_tokens and r.usage.output_tokens == 7
+    assert int(_route(raw.headers)["output_tokens_est"]) > 0  # priced with a decode term
+    _counted(gw, MODEL, before, r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens, 7)
+
+    before = _tokens(gw, MODEL)
+    with client.responses.create(**request, stream=True) as stream:
+        assert stream.response.headers["x-turbo-backend"] == gen.name
+        events = list(stream)
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    deltas = [i for i, t in enumerate(types) if t == "response.output_text.delta"]
+    assert len(deltas) == 7  # one event per token (ASCII output)
+    assert types.index("response.output_item.added") < deltas[0] and deltas[-1] < types.index(
+        "response.output_text.done") < types.index("response.output_item.done") < len(types) - 1
+    final = events[-1].response
+    assert final.status == "completed" and final.output_text == "".join(events[i].delta for i in deltas)
+    assert final.usage.input_tokens == direct.usage.input_tokens and final.usage.output_tokens == 7
+    _counted(gw, MODEL, before, final.usage.input_tokens, final.usage.input_tokens_details.cached_tokens, 7)
+
+
+def test_responses_errors_from_the_gateway_and_from_the_engine(gateway_apis):
+    gw, gen, _, _ = gateway_apis
+    client = sdk(gw)
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the gateway: the engine never sees it
+        client.responses.create(model=MODEL, input=7)  # type: ignore[arg-type]
+    assert e.value.body["param"] == "input" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no-such-model", input="x")
+    refused = gw.metric("turbo_gateway_requests_total", model=MODEL, backend=gen.name, status="400")
+    for stream in (False, True):  # the engine's own 400, before a stream's first byte too
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="x", stream=stream, extra_body={"temperature": "hot"})
+        assert "temperature" in e.value.body["message"]
+    assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend=gen.name, status="400") == refused + 2
+
+
+def test_messages_create_stream_and_count_tokens_match_the_engine(gateway_apis):
+    gw, gen, _, _ = gateway_apis
+    client = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=60)
+    direct = anthropic.Anthropic(base_url=gen.url, api_key="unused", max_retries=0, timeout=60)
+    system = "You are a terse assistant."
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": [{"type": "text", "text": "Another one?"}]}]
+    prompt = direct.messages.count_tokens(model=MODEL, system=system, messages=messages).input_tokens
+    assert prompt > 0
+    assert client.messages.count_tokens(model=MODEL, system=system, messages=messages).input_tokens == prompt
+
+    before = _tokens(gw, MODEL)
+    raw = client.messages.with_raw_response.create(model=MODEL, system=system, messages=messages, max_tokens=6,
+                                                   extra_body=NO_EOS)
+    m = raw.parse()
+    assert raw.headers["x-turbo-backend"] == gen.name
+    # llama.cpp applies no grammar to Messages: a random model's tokens may all decode to
+    # nothing (special tokens), so the text is not asserted, only its shape
+    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert all(block.type == "text" for block in m.content)
+    # llama.cpp's input_tokens leave out the prompt read from the cache; the prompt is their sum
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == prompt
+    assert m.usage.output_tokens == 6
+    _counted(gw, MODEL, before, prompt, m.usage.cache_read_input_tokens or 0, 6)
+
+    before = _tokens(gw, MODEL)
+    with client.messages.create(model=MODEL, system=system, messages=messages, max_tokens=5, stream=True,
+                                extra_body=NO_EOS) as stream:
+        assert stream.response.headers["x-turbo-backend"] == gen.name
+        events = list(stream)
+    types = [e.type for e in events]
+    # a token ending inside a UTF-8 character waits for the next one; one decoding to nothing sends nothing
+    n = types.count("content_block_delta")
+    assert n <= 5
+    assert types == ["message_start", "content_block_start", *["content_block_delta"] * n, "content_block_stop",
+                     "message_delta", "message_stop"], types
+    start, end = events[0].message.usage, events[-2].usage
+    assert start.input_tokens + (start.cache_read_input_tokens or 0) == prompt
+    assert end.output_tokens == 5 and events[-2].delta.stop_reason == "max_tokens"
+    # the gateway counts the prompt from message_start and the output from message_delta
+    _counted(gw, MODEL, before, prompt, start.cache_read_input_tokens or 0, 5)
+
+
+def test_messages_errors_in_anthropics_shape(gateway_apis):
+    gw, gen, _, _ = gateway_apis
+    client = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=60)
+    user = [{"role": "user", "content": "x"}]
+    with pytest.raises(anthropic.BadRequestError) as e:  # refused by the gateway
+        client.messages.create(model=MODEL, max_tokens=0, messages=user)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="no-such-model", max_tokens=4, messages=user)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    # the engine's own 400 (OpenAI's shape from llama.cpp) reaches the client in Anthropic's
+    refused = gw.metric("turbo_gateway_requests_total", model=MODEL, backend=gen.name, status="400")
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=MODEL, max_tokens=4, messages=user, stream=stream,
+                                   extra_body={"temperature": "hot"})
+        body = e.value.body
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        assert "temperature" in body["error"]["message"]
+    assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend=gen.name, status="400") == refused + 2
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.count_tokens(model=MODEL, messages=[{"role": "system", "content": "x"}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_embeddings_match_the_engine_and_are_priced_as_prefill_only(gateway_apis):
+    gw, _, embed, _ = gateway_apis
+    inputs = ["the gateway routes each request", "to the engine that holds its prefix"]
+    direct = openai.OpenAI(base_url=embed.url + "/v1", api_key="unused", max_retries=0).embeddings.create(
+        model=EMBED_MODEL, input=inputs)
+    before = _tokens(gw, EMBED_MODEL)
+    raw = sdk(gw).embeddings.with_raw_response.create(model=EMBED_MODEL, input=inputs)
+    e = raw.parse()
+    assert raw.headers["x-turbo-backend"] == embed.name
+    assert _route(raw.headers)["output_tokens_est"] == "0"
+    assert [d.index for d in e.data] == [0, 1]
+    for got, want in zip(e.data, direct.data):
+        assert len(got.embedding) == len(want.embedding) > 0
+        assert got.embedding == pytest.approx(want.embedding, abs=1e-6)
+    assert e.usage.prompt_tokens == direct.usage.prompt_tokens > 0
+    _counted(gw, EMBED_MODEL, before, e.usage.prompt_tokens, None, 0)
+    status, _, err = _post(gw.url + "/v1/embeddings", {"model": EMBED_MODEL, "input": "x", "stream": True})
+    assert status == 400 and err["error"]["param"] == "stream"
+    status, _, err = _post(gw.url + "/v1/embeddings", {"model": EMBED_MODEL})
+    assert status == 400 and err["error"]["param"] == "input"
+
+
+def test_rerank_matches_the_engine_on_every_path(gateway_apis):
+    gw, _, _, rerank = gateway_apis
+    body = {"model": RERANK_MODEL, "query": "which one routes requests?", "top_n": 2,
+            "documents": ["a gateway routes requests", "a cat sleeps all day", "engines generate tokens"]}
+    status, _, direct = _post(rerank.url + "/v1/rerank", body)
+    assert status == 200 and len(direct["results"]) == 2 and direct["usage"]["prompt_tokens"] > 0
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        before = _tokens(gw, RERANK_MODEL)
+        status, headers, got = _post(gw.url + path, body)
+        assert status == 200, got
+        assert headers["x-turbo-backend"] == rerank.name and _route(headers)["output_tokens_est"] == "0"
+        assert [x["index"] for x in got["results"]] == [x["index"] for x in direct["results"]]
+        assert [x["relevance_score"] for x in got["results"]] == pytest.approx(
+            [x["relevance_score"] for x in direct["results"]], abs=1e-5)
+        assert got["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+        _counted(gw, RERANK_MODEL, before, direct["usage"]["prompt_tokens"], None, 0)
+    status, _, err = _post(gw.url + "/v1/rerank", {"model": RERANK_MODEL, "query": "q"})  # refused by the gateway
+    assert status == 400 and err["error"]["param"] == "documents"
+    # llama.cpp takes string documents only: its own 400 reaches the client as it is
+    status, headers, err = _post(gw.url + "/v1/rerank", {**body, "documents": [{"text": "one"}]})
+    assert status == 400 and headers["x-turbo-backend"] == rerank.name
+    assert err["error"]["type"] == "invalid_request_error" and "documents" in err["error"]["message"]
+
+
+def test_a_llama_server_not_started_for_an_api_is_learned_and_skipped(engines_pair, pooling_engines, workdir):
+    """One model on a generating llama-server and on one started with ``--embeddings``:
+    each answers the other's API with llama.cpp's 501 "This server does not support
+    ...", which the gateway learns as "no route for that API" (the request retried on
+    the other, the breaker untouched), so every request of either API is served."""
+    gen, embed = engines_pair[1], pooling_engines[0]
+    backends = {gen.name: gen.url, embed.name: embed.url}
+    with engines.GatewayProcess(backends, workdir, name="gw-mixed").start() as gw:
+        client = sdk(gw)
+        for i in range(4):  # round robin would send half of each API to the wrong server
+            raw = client.embeddings.with_raw_response.create(model=MODEL, input=f"text {i}")
+            assert raw.headers["x-turbo-backend"] == embed.name and len(raw.parse().data) == 1
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=chat(f"hi {i}"),
+                                                                   max_tokens=2, extra_body=NO_EOS)
+            assert raw.headers["x-turbo-backend"] == gen.name and raw.parse().usage.completion_tokens == 2
+        for backend in (gen.name, embed.name):  # each learned once, by the first request of the other's API
+            assert gw.metric("turbo_gateway_upstream_errors_total", backend=backend, reason="api_not_served") <= 1
+            assert gw.metric("turbo_gateway_requests_total", model=MODEL, backend=backend, status="501") == 0
+
+
+def test_a_responses_chain_is_kept_by_the_gateway_for_an_engine_that_keeps_none(gateway_apis):
+    """llama.cpp keeps no responses (it refuses ``previous_response_id``); the gateway
+    keeps them and sends the engine the whole conversation: the follow-up turn's prompt
+    is the engine's own count of the first turn's input, its output and the new input."""
+    gw, gen, _, _ = gateway_apis
+    client = sdk(gw)
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="Name a colour.",
+                                    max_output_tokens=4, extra_body=ONE_CHUNK_PER_TOKEN)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with client.responses.create(model=MODEL, instructions="Be brief.", input="Another one?",
+                                 previous_response_id=first.id, max_output_tokens=4, stream=True,
+                                 extra_body=ONE_CHUNK_PER_TOKEN) as stream:
+        second = list(stream)[-1].response
+    assert second.status == "completed" and second.usage.output_tokens == 4
+    # the same conversation sent whole, straight to the engine
+    whole = [{"type": "message", "role": "user", "content": "Name a colour."},
+             *(item.model_dump(exclude_none=True) for item in first.output),
+             {"type": "message", "role": "user", "content": "Another one?"}]
+    direct = openai.OpenAI(base_url=gen.url + "/v1", api_key="unused", max_retries=0).responses.create(
+        model=MODEL, instructions="Be brief.", input=whole, max_output_tokens=4, extra_body=ONE_CHUNK_PER_TOKEN)
+    assert second.usage.input_tokens == direct.usage.input_tokens > first.usage.input_tokens
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [getattr(i, "role", None) for i in items] == ["user", "assistant", "user"]

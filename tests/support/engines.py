@@ -387,16 +387,17 @@ class VLLMServer(_Child):
 
 class GatewayProcess(_Child):
     """``python -m gateway --config <tmp yaml> --port 0`` in front of ``backends``
-    (name -> base URL); waits for the "listening on" line and for ``/ready``."""
+    (name -> base URL), each serving ``model`` unless ``models`` (name -> model) names
+    its own; waits for the "listening on" line and for ``/ready``."""
 
     def __init__(self, backends: dict[str, str], work_dir: Path, *, name: str = "gateway",
-                 policy: str = "round_robin", model: str = MODEL_ALIAS,
+                 policy: str = "round_robin", model: str = MODEL_ALIAS, models: dict[str, str] | None = None,
                  extra_config: dict[str, Any] | None = None) -> None:
         self.name = name
         self.config = {
             "routing": {"policy": policy},
             "health": {"interval_s": 2},
-            "backends": [{"name": n, "url": u, "models": [model]} for n, u in backends.items()],
+            "backends": [{"name": n, "url": u, "models": [(models or {}).get(n, model)]} for n, u in backends.items()],
             **(extra_config or {}),
         }
         self.config_path = work_dir / f"{name}.yaml"

@@ -73,3 +73,29 @@ def test_a_tokenizer_without_a_chat_template_is_named_at_start(caplog):
     assert set(toks) == {"tiny", "bare"}
     warned = [r.getMessage() for r in caplog.records if r.name == "gateway.runtime"]
     assert len(warned) == 1 and warned[0].startswith("model bare: its tokenizer") and "no chat template" in warned[0]
+
+
+async def test_responses_and_messages_are_tokenized_as_the_chat_they_render(gateway):
+    """A Responses or Messages request is tokenized exactly as the chat conversation
+    its adapter renders (``instructions`` or ``system`` as the system message, content
+    parts and blocks as text), with the model's chat template; a rerank request, whose
+    prompt the engine tokenizes pair by pair, is not counted as one exact prompt."""
+    import anthropic
+
+    from gateway.apis.registry import BY_NAME
+
+    tok = load_tokenizer(TINY)
+    system = "You are terse. " * 20
+    responses = {"model": "tiny", "instructions": system, "max_output_tokens": 2,
+                 "input": [{"role": "user", "content": [{"type": "input_text", "text": "Wie weit ist Zürich?"}]}]}
+    messages = {"model": "tiny", "system": [{"type": "text", "text": system}], "max_tokens": 2,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Wie weit ist Zürich?"}]}]}
+    expected = sum(len(tok.encode(tok.render_chat(BY_NAME[name].view(body)), False))
+                   for name, body in (("responses", responses), ("messages", messages)))
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
+        await client.responses.create(**responses)
+        await anthropic.AsyncAnthropic(base_url=gateway.url, api_key="unused", max_retries=0).messages.create(
+            **messages)
+        await client.post("/rerank", cast_to=object, body={"model": "tiny", "query": "q", "documents": ["a", "b"]})
+    assert gateway.metric("turbo_gateway_tokenizations_total", model="tiny", result="exact") == 2
+    assert gateway.metric("turbo_gateway_tokenized_prompt_tokens_total", model="tiny") == expected > 0

@@ -232,6 +232,55 @@ async def test_not_ready_says_why_and_lists_no_backend_as_healthy():
         assert ready["backends"]["x"].startswith("failing: failed its last 1 health check")
 
 
+# one value for each field an API requires, valid for every API
+_REQUIRED_SAMPLES = {"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "x", "input": "x",
+                     "max_tokens": 4, "query": "q", "documents": ["d"], "text_1": "a", "text_2": "b"}
+
+
+async def test_openapi_lists_every_routed_api_as_its_adapter_reads_it():
+    """Each path of gateway/apis/registry.py is in the document with its request and
+    answer schemas and its API's error shape; a body of just the fields the schema
+    requires is one its adapter takes, and without any one of them one it refuses
+    naming that field: the document and the adapters agree."""
+    import jsonschema
+
+    from gateway.apis.registry import BY_PATH
+    from gateway.errors import ClientError
+
+    async with ScriptedBackend().running() as be, \
+            running_gateway(gateway_config([{"name": "b", "url": be.url, "models": ["m"]}])) as gw:
+        status, _, body = await _raw(gw.url, "GET", "/openapi.json")
+    assert status == 200
+    doc = orjson.loads(body)
+    schemas = doc["components"]["schemas"]
+
+    def resolved(content: dict) -> dict:
+        return schemas[content["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]]
+
+    for path, api in BY_PATH.items():
+        op = doc["paths"][path]["post"]
+        request, answers = resolved(op["requestBody"]["content"]), op["responses"]
+        assert resolved(answers["200"]["content"])["type"] == "object"
+        error = resolved(answers["400"]["content"])
+        assert ("AnthropicError" if api.name in ("messages", "count_tokens") else "Error") == \
+            next(n for n, v in schemas.items() if v is error), path
+        minimal = {f: _REQUIRED_SAMPLES[f] for f in request["required"]}
+        jsonschema.validate(minimal, request)
+        api.read(minimal)
+        for field in request["required"]:
+            with pytest.raises(ClientError) as e:
+                api.read({k: v for k, v in minimal.items() if k != field})
+            assert e.value.param == field, (path, field)
+    # the stored responses, answered by the gateway itself (gateway/server/stored_responses.py)
+    assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    assert set(doc["paths"]["/v1/responses/{response_id}/input_items"]) == {"get"}
+    assert set(doc["paths"]["/v1/responses/{response_id}/cancel"]) == {"post"}
+    ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids))
+    for schema in schemas.values():
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
 async def test_openapi_lists_the_admin_routes_only_when_they_are_served():
     """Without an admin key ``/admin/*`` answers as an unknown route: the document leaves
     those routes out; with one it lists them."""
