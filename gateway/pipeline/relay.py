@@ -19,6 +19,7 @@ so that what was generated is counted exactly: the scan withholds the usage-only
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import Disconnected
@@ -27,7 +28,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone, Downstream
 from gateway.pipeline.headers import answer_headers, stream_headers
-from gateway.pipeline.stream_scan import StreamScan, scan_for, whole_usage
+from gateway.pipeline.stream_scan import StreamScan, TypedEventScan, scan_for, whole_usage
 from gateway.upstream.connection import Exchange as Upstream
 from routing.core import Reservation
 
@@ -133,11 +134,20 @@ def whole(state: GatewayState, ctx: RequestContext, up: Upstream, data: bytes, r
 def _start(state: GatewayState, ctx: RequestContext, reservation: Reservation,
            chunk: bytes) -> tuple[float, StreamScan, bytes]:
     """The stream's first bytes ``chunk`` are going to the client now: record the first
-    token and scan them. Returns the time, the scan and the bytes to send."""
+    token (a stream of typed events: when its first output delta comes,
+    :class:`~gateway.pipeline.stream_scan.TypedEventScan`) and scan them. Returns the
+    time, the scan and the bytes to send."""
     first_at = state.loop.time()
-    settlement.first_byte(state, ctx, reservation, first_at, chunk)
     scan = ctx.scan = scan_for(ctx.parsed.api, not ctx.parsed.include_usage)
+    if isinstance(scan, TypedEventScan):
+        scan.on_first_token = functools.partial(_first_token, state, ctx, reservation)
+    else:
+        settlement.first_byte(state, ctx, reservation, first_at, chunk)
     return first_at, scan, scan.feed(chunk)
+
+
+def _first_token(state: GatewayState, ctx: RequestContext, reservation: Reservation, head: bytes) -> None:
+    settlement.first_byte(state, ctx, reservation, state.loop.time(), head)
 
 
 def _relay(state: GatewayState, ctx: RequestContext, up: Upstream, scan: StreamScan, first_at: float,

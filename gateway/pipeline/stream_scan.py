@@ -12,6 +12,7 @@ gateway's own relay and the endpoint picker's response phase both use them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -164,13 +165,19 @@ class TypedEventScan(StreamScan):
     scan counts without parsing (a type inside generated text is escaped, so it never
     matches); ``done`` once an end event of the API arrived; ``usage`` merges the usage
     objects of its events (:meth:`gateway.apis.base.Api.usage_in`: Messages reports the
-    prompt's at the start, the output's at the end). Nothing is withheld."""
+    prompt's at the start, the output's at the end). Nothing is withheld.
 
-    __slots__ = ("api", "deltas", "ends", "final")
+    Such a stream's first bytes announce it (``response.created``, ``message_start``)
+    before the engine generated anything: its first token is its first output delta.
+    ``on_first_token``, when set, is called once with the bytes that brought it (or the
+    stream's end, for an answer with no output)."""
+
+    __slots__ = ("api", "deltas", "ends", "final", "on_first_token")
 
     def __init__(self, api: Api) -> None:
         super().__init__(False)
         self.api = api
+        self.on_first_token: Callable[[bytes], None] | None = None
         self.final: dict[str, Any] | None = None  # the last event that carried usage (Responses: the response)
         self.deltas = _type_markers(api.delta_event)
         self.ends = tuple(m for e in api.end_events for m in _type_markers(e))
@@ -192,6 +199,9 @@ class TypedEventScan(StreamScan):
             self.done = True
         if b'"usage"' in complete:
             self._usages(complete)
+        if self.on_first_token is not None and (self.events or self.done):
+            first, self.on_first_token = self.on_first_token, None
+            first(complete)
         return chunk
 
     def _usages(self, complete: bytes) -> None:

@@ -8,6 +8,7 @@ anthropic SDK) and refused in its own error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 from contextlib import asynccontextmanager
@@ -15,7 +16,9 @@ from contextlib import asynccontextmanager
 import aiohttp
 import anthropic
 import openai
+import orjson
 import pytest
+from aiohttp import web
 
 from loadtest.sim.server import SimBackendConfig, start_backends
 from routing.tokenizer import load_tokenizer
@@ -233,3 +236,50 @@ async def test_count_tokens_is_answered_from_the_models_tokenizer_without_an_eng
     finally:
         for r in runners:
             await r.cleanup()
+
+
+async def test_a_typed_event_streams_first_token_is_its_first_output_delta():
+    """A Responses stream opens with ``response.created`` before the engine generated
+    anything: the gateway's TTFT (and the load model's first token) waits for the first
+    output delta. The scripted engine holds its deltas until the test has read the
+    opening event."""
+    release = asyncio.Event()
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        created = {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}}
+        await resp.write(b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n")
+        await release.wait()
+        for word in ("one", "two"):
+            delta = {"type": "response.output_text.delta", "delta": word, "item_id": "m", "output_index": 0,
+                     "content_index": 0}
+            await resp.write(b"event: response.output_text.delta\ndata: " + orjson.dumps(delta) + b"\n\n")
+        done = {"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {
+            "input_tokens": 5, "output_tokens": 2, "total_tokens": 7}}}
+        await resp.write(b"event: response.completed\ndata: " + orjson.dumps(done) + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with running_gateway(gateway_config([{"name": "a", "url": url, "models": [MODEL]}])) as gw, \
+                aiohttp.ClientSession() as s, s.post(gw.url + "/v1/responses", json={
+                    "model": MODEL, "input": "hi", "stream": True, "store": False}) as r:
+            assert r.status == 200
+            first = await r.content.readuntil(b"\n\n")
+            assert b"response.created" in first
+            assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL) == 0  # no token yet
+            release.set()
+            rest = await r.read()
+            assert rest.count(b"response.output_text.delta\n") == 2 and b"response.completed" in rest
+            assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL) == 1
+            assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 2
+    finally:
+        await runner.cleanup()
