@@ -176,6 +176,8 @@ class GatewayMetrics:
                                 ["version", "policy"], registry=r)
         self.requests = Counter("turbo_gateway_requests", "Requests answered, by final HTTP status",
                                 ["model", "backend", "status"], registry=r)
+        self.api_requests = Counter("turbo_gateway_api_requests", "Requests routed, by API (gateway/apis/) and "
+                                    "final HTTP status", ["api", "status"], registry=r)
         self.ttft = Histogram("turbo_gateway_ttft_seconds",
                               "Time from request arrival to the first response byte sent to the client",
                               ["model"], buckets=TTFT_BUCKETS_S, registry=r)

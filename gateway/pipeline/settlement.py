@@ -224,13 +224,14 @@ def finish(state: GatewayState, ctx: RequestContext, status: int) -> None:
         ctx.trace.finish(status, ctx.model, ctx.usage, ctx.fallback_reason)
     access_log.completion(ctx.request_id, ctx.parsed.endpoint, status, ctx.model or ctx.parsed.model, ctx.backend,
                           ctx.ttft_s, ctx.usage, state.loop.time() - ctx.arrival, len(ctx.attempts))
+    m = state.metrics
+    m.child(m.api_requests, ctx.parsed.endpoint, str(status)).inc()
     if status == 200:
         s = ctx.served or served(state, ctx)
         s.ok.inc()
         s.pool_ok.inc()
         s.e2e.observe(state.loop.time() - ctx.arrival)
         return
-    m = state.metrics
     m.child(m.requests, ctx.model or ctx.parsed.model, ctx.backend or "none", str(status)).inc()
     m.child(m.pool_requests, _pool(state, ctx), str(status)).inc()
 

@@ -164,6 +164,8 @@ async def test_embeddings_rerank_and_score_are_priced_as_prefill_only():
             async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-wrong", max_retries=0) as wrong:
                 await wrong.embeddings.create(model=MODEL, input="x")
     assert served(gw) == 1 + 1 + 3 + 1
+    assert [gw.metric("turbo_gateway_api_requests_total", api=a, status="200")
+            for a in ("embeddings", "chat", "rerank", "score")] == [1, 1, 3, 1]
     assert gw.idle("a") and gw.idle("b")
 
 
