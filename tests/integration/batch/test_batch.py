@@ -1018,3 +1018,36 @@ async def test_redis_down_answers_503_leaves_no_file_and_ready_says_batch_is_deg
                 assert "Redis" in body["degraded"]["batch"]
     finally:
         server.cleanup()
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/responses", "/v1/embeddings"])
+async def test_batches_of_responses_and_embeddings_lines(redis, tmp_path, endpoint):
+    """OpenAI's Batch API takes ``/v1/responses`` and ``/v1/embeddings`` lines too: each is
+    served through the same spine as an interactive request of that API, its answer in
+    the output file in that API's shape."""
+    backends, urls = await sim_fleet()
+    cfg = batch_config([{"name": n, "url": u, "models": ["demo-model"]} for n, u in urls.items()], redis, tmp_path,
+                       workers=4)
+    body = ({"model": "demo-model", "input": "Say something.", "max_output_tokens": 4}
+            if endpoint == "/v1/responses" else {"model": "demo-model", "input": ["one text", "another text"]})
+    data = jsonl([orjson.dumps({"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": body})
+                  for i in range(6)])
+    try:
+        async with running_gateway(cfg) as gw, sdk(gw) as client:
+            f = await client.files.create(file=("input.jsonl", data), purpose="batch")
+            b = await client.batches.create(input_file_id=f.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                            completion_window="24h")
+            done = await wait_batch(client, b.id, {"completed", "failed"})
+            assert done.status == "completed" and done.request_counts.completed == 6, done
+            out = await content_lines(client, done.output_file_id)
+            assert len(out) == 6 and all(o["response"]["status_code"] == 200 for o in out)
+            answers = [o["response"]["body"] for o in out]
+            if endpoint == "/v1/responses":
+                assert all(a["object"] == "response" and a["usage"]["output_tokens"] == 4 for a in answers)
+            else:
+                assert all(a["object"] == "list" and len(a["data"]) == 2 for a in answers)
+            assert gw.metric("turbo_gateway_api_requests_total", api=endpoint.rsplit("/", 1)[1],
+                             status="200") == 6
+    finally:
+        for be in backends:
+            await be.cleanup()
