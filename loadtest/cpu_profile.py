@@ -19,7 +19,9 @@ counted. Instruction counts do not move with the machine's load or clock (repeat
 agree within about 1%), which CPU seconds on a shared VM do not: use it to compare two
 versions of the code; use the CPU seconds, or ``python -m loadtest.peers``, for the
 absolute cost (kernel time, which callgrind does not see, is about a fifth of it).
-Needs the ``valgrind`` binary (Debian: ``valgrind``); about 5 minutes.
+Needs the ``valgrind`` binary (Debian: ``valgrind``); about 5 minutes. ``--apis`` adds
+two scenarios: the streamed shape as a Responses and as an Anthropic Messages request
+(the zero backends answer them in each API's typed-event grammar).
 
 ``--tracing RATIO`` runs the gateway with OpenTelemetry tracing on (``tracing`` in
 ``backends.yaml``, sample ratio ``RATIO``; needs the ``otel`` extra), exporting over
@@ -52,15 +54,20 @@ import yaml
 
 from loadtest.procs import cpu_seconds, free_port, start_zero, stop, wait_http
 
+CHAT = "/v1/chat/completions"
 
-async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int, model: str = "m") -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": tokens,
-            "stream": stream}
+
+async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int, model: str = "m",
+                path: str = "/v1/chat/completions") -> None:
+    messages = [{"role": "user", "content": "hello " * 50}]
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": tokens, "stream": stream}
+    if path == "/v1/responses":
+        body = {"model": model, "input": messages, "max_output_tokens": tokens, "stream": stream, "store": False}
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def one() -> None:
             async with sem:
-                async with s.post(url + "/v1/chat/completions", json=body) as r:
+                async with s.post(url + path, json=body) as r:
                     if r.status != 200:
                         raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
                     async for _ in r.content.iter_any():
@@ -144,13 +151,16 @@ def _callgrind(args: argparse.Namespace, cfg: dict[str, Any], tmp: Path, out: st
         wait_http(url + "/ready", 300.0, gw)
         print(f"| scenario (policy {args.policy}{traced}, under callgrind) | requests | instructions per request |")
         print("|---|---|---|")
-        for label, model, stream, tokens, conc, count in (
-                ("non-streaming, max_tokens 16, 32 concurrent", "m", False, 16, 32, n),
-                ("streaming, 64 tokens, 32 concurrent", "m", True, 64, 32, n),
-                ("streaming, 64 tokens at 10 ms ITL, 8 concurrent", "slow", True, 64, 8, max(n // 16, 16))):
-            asyncio.run(_load(url, min(200, count), conc, stream, tokens, model))  # warm-up
+        for label, model, stream, tokens, conc, count, path in (
+                ("non-streaming, max_tokens 16, 32 concurrent", "m", False, 16, 32, n, CHAT),
+                ("streaming, 64 tokens, 32 concurrent", "m", True, 64, 32, n, CHAT),
+                ("streaming, 64 tokens at 10 ms ITL, 8 concurrent", "slow", True, 64, 8, max(n // 16, 16), CHAT),
+                *(((f"{name} streaming, 64 tokens, 32 concurrent", "m", True, 64, 32, n, p)
+                   for name, p in (("Responses", "/v1/responses"), ("Messages", "/v1/messages"))) if args.apis
+                  else ())):
+            asyncio.run(_load(url, min(200, count), conc, stream, tokens, model, path))  # warm-up
             subprocess.run(["callgrind_control", "-z", str(gw.pid)], capture_output=True, timeout=60)
-            asyncio.run(_load(url, count, conc, stream, tokens, model))
+            asyncio.run(_load(url, count, conc, stream, tokens, model, path))
             before = len(glob.glob(out + "*"))
             subprocess.run(["callgrind_control", "-d", str(gw.pid)], capture_output=True, timeout=60)
             deadline = time.monotonic() + 60
@@ -177,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="write the gateway's cProfile output here")
     ap.add_argument("--callgrind", action="store_true",
                     help="count the gateway's instructions per request under valgrind instead (see above)")
+    ap.add_argument("--apis", action="store_true",
+                    help="with --callgrind: also stream Responses and Messages requests (64 tokens, 32 concurrent)")
     ap.add_argument("--tracing", type=float, metavar="RATIO",
                     help="trace with OpenTelemetry at this sample ratio (0..1) to an OTLP sink (see above)")
     args = ap.parse_args(argv)

@@ -2,7 +2,8 @@
 
     python -m loadtest.zero [--port 0] [--tokens 16] [--ttft-ms 0] [--itl-ms 0]
 
-Answers ``POST /v1/chat/completions`` and ``/v1/completions`` at once: streamed, a
+Answers ``POST /v1/chat/completions`` and ``/v1/completions`` at once (and, streamed
+only, ``/v1/responses`` and ``/v1/messages`` in their typed-event grammars): streamed, a
 role chunk, ``max_tokens`` one-word text chunks (default ``--tokens``), a usage chunk
 (``stream_options.include_usage``) and ``[DONE]``, each written as soon as the
 previous one (no model, no sleeping); or one JSON body. Also ``GET /health``,
@@ -101,6 +102,25 @@ def make_app(default_tokens: int = 16, ttft_s: float = 0.0, itl_s: float = 0.0) 
         await resp.write_eof()
         return resp
 
+    async def typed_events(request: web.Request) -> web.StreamResponse:
+        """``/v1/responses`` and ``/v1/messages``, streamed: the events of each API's
+        grammar (an opening event, one delta per token, the closing events with usage)."""
+        body = orjson.loads(await request.read())
+        n = max(1, min(int(body.get("max_output_tokens") or body.get("max_tokens") or default_tokens),
+                       MAX_TOKENS_CAP))
+        served[0] += 1
+        if not body.get("stream"):
+            raise web.HTTPBadRequest(text="zero serves these APIs streamed only")
+        first, token, last = (_responses_events if request.path == "/v1/responses" else _messages_events)(
+            body.get("model", "zero"), n)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(first)
+        for i in range(n):
+            await resp.write(token + (last if i == n - 1 else b""))
+        await resp.write_eof()
+        return resp
+
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -113,10 +133,51 @@ def make_app(default_tokens: int = 16, ttft_s: float = 0.0, itl_s: float = 0.0) 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", typed_events)
+    app.router.add_post("/v1/messages", typed_events)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def _event(kind: str, obj: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **obj}) + b"\n\n"
+
+
+def _responses_events(model: str, n: int) -> tuple[bytes, bytes, bytes]:
+    """A Responses stream's opening events, one token's delta, its closing events."""
+    response = {"id": "resp_zero", "object": "response", "model": model, "status": "in_progress", "output": []}
+    usage = {"input_tokens": 1, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n + 1}
+    where = {"item_id": "msg_zero", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": " x" * n, "annotations": []}
+    item = {"id": "msg_zero", "type": "message", "role": "assistant", "status": "completed", "content": [part]}
+    first = _event("response.created", {"response": response}) + \
+        _event("response.in_progress", {"response": response}) + \
+        _event("response.output_item.added", {"output_index": 0, "item": {**item, "status": "in_progress",
+                                                                           "content": []}}) + \
+        _event("response.content_part.added", {**where, "part": {**part, "text": ""}})
+    token = _event("response.output_text.delta", {**where, "delta": " x"})
+    last = _event("response.output_text.done", {**where, "text": " x" * n}) + \
+        _event("response.content_part.done", {**where, "part": part}) + \
+        _event("response.output_item.done", {"output_index": 0, "item": item}) + \
+        _event("response.completed", {"response": {**response, "status": "completed", "output": [item],
+                                                   "usage": usage}})
+    return first, token, last
+
+
+def _messages_events(model: str, n: int) -> tuple[bytes, bytes, bytes]:
+    """A Messages stream's opening events, one token's delta, its closing events."""
+    message: dict[str, Any] = {"id": "msg_zero", "type": "message", "role": "assistant", "model": model, "content": [],
+               "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 0}}
+    first = _event("message_start", {"message": message}) + \
+        _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    token = _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": " x"}})
+    last = _event("content_block_stop", {"index": 0}) + \
+        _event("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": n}}) + \
+        _event("message_stop", {})
+    return first, token, last
 
 
 def _resolve(fut: asyncio.Future) -> None:
