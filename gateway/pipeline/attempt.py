@@ -59,7 +59,7 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
     pools, stable_pools = core.canary_pools(ctx.model)
     excluded: set[str] = set()
     subset = _served_by(state, ctx) if state.api_support.unserved else req.subset
-    if subset is not None and not subset:
+    if _api_unserved(ctx, subset):
         return ApiNotServed("", ctx.parsed.endpoint, ctx.model), None
     last: UpstreamError | None = None
     while True:
@@ -101,7 +101,7 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
             if isinstance(err, ApiNotServed):  # from now on, no request of the API goes there
                 state.api_support.learn(ctx.parsed.endpoint, backend.name)
                 subset = _served_by(state, ctx)
-                if subset is not None and not subset:
+                if _api_unserved(ctx, subset):
                     return ApiNotServed("", ctx.parsed.endpoint, ctx.model), None
             if ctx.scan is not None:  # the backend's bytes already reached the client: end the stream
                 await settlement.stream_failed(state, ctx, err)
@@ -133,6 +133,12 @@ def _served_by(state: GatewayState, ctx: RequestContext) -> frozenset[str] | Non
         return ctx.subset
     return frozenset(b.name for b in state.core.fleet.candidates(ctx.model)
                      if b.name not in unserved and (ctx.subset is None or b.name in ctx.subset))
+
+
+def _api_unserved(ctx: RequestContext, subset: frozenset[str] | None) -> bool:
+    """Whether ``subset`` (of :func:`_served_by`) is empty because no backend the
+    request may go to serves its API (not because its subset hint was empty)."""
+    return subset is not None and not subset and (ctx.subset is None or bool(ctx.subset))
 
 
 async def _load_adapter(state: GatewayState, ctx: RequestContext, backend: BackendState,
