@@ -27,7 +27,9 @@ trace context and baggage by default), and each attempt sends the backend its ow
 no span below its root but still propagates its (unsampled) trace context.
 
 While a request's span is current, log records carry ``trace_id`` and ``span_id``
-(hex), which the JSON log lines print (:mod:`gateway.server.run`).
+(hex), which the JSON log lines print (:mod:`gateway.server.run`). A sampled request's
+TTFT and end-to-end times are its histograms' exemplars, labelled with its ``trace_id``
+(``/metrics`` in the OpenMetrics format shows them).
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ class RequestTrace:
     """The spans of one request (see the module doc). Every method is a no-op past
     the root when the request is not sampled."""
 
-    __slots__ = ("attempt", "attempts", "leg", "operation", "propagation", "recording", "relay", "root",
-                 "root_context", "token", "tracer")
+    __slots__ = ("attempt", "attempts", "exemplar_labels", "leg", "operation", "propagation", "recording", "relay",
+                 "root", "root_context", "token", "tracer")
 
     def __init__(self, tracer: Tracer, api: Api, headers: Mapping[str, str], request_id: str) -> None:
         self.tracer, self.operation = tracer, api.operation
@@ -121,6 +123,9 @@ class RequestTrace:
         self.root_context = trace.set_span_in_context(self.root, parent)
         self.token = otel_context.attach(self.root_context)
         self.recording = self.root.is_recording()
+        # a sampled request's latencies point at its trace (OpenMetrics exemplars)
+        self.exemplar_labels = {"trace_id": trace.format_trace_id(self.root.get_span_context().trace_id)} \
+            if self.recording else None
         self.leg: Span | None = None  # the prefill leg, while it runs: its attempts' parent
         self.attempt: Span | None = None  # the current attempt
         self.relay: Span | None = None
@@ -261,6 +266,14 @@ class RequestTrace:
             else self.root_context
         self.relay = span = self.tracer.tracer.start_span("relay", parent, start_time=start)
         span.add_event("first_token", {"turbo.ttft_s": ttft_s}, timestamp=start)
+
+    def exemplar(self, value: float, *histograms: Any) -> None:
+        """``value`` (seconds), observed in ``histograms`` (children of
+        :class:`gateway.ops.request_metrics.RequestMetric`) already, becomes their
+        exemplar, labelled with the trace id, when the request is sampled."""
+        if self.exemplar_labels is not None:
+            for h in histograms:
+                h.exemplar(value, self.exemplar_labels)
 
     def finish(self, status: int, model: str, usage: tuple[int, int, int] | None, fallback_reason: str) -> None:
         """The request was settled with ``status`` (499: the client left) by ``model``
