@@ -4,6 +4,7 @@ helpers that read the span trees it kept."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 from collections.abc import AsyncIterator
@@ -46,17 +47,18 @@ def attrs_of(items: list[dict[str, Any]] | None) -> dict[str, Any]:
 
 @dataclass
 class OtlpReceiver:
-    """An OTLP/HTTP traces endpoint (``POST /v1/traces``, JSON encoding) keeping every span."""
+    """An OTLP/HTTP traces endpoint (``POST /v1/traces``) keeping every span: JSON, as the
+    gateway's exporter sends it, or protobuf, as Envoy's does."""
 
     spans: list[Span] = field(default_factory=list)
     url: str = ""
+    exports: int = 0  # export requests received
 
     async def _traces(self, request: web.Request) -> web.Response:
         body = await request.read()
         if request.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
-        assert request.content_type == "application/json"
-        req = json.loads(body)
+        req = json.loads(body) if request.content_type == "application/json" else _from_protobuf(body)
         for rs in req.get("resourceSpans", []):
             resource = attrs_of(rs.get("resource", {}).get("attributes"))
             for ss in rs.get("scopeSpans", []):
@@ -67,6 +69,7 @@ class OtlpReceiver:
                         [(e["name"], attrs_of(e.get("attributes"))) for e in s.get("events", [])],
                         s.get("status", {}).get("code", 0), int(s["startTimeUnixNano"]),
                         int(s["endTimeUnixNano"]), resource))
+        self.exports += 1
         return web.json_response({})
 
     @asynccontextmanager
@@ -82,6 +85,21 @@ class OtlpReceiver:
             yield self
         finally:
             await runner.cleanup()
+
+
+def _from_protobuf(body: bytes) -> dict[str, Any]:
+    """An OTLP protobuf export as its OTLP/JSON form (ids in hex, not base64)."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    req = MessageToDict(ExportTraceServiceRequest.FromString(body), use_integers_for_enums=True)
+    for rs in req.get("resourceSpans", []):
+        for ss in rs.get("scopeSpans", []):
+            for s in ss.get("spans", []):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in s:
+                        s[key] = base64.b64decode(s[key]).hex()
+    return req
 
 
 def children(spans: list[Span], parent: Span) -> list[Span]:
