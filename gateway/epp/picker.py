@@ -28,8 +28,9 @@ kubernetes-sigs/gateway-api-inference-extension). A request's life:
 
 A subset hint (filter metadata ``envoy.lb.subset_hint`` /
 ``x-gateway-destination-endpoint-subset``, a list of ``ip:port``) limits the choice to
-those endpoints. The gRPC server that carries the streams, with its health service, is
-:mod:`gateway.epp.grpc_server`.
+those endpoints. Traces (:mod:`gateway.ops.tracing`): the parent is the span of Envoy's
+ext_proc call when Envoy traces (its gRPC metadata), else the caller's ``traceparent``;
+the backend gets the attempt's. The streams' gRPC server is :mod:`gateway.epp.grpc_server`.
 
 The protocol's names and message helpers are :mod:`gateway.epp.ext_proc`; what the
 response phase's messages teach, and its settlement, :mod:`gateway.epp.response_phase`.
@@ -188,6 +189,8 @@ class EppStream:
             async def body() -> bytes:
                 return await self.read_body(max_bytes)
         names = self._subset_names()
+        if state.tracer is not None:  # when Envoy traces, its ext_proc call's span is the request's parent
+            state.tracer.prefer(headers, self.context.invocation_metadata() or ())
         await director.handle(state, api, headers, body, down, arrival, rid, send=hand_off, subset=names)
         if down.answer is not None and not down.started:
             await self.immediate(*down.answer, rid)
@@ -367,6 +370,8 @@ async def hand_off(state: GatewayState, ctx: RequestContext, client: BackendClie
             MAX_RETRIES: str(min(len(endpoints), state.cfg.retries.max_attempts) - 1)}
     if client.auth_header:  # the backend's own key; the caller's never goes on
         sets["authorization"] = client.auth_header
+    if ctx.trace is not None:  # the attempt's span, the engine's spans' parent
+        sets.update(ctx.trace.carrier)
     await stream.forward(endpoints, sets, ctx.body)
     down.started = True
     served = Served(primary, reservation)

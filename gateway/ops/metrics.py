@@ -14,8 +14,9 @@ import hashlib
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from gateway.ops.request_metrics import Counter, Histogram
@@ -275,9 +276,14 @@ class GatewayMetrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """Every metric, in the format a scraper's ``Accept`` header asks for:
+        OpenMetrics (``application/openmetrics-text``, the format that carries the
+        TTFT and end-to-end histograms' exemplars) or, by default, Prometheus text
+        0.0.4 (prometheus_client's negotiation). Returns the body and its
+        ``Content-Type``."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
 
 
 class TokenizerCollector(Collector):

@@ -15,7 +15,7 @@ from typing import cast
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
+from prometheus_client.samples import Exemplar, Sample
 
 
 class _CounterChild:
@@ -33,18 +33,28 @@ class _CounterChild:
 
 
 class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum", "created")
+    __slots__ = ("bounds", "counts", "sum", "created", "exemplars")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
         self.created = time.time()
+        self.exemplars: dict[int, Exemplar] | None = None  # per bucket index, once one was given
 
     def observe(self, value: float) -> None:
         """Count ``value`` (seconds) in the first bucket whose upper bound is >= it."""
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def exemplar(self, value: float, labels: dict[str, str]) -> None:
+        """Make ``value`` (seconds, observed already), with ``labels`` (e.g.
+        ``{"trace_id": ...}``, at most 128 characters in all, as OpenMetrics allows),
+        the exemplar of the bucket it fell in: the latest one per bucket is exposed
+        in the OpenMetrics format."""
+        if self.exemplars is None:
+            self.exemplars = {}
+        self.exemplars[bisect_left(self.bounds, value)] = Exemplar(labels, value, time.time())
 
 
 class RequestMetric(Collector):
@@ -55,8 +65,9 @@ class RequestMetric(Collector):
 
     Why not prometheus_client's own: its ``inc`` takes a lock and three Python calls, and
     its ``observe`` walks the bucket list in Python, and the request path makes a dozen
-    updates per request. ``labels(*values)`` returns the child (``inc(amount)`` or
-    ``observe(seconds)``); raises ``ValueError`` on a wrong number of label values.
+    updates per request. ``labels(*values)`` returns the child (``inc(amount)``, or
+    ``observe(seconds)`` and ``exemplar(seconds, labels)``); raises ``ValueError`` on a
+    wrong number of label values.
     """
 
     def __init__(self, kind: str, name: str, documentation: str, labelnames: Sequence[str],
@@ -91,9 +102,11 @@ class RequestMetric(Collector):
                 cast(CounterMetricFamily, fam).add_metric(values, child.value, created=child.created)
                 continue
             cumulative, buckets = 0, []
-            for bound, n in zip((*self.bounds, math.inf), child.counts):
+            exemplars = child.exemplars or {}
+            for i, (bound, n) in enumerate(zip((*self.bounds, math.inf), child.counts)):
                 cumulative += n
-                buckets.append((_le(bound), cumulative))
+                ex = exemplars.get(i)
+                buckets.append((_le(bound), cumulative) if ex is None else (_le(bound), cumulative, ex))
             cast(HistogramMetricFamily, fam).add_metric(values, buckets, child.sum)
             fam.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, values)), child.created))
         yield fam

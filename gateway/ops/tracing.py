@@ -27,7 +27,9 @@ trace context and baggage by default), and each attempt sends the backend its ow
 no span below its root but still propagates its (unsampled) trace context.
 
 While a request's span is current, log records carry ``trace_id`` and ``span_id``
-(hex), which the JSON log lines print (:mod:`gateway.server.run`).
+(hex), which the JSON log lines print (:mod:`gateway.server.run`). A sampled request's
+TTFT and end-to-end times are its histograms' exemplars, labelled with its ``trace_id``
+(``/metrics`` in the OpenMetrics format shows them).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
@@ -93,6 +95,19 @@ class Tracer:
         arrived now; its span is current until :meth:`RequestTrace.end`."""
         return RequestTrace(self, api, headers, request_id)
 
+    def prefer(self, headers: MutableMapping[str, str], outer: Iterable[tuple[str, str | bytes]]) -> None:
+        """Let the trace context in ``outer`` (the fields of the propagators, e.g.
+        ``traceparent`` and ``tracestate``), when it has one, stand for the one in
+        ``headers`` (a request's, changed in place): the endpoint picker's ext_proc
+        call carries Envoy's own span, a descendant of the caller's, when Envoy traces."""
+        fields = propagate.get_global_textmap().fields
+        found = {k.lower(): v for k, v in outer if isinstance(v, str) and k.lower() in fields}
+        if found:
+            for k in fields:
+                if k in headers:
+                    del headers[k]  # every value of it, in a multidict
+            headers.update(found)
+
     def epoch_ns(self, t: float) -> int:
         """Loop time ``t`` as nanoseconds since the epoch (what span times are in)."""
         return time.time_ns() - int((self.loop.time() - t) * 1e9)
@@ -107,8 +122,8 @@ class RequestTrace:
     """The spans of one request (see the module doc). Every method is a no-op past
     the root when the request is not sampled."""
 
-    __slots__ = ("attempt", "attempts", "leg", "operation", "propagation", "recording", "relay", "root",
-                 "root_context", "token", "tracer")
+    __slots__ = ("attempt", "attempts", "carrier", "exemplar_labels", "leg", "operation", "propagation", "recording",
+                 "relay", "root", "root_context", "token", "tracer")
 
     def __init__(self, tracer: Tracer, api: Api, headers: Mapping[str, str], request_id: str) -> None:
         self.tracer, self.operation = tracer, api.operation
@@ -121,11 +136,15 @@ class RequestTrace:
         self.root_context = trace.set_span_in_context(self.root, parent)
         self.token = otel_context.attach(self.root_context)
         self.recording = self.root.is_recording()
+        # a sampled request's latencies point at its trace (OpenMetrics exemplars)
+        self.exemplar_labels = {"trace_id": trace.format_trace_id(self.root.get_span_context().trace_id)} \
+            if self.recording else None
         self.leg: Span | None = None  # the prefill leg, while it runs: its attempts' parent
         self.attempt: Span | None = None  # the current attempt
         self.relay: Span | None = None
         self.attempts = 0
-        self.propagation = b""  # the current attempt's trace context as header lines (see attempt_began)
+        self.carrier: dict[str, str] = {}  # the current attempt's trace context as headers (see attempt_began)
+        self.propagation = b""  # the same, as HTTP/1.1 header lines
 
     # --- the director -----------------------------------------------------------------------------
 
@@ -176,13 +195,14 @@ class RequestTrace:
     def attempt_began(self, decision: Decision, pool: str, since: float, model: str, host: str, port: int) -> None:
         """The decision core chose ``decision`` (a backend of ``pool`` at ``host``:``port``)
         for ``model``, having started at loop time ``since`` (the ``route`` span), and an
-        attempt there begins (its CLIENT span). :attr:`propagation` is then the header
-        lines that carry the attempt's trace context to the backend (``traceparent``,
-        and ``tracestate`` when the caller sent one)."""
+        attempt there begins (its CLIENT span). :attr:`carrier` is then the headers
+        that carry the attempt's trace context to the backend (``traceparent``, and
+        ``tracestate`` when the caller sent one), and :attr:`propagation` the same as
+        header lines."""
         self.attempts += 1
         if not self.recording:
             if not self.propagation:
-                self.propagation = _header_lines(self.root_context)
+                self._propagate(self.root_context)
             return
         d = decision.detail
         backend = decision.backend.name
@@ -204,7 +224,7 @@ class RequestTrace:
             {"gen_ai.operation.name": op, "gen_ai.request.model": model, "server.address": host, "server.port": port,
              "turbo.backend": backend, "turbo.attempt": self.attempts,
              "turbo.leg": "prefill" if self.leg is not None else "serve"})
-        self.propagation = _header_lines(trace.set_span_in_context(span, self.root_context))
+        self._propagate(trace.set_span_in_context(span, self.root_context))
 
     def attempt_ended(self, err: UpstreamError | None = None) -> None:
         """The current attempt ended: answered (``err`` None), or failed with ``err``
@@ -239,6 +259,14 @@ class RequestTrace:
             self.leg.end()
             self.leg = None
 
+    def _propagate(self, ctx: otel_context.Context) -> None:
+        """:attr:`carrier` and :attr:`propagation`: ``ctx``'s trace context, through the
+        propagators (a value with a line break, which they never make, is left out)."""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, ctx)
+        self.carrier = {k: v for k, v in carrier.items() if "\r" not in v and "\n" not in v and "\x00" not in v}
+        self.propagation = "".join([f"{k}: {v}\r\n" for k, v in self.carrier.items()]).encode("latin-1", "replace")
+
     def _parent(self) -> otel_context.Context:
         return trace.set_span_in_context(self.leg, self.root_context) if self.leg is not None else self.root_context
 
@@ -261,6 +289,14 @@ class RequestTrace:
             else self.root_context
         self.relay = span = self.tracer.tracer.start_span("relay", parent, start_time=start)
         span.add_event("first_token", {"turbo.ttft_s": ttft_s}, timestamp=start)
+
+    def exemplar(self, value: float, *histograms: Any) -> None:
+        """``value`` (seconds), observed in ``histograms`` (children of
+        :class:`gateway.ops.request_metrics.RequestMetric`) already, becomes their
+        exemplar, labelled with the trace id, when the request is sampled."""
+        if self.exemplar_labels is not None:
+            for h in histograms:
+                h.exemplar(value, self.exemplar_labels)
 
     def finish(self, status: int, model: str, usage: tuple[int, int, int] | None, fallback_reason: str) -> None:
         """The request was settled with ``status`` (499: the client left) by ``model``
@@ -291,15 +327,6 @@ class RequestTrace:
 def _failed(span: Span, error_type: str) -> None:
     span.set_attribute("error.type", error_type)
     span.set_status(StatusCode.ERROR)
-
-
-def _header_lines(ctx: otel_context.Context) -> bytes:
-    """``ctx``'s trace context as HTTP/1.1 header lines, through the propagators (a
-    value with a line break, which they never make, is left out)."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, ctx)
-    return "".join([f"{k}: {v}\r\n" for k, v in carrier.items()
-                    if "\r" not in v and "\n" not in v and "\x00" not in v]).encode("latin-1", "replace")
 
 
 _log_factory_installed = False

@@ -86,6 +86,7 @@ def first_byte(state: GatewayState, ctx: RequestContext, reservation: Reservatio
     s.pool_ttft.observe(ttft)
     if ctx.trace is not None:
         ctx.trace.first_token(at, ttft, head)
+        ctx.trace.exemplar(ttft, s.ttft, s.pool_ttft)
 
 
 def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation, usage: Any, events: int,
@@ -230,7 +231,10 @@ def finish(state: GatewayState, ctx: RequestContext, status: int) -> None:
         s = ctx.served or served(state, ctx)
         s.ok.inc()
         s.pool_ok.inc()
-        s.e2e.observe(state.loop.time() - ctx.arrival)
+        e2e = state.loop.time() - ctx.arrival
+        s.e2e.observe(e2e)
+        if ctx.trace is not None:
+            ctx.trace.exemplar(e2e, s.e2e)
         return
     m.child(m.requests, ctx.model or ctx.parsed.model, ctx.backend or "none", str(status)).inc()
     m.child(m.pool_requests, _pool(state, ctx), str(status)).inc()

@@ -268,5 +268,5 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[STATE].metrics.render(),
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    body, content_type = request.app[STATE].metrics.exposition(request.headers.get("Accept", ""))
+    return web.Response(body=body, headers={"Content-Type": content_type})

@@ -9,7 +9,7 @@ import asyncio
 import signal
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,9 +106,10 @@ class PickerStack:
 
 
 @asynccontextmanager
-async def picker_stack(cfg, backend_urls: dict[str, str] | None = None, *,
-                       fail_open: bool = False) -> AsyncIterator[PickerStack]:
-    """The gateway (in process) with its endpoint picker, behind a real Envoy."""
+async def picker_stack(cfg, backend_urls: dict[str, str] | None = None, *, fail_open: bool = False,
+                       bootstrap: Callable[[dict], None] | None = None) -> AsyncIterator[PickerStack]:
+    """The gateway (in process) with its endpoint picker, behind a real Envoy
+    (``bootstrap``: changes the rendered bootstrap in place before Envoy starts)."""
     async with running_gateway(cfg, backend_urls) as gw:
         picker = EndpointPicker(gw.state)
         port = await picker.start("127.0.0.1", 0)
@@ -116,6 +117,8 @@ async def picker_stack(cfg, backend_urls: dict[str, str] | None = None, *,
             listen, admin = free_port(), free_port()
             boot = render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{port}", f"127.0.0.1:{admin}", fail_open,
                           backend_urls)
+            if bootstrap is not None:
+                bootstrap(boot)
             async with envoy(boot, listen, admin) as e:
                 yield PickerStack(gw, picker, e)
         finally:

@@ -10,19 +10,15 @@ completion or key in any span. Tracing off: test_tracing_off.py."""
 from __future__ import annotations
 
 import asyncio
-import gzip
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 import openai
 import pytest
 from aiohttp import web
 
+from tests.support.otlp import OtlpReceiver, children, strings, tracing_config
 from tests.support.servers import ScriptedBackend, default_answer, gateway_config, running_gateway, sse_chunk
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra (pip install -e '.[test]')")
@@ -31,93 +27,6 @@ KEY = "sk-tracing-secret-0123456789"
 PROMPT = "a-very-private-prompt-about-penguins"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
-
-
-@dataclass
-class Span:
-    name: str
-    trace_id: str
-    span_id: str
-    parent: str
-    kind: int
-    attrs: dict[str, Any]
-    events: list[tuple[str, dict[str, Any]]]
-    status: int
-    start: int
-    end: int
-    resource: dict[str, Any] = field(default_factory=dict)
-
-
-def _value(v: dict[str, Any]) -> Any:
-    """An OTLP/JSON ``AnyValue`` as Python (``intValue`` is a decimal string there)."""
-    for kind, got in v.items():
-        if kind == "intValue":
-            return int(got)
-        if kind == "arrayValue":
-            return [_value(x) for x in got.get("values", [])]
-        return got
-    return None
-
-
-def _attrs(items: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return {a["key"]: _value(a.get("value", {})) for a in items or ()}
-
-
-@dataclass
-class OtlpReceiver:
-    """An OTLP/HTTP traces endpoint (``POST /v1/traces``, JSON encoding) keeping every span."""
-
-    spans: list[Span] = field(default_factory=list)
-    url: str = ""
-
-    async def _traces(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        if request.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        assert request.content_type == "application/json"
-        req = json.loads(body)
-        for rs in req.get("resourceSpans", []):
-            resource = _attrs(rs.get("resource", {}).get("attributes"))
-            for ss in rs.get("scopeSpans", []):
-                for s in ss.get("spans", []):
-                    self.spans.append(Span(
-                        s["name"], s["traceId"], s["spanId"], s.get("parentSpanId", ""), s["kind"],
-                        _attrs(s.get("attributes")),
-                        [(e["name"], _attrs(e.get("attributes"))) for e in s.get("events", [])],
-                        s.get("status", {}).get("code", 0), int(s["startTimeUnixNano"]),
-                        int(s["endTimeUnixNano"]), resource))
-        return web.json_response({})
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[OtlpReceiver]:
-        app = web.Application()
-        app.router.add_post("/v1/traces", self._traces)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/traces"
-        try:
-            yield self
-        finally:
-            await runner.cleanup()
-
-
-def _tracing(receiver: OtlpReceiver, **extra: Any) -> dict[str, Any]:
-    return {"enabled": True, "endpoint": receiver.url, "service_name": "gw-under-test", **extra}
-
-
-def _children(spans: list[Span], parent: Span) -> list[Span]:
-    return sorted((s for s in spans if s.parent == parent.span_id), key=lambda s: s.start)
-
-
-def _strings(spans: list[Span]) -> list[str]:
-    out = []
-    for s in spans:
-        out += [s.name, *map(str, s.attrs.values()), *map(str, s.resource.values())]
-        for name, attrs in s.events:
-            out += [name, *map(str, attrs.values())]
-    return out
 
 
 async def test_a_streamed_chat_with_one_retry_is_one_trace_joined_to_the_caller_and_the_engine(caplog):
@@ -133,7 +42,8 @@ async def test_a_streamed_chat_with_one_retry_is_one_trace_joined_to_the_caller_
     a, b, receiver = ScriptedBackend(handler=first_fails), ScriptedBackend(handler=first_fails), OtlpReceiver()
     async with receiver.running(), a.running(), b.running():
         backends = [{"name": "a", "url": a.url, "models": ["m"]}, {"name": "b", "url": b.url, "models": ["m"]}]
-        cfg = gateway_config(backends, auth=keys, tracing=_tracing(receiver), retries={"failed_backend_cooldown_s": 0})
+        cfg = gateway_config(backends, auth=keys, tracing=tracing_config(receiver),
+                             retries={"failed_backend_cooldown_s": 0})
         async with running_gateway(cfg) as gw:
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
             with caplog.at_level(logging.INFO, logger="gateway"):
@@ -159,7 +69,7 @@ async def test_a_streamed_chat_with_one_retry_is_one_trace_joined_to_the_caller_
     assert "turbo.key.name" not in root.attrs  # tracing.record_key_name is off
     assert root.status == 0  # unset: the request was answered
 
-    kids = _children(spans, root)
+    kids = children(spans, root)
     assert [s.name for s in kids] == ["admission", "route", "chat m", "route", "chat m"]
     admission, route1, first, route2, second = kids
     assert admission.end <= route1.start
@@ -174,11 +84,11 @@ async def test_a_streamed_chat_with_one_retry_is_one_trace_joined_to_the_caller_
         assert attempt.attrs["server.address"] == "127.0.0.1" and attempt.attrs["server.port"] > 0
     assert first.attrs["turbo.attempt"] == 1 and second.attrs["turbo.attempt"] == 2
     assert first.status == 2 and first.attrs["error.type"] == "status_503"  # STATUS_CODE_ERROR
-    assert first.attrs["http.response.status_code"] == 503 and _children(spans, first) == []
+    assert first.attrs["http.response.status_code"] == 503 and children(spans, first) == []
     assert second.status == 0 and second.attrs["gen_ai.response.id"] == "chatcmpl-test"
     assert second.attrs["gen_ai.usage.output_tokens"] == 3 and first.end <= second.start
 
-    (relay,) = _children(spans, second)
+    (relay,) = children(spans, second)
     assert relay.name == "relay" and [e[0] for e in relay.events] == ["first_token", "end"]
     assert relay.events[0][1]["turbo.ttft_s"] > 0 and relay.events[1][1]["http.response.status_code"] == 200
     assert len(spans) == 7
@@ -188,7 +98,7 @@ async def test_a_streamed_chat_with_one_retry_is_one_trace_joined_to_the_caller_
     sent = [h for be in (a, b) for h in be.headers]
     assert all({k.lower(): v for k, v in h.items()}.get("tracestate") == "vendor=x1" for h in sent)
 
-    everything = " ".join(_strings(spans))
+    everything = " ".join(strings(spans))
     assert PROMPT not in everything and KEY not in everything and "t0" not in everything
     assert "team-a" not in everything
 
@@ -206,7 +116,7 @@ async def test_a_refused_request_and_a_request_without_traceparent_start_their_o
     be, receiver = ScriptedBackend(), OtlpReceiver()
     async with receiver.running(), be.running():
         cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], auth=keys,
-                             tracing=_tracing(receiver, record_key_name=True))
+                             tracing=tracing_config(receiver, record_key_name=True))
         async with running_gateway(cfg) as gw:
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
             with pytest.raises(openai.NotFoundError):
@@ -218,22 +128,22 @@ async def test_a_refused_request_and_a_request_without_traceparent_start_their_o
     assert len(roots) == 2 and len({s.trace_id for s in roots}) == 2
     refused = next(s for s in roots if s.name == "POST /v1/chat/completions")
     assert refused.attrs["http.response.status_code"] == 404 and refused.attrs["error.type"] == "model_not_found"
-    assert refused.status == 2 and _children(receiver.spans, refused) == []
+    assert refused.status == 2 and children(receiver.spans, refused) == []
     served = next(s for s in roots if s.name == "POST /v1/completions")
     assert served.attrs["gen_ai.operation.name"] == "text_completion" and served.attrs["turbo.key.name"] == "team-a"
-    assert [s.name for s in _children(receiver.spans, served)] == ["admission", "route", "text_completion m"]
+    assert [s.name for s in children(receiver.spans, served)] == ["admission", "route", "text_completion m"]
     (attempt,) = [s for s in receiver.spans if s.kind == 3]
     (sent,) = [{k.lower(): v for k, v in h.items()} for h in be.headers]
     version, trace_id, parent, flags = sent["traceparent"].split("-")
     assert (version, trace_id, parent) == ("00", served.trace_id, attempt.span_id) and "tracestate" not in sent
     assert int(flags, 16) & 1  # sampled (0x02, a random trace id, may be set too)
-    assert PROMPT not in " ".join(_strings(receiver.spans)) and KEY not in " ".join(_strings(receiver.spans))
+    assert PROMPT not in " ".join(strings(receiver.spans)) and KEY not in " ".join(strings(receiver.spans))
 
 
 async def test_an_unsampled_caller_gets_no_spans_but_its_backend_still_joins_its_trace():
     be, receiver = ScriptedBackend(), OtlpReceiver()
     async with receiver.running(), be.running():
-        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], tracing=_tracing(receiver))
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], tracing=tracing_config(receiver))
         async with running_gateway(cfg) as gw:
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
@@ -249,7 +159,7 @@ async def test_sample_ratio_zero_traces_nothing_and_sends_an_unsampled_tracepare
     be, receiver = ScriptedBackend(), OtlpReceiver()
     async with receiver.running(), be.running():
         cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}],
-                             tracing=_tracing(receiver, sample_ratio=0.0))
+                             tracing=tracing_config(receiver, sample_ratio=0.0))
         async with running_gateway(cfg) as gw:
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
             for _ in range(3):
@@ -289,7 +199,7 @@ async def test_the_prefill_leg_is_a_span_whose_attempt_sends_the_prefill_backend
             [{"name": "pf", "url": pf.url, "models": ["m"], "pool": "prefill"},
              {"name": "dc", "url": dc.url, "models": ["m"], "pool": "decode"}],
             pools=[{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"}],
-            routing={"long_prompt_tokens": 256, "scrape_interval_s": 0}, tracing=_tracing(receiver))
+            routing={"long_prompt_tokens": 256, "scrape_interval_s": 0}, tracing=tracing_config(receiver))
         async with running_gateway(cfg) as gw:
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
             raw = await client.chat.completions.with_raw_response.create(
@@ -297,19 +207,19 @@ async def test_the_prefill_leg_is_a_span_whose_attempt_sends_the_prefill_backend
             await client.close()
     assert raw.headers["x-turbo-backend"] == "dc"
     (root,) = [s for s in receiver.spans if s.parent == ""]
-    assert [s.name for s in _children(receiver.spans, root)] == ["admission", "prefill", "route", "chat m"]
-    leg = _children(receiver.spans, root)[1]
+    assert [s.name for s in children(receiver.spans, root)] == ["admission", "prefill", "route", "chat m"]
+    leg = children(receiver.spans, root)[1]
     assert leg.attrs["turbo.prefill.outcome"] == "ok"
-    route, attempt = _children(receiver.spans, leg)
+    route, attempt = children(receiver.spans, leg)
     assert route.name == "route" and (route.attrs["turbo.route.pool"], route.attrs["turbo.route.backend"]) == (
         "prefill", "pf")
     assert attempt.kind == 3 and attempt.attrs["turbo.backend"] == "pf" and attempt.attrs["turbo.leg"] == "prefill"
-    decode = _children(receiver.spans, root)[3]
+    decode = children(receiver.spans, root)[3]
     assert decode.attrs["turbo.backend"] == "dc" and decode.attrs["turbo.leg"] == "serve"
     for backend, span in ((pf, attempt), (dc, decode)):
         (sent,) = [{k.lower(): v for k, v in h.items()} for h in backend.headers]
         assert sent["traceparent"].split("-")[1:3] == [root.trace_id, span.span_id]
-    assert PROMPT not in " ".join(_strings(receiver.spans))
+    assert PROMPT not in " ".join(strings(receiver.spans))
 
 
 async def test_a_stream_that_breaks_after_its_first_event_ends_its_relay_span_with_the_error():
@@ -322,7 +232,7 @@ async def test_a_stream_that_breaks_after_its_first_event_ends_its_relay_span_wi
 
     be, receiver = ScriptedBackend(handler=breaks), OtlpReceiver()
     async with receiver.running(), be.running():
-        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], tracing=_tracing(receiver))
+        cfg = gateway_config([{"name": "b", "url": be.url, "models": ["m"]}], tracing=tracing_config(receiver))
         async with running_gateway(cfg) as gw:
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
             stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
@@ -332,8 +242,8 @@ async def test_a_stream_that_breaks_after_its_first_event_ends_its_relay_span_wi
                     pass
             await client.close()
     (root,) = [s for s in receiver.spans if s.parent == ""]
-    (attempt,) = [s for s in _children(receiver.spans, root) if s.kind == 3]
-    (relay,) = _children(receiver.spans, attempt)
+    (attempt,) = [s for s in children(receiver.spans, root) if s.kind == 3]
+    (relay,) = children(receiver.spans, attempt)
     assert attempt.status == 2 and attempt.attrs["error.type"] == "disconnected"
     assert [name for name, _ in relay.events] == ["first_token", "end"] and relay.status == 2
     assert relay.events[1][1]["error.type"] == "disconnected"
