@@ -13,7 +13,8 @@ Interface
                        prefill_only=False,          # do_remote_decode: stop after prefill
                        remote_prefill_tokens=0,     # do_remote_prefill: KV arrives by transfer
                        output_tokens=None,          # emit EOS after this many tokens ("stop")
-                       seed=None)                   # output-token seed (default: from prompt)
+                       seed=None,                   # output-token seed (default: none)
+                       context=None)                # CRC-32 of the prompt text (default: of its ids)
     engine.abort(req_id)                            # frees its KV blocks at once
     dt, outputs = engine.step(now)                  # one engine step starting at `now`
     engine.has_work() -> bool
@@ -302,7 +303,7 @@ class Request:
     """Engine-side state of one request (internal)."""
 
     __slots__ = (
-        "req_id", "token_ids", "prompt_len", "max_tokens", "output_tokens", "seed",
+        "req_id", "token_ids", "prompt_len", "max_tokens", "output_tokens", "seed", "context",
         "num_output", "num_computed", "blocks", "hashes", "num_registered", "status",
         "num_cached_tokens", "prefill_only", "remote_prefill_tokens", "kv_ready_at",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "lora",
@@ -310,7 +311,7 @@ class Request:
     )
 
     def __init__(self, req_id, prompt, max_tokens, arrival_time, prefill_only,
-                 remote_prefill_tokens, output_tokens, seed, lora=None, lora_id=None):
+                 remote_prefill_tokens, output_tokens, seed, lora=None, lora_id=None, context=0):
         self.req_id = req_id
         self.lora = lora
         self.lora_id = lora_id
@@ -319,6 +320,7 @@ class Request:
         self.max_tokens = max_tokens
         self.output_tokens = output_tokens
         self.seed = seed
+        self.context = context  # CRC-32 of the text so far: the prompt's, then each generated token's
         self.num_output = 0
         self.num_computed = 0
         self.blocks: list[int] = []
@@ -362,6 +364,7 @@ class Engine:
         self.block_size = profile.block_size
         # Whose ids the generated tokens are (the emulator's by default).
         self.tok = tok or tokenizer.EMULATOR
+        self._token_text: dict[int, bytes] = {}  # generated token id -> its text (UTF-8)
         self.kv = KVCache(profile.num_gpu_blocks, profile.block_size, record_events=kv_events)
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
@@ -434,11 +437,20 @@ class Engine:
         seed: int | None = None,
         lora: str | None = None,
         lora_id: int | None = None,
+        context: int | None = None,
     ) -> None:
         """Queue a request (see module docstring for the flags; ``lora``: the adapter
         it runs with, LoRA must be on; ``lora_id``: that adapter's id on the server,
         vLLM's ``lora_int_id``, reported in KV events). Its KV blocks are its adapter's
-        own (:func:`lora_extra_key`). Units: tokens, seconds."""
+        own (:func:`lora_extra_key`). Units: tokens, seconds.
+
+        The output is greedy and a function of the text before each token: token ``k``
+        is ``tok.output_token_id(seed, c_k)`` where ``c_k`` is the CRC-32 of the prompt's
+        text (``context``; default: the CRC-32 of its token ids) followed by the text
+        of the tokens generated before it (``seed``: the request's, default 0). A request
+        whose prompt is another's prompt text followed by the first ``k`` tokens that one
+        generated (a generation continued elsewhere) therefore goes on with that one's
+        token ``k``, as a greedy model would."""
         p = self.profile
         n = len(prompt_token_ids)
         if req_id in self.requests:
@@ -458,11 +470,13 @@ class Engine:
         if -(-(n + max_tokens) // p.block_size) > p.num_gpu_blocks:
             raise ValueError(f"request needs more KV blocks than the cache has ({p.num_gpu_blocks})")
         if seed is None:
-            seed = zlib.crc32(array("I", prompt_token_ids).tobytes())
+            seed = 0
+        if context is None:
+            context = zlib.crc32(array("I", prompt_token_ids).tobytes())
         if lora is not None and self.max_loras is None:
             raise ValueError("LoRA is not enabled on this engine")
         req = Request(req_id, prompt_token_ids, max_tokens, arrival_time, prefill_only,
-                      max(0, int(remote_prefill_tokens)), output_tokens, seed, lora, lora_id)
+                      max(0, int(remote_prefill_tokens)), output_tokens, seed, lora, lora_id, context)
         self.requests[req_id] = req
         self.waiting.append(req)
 
@@ -732,7 +746,11 @@ class Engine:
                 new_ids: list[int] = []
                 reason = "stop"
             else:
-                tok = self.tok.output_token_id(req.seed, k)
+                tok = self.tok.output_token_id(req.seed, req.context)
+                text = self._token_text.get(tok)
+                if text is None:
+                    text = self._token_text[tok] = self.tok.detokenize([tok]).encode()
+                req.context = zlib.crc32(text, req.context)
                 new_ids = [tok]
                 req.token_ids.append(tok)
                 req.num_output = k + 1
@@ -1039,7 +1057,7 @@ class AsyncEngineRunner:
         """Add a request and yield its :class:`RequestOutput` per step until finished.
 
         ``kw`` goes to :meth:`Engine.add_request` (``prefill_only``,
-        ``remote_prefill_tokens``, ``output_tokens``, ``seed``). Raises ValueError
+        ``remote_prefill_tokens``, ``output_tokens``, ``seed``, ``context``). Raises ValueError
         from ``add_request`` before yielding anything.
         """
         stream = self.submit(req_id, prompt_token_ids, max_tokens, **kw)

@@ -4,7 +4,7 @@
   simulator uses (chat completions, Responses, Anthropic Messages), so a conversation
   shares its prefix-cache blocks across turns whatever API carries it.
 * :func:`prompt_token_ids`: a chat or completions request's prompt as token ids, checked
-  as vLLM checks them.
+  as vLLM checks them; :func:`read_prompt` with its text, from which the output follows.
 * :class:`BadRequest`: a refusal (status, message, param, error type, headers), which
   each API answers in its own error shape; :func:`error_response` is the OpenAI/vLLM one.
 """
@@ -40,11 +40,16 @@ def content_text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def render_chat(messages: list[Any], tools: Any = None) -> str:
+def render_chat(messages: list[Any], tools: Any = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
     """ChatML rendering of chat messages, ending with the assistant header::
 
         <|im_start|>system\\nYou are...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
-    """
+
+    ``add_generation_prompt=False``: without the header. ``continue_final_message``: the
+    last message is left open (no ``<|im_end|>``), so the model continues it (vLLM's
+    and SGLang's request fields of the same names): a partial answer sent back this way
+    renders as the header followed by that text, exactly what the model had generated."""
     out = []
     if tools:
         out.append("<|im_start|>system\n# Tools\n" + orjson.dumps(tools).decode() + "<|im_end|>\n")
@@ -55,7 +60,10 @@ def render_chat(messages: list[Any], tools: Any = None) -> str:
         if m.get("tool_calls"):
             text += orjson.dumps(m["tool_calls"]).decode()
         out.append(f"<|im_start|>{m.get('role', 'user')}\n{text}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
+    if continue_final_message and out:
+        out[-1] = out[-1][: -len("<|im_end|>\n")]
+    elif add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
     return "".join(out)
 
 
@@ -114,23 +122,53 @@ def prompt_token_ids(data: dict[str, Any], chat: bool,
     """Token ids of the request's prompt with ``tok`` (a rendered chat without added
     special tokens, a text prompt with them, as vLLM). A prompt given as token ids is
     checked as vLLM checks it (:func:`check_token_ids`). Raises :class:`BadRequest`."""
+    return read_prompt(data, chat, tok)[0]
+
+
+def read_prompt(data: dict[str, Any], chat: bool,
+                tok: tokenizer.Tokenizer = tokenizer.EMULATOR) -> tuple[list[int], str | None]:
+    """The request's prompt: its token ids (:func:`prompt_token_ids`) and its text (a
+    chat rendered, a text prompt; ``None`` for token ids), from which the engine's
+    output follows (:meth:`loadtest.sim.engine.Engine.add_request`'s ``context``).
+
+    A chat may ask to continue its last message (``continue_final_message: true`` with
+    ``add_generation_prompt: false``; both true is vLLM's 400): the text is rendered
+    open-ended (:func:`render_chat`) and the last message's text is tokenized apart from
+    the template before it, as a BPE tokenizer keeps the header's newline apart from the
+    next word, so that a partial answer sent back counts the tokens it was generated as.
+    Raises :class:`BadRequest`."""
     if chat:
         msgs = data.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("`messages` must be a non-empty list", "messages")
-        return tok.tokenize(render_chat(msgs, data.get("tools")), add_special_tokens=False)
+        agp, cont = data.get("add_generation_prompt", True), data.get("continue_final_message", False)
+        if not isinstance(agp, bool) or not isinstance(cont, bool):
+            raise BadRequest("`add_generation_prompt` and `continue_final_message` must be booleans",
+                             "continue_final_message")
+        if agp and cont:
+            raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        tools = data.get("tools")
+        last = msgs[-1]
+        if cont and isinstance(last, dict):
+            head = render_chat([*msgs[:-1], {"role": last.get("role", "user"), "content": ""}], tools, False, True)
+            tail = content_text(last.get("content"))
+            ids = tok.tokenize(head, add_special_tokens=False) + (tok.tokenize(tail, add_special_tokens=False)
+                                                                  if tail else [])
+            return ids, head + tail
+        text = render_chat(msgs, tools, agp)
+        return tok.tokenize(text, add_special_tokens=False), text
     p = data.get("prompt")
     loc = "body.prompt"
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p, loc = p[0], "body.prompt.0"
     if isinstance(p, str):
-        return tok.tokenize(p)
+        return tok.tokenize(p), p
     if isinstance(p, list) and len(p) > 1 and (all(isinstance(x, str) for x in p)
                                                or all(isinstance(x, list) for x in p)):
         raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)",
                          "prompt")
     if isinstance(p, list) and p and isinstance(p[0], (int, float)):
-        return check_token_ids(p, loc, tok.vocab_size)
+        return check_token_ids(p, loc, tok.vocab_size), None
     raise BadRequest("`prompt` must be a string or a list of token ids", "prompt")
 
 

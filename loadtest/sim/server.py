@@ -14,9 +14,13 @@ Endpoints (shapes follow vLLM's OpenAI server)
   with ``stream_options.include_usage`` a final ``choices: []`` chunk carries it
   (``continuous_usage_stats`` puts running usage on every chunk). ``max_tokens`` /
   ``max_completion_tokens`` (default: the rest of ``max_model_len``, as vLLM),
-  ``ignore_eos``, ``min_tokens``, ``seed``. A chat stream starts with a role-only chunk
-  (``delta: {"role": "assistant", "content": ""}``) as vLLM's does; every generated
-  token is one chunk and one whitespace-separated word.
+  ``ignore_eos``, ``min_tokens``, ``seed``, and for chat ``add_generation_prompt`` and
+  ``continue_final_message`` (continue the last message: :func:`read_prompt`). A chat
+  stream starts with a role-only chunk (``delta: {"role": "assistant", "content": ""}``)
+  as vLLM's does; every generated token is one chunk and one whitespace-separated word.
+  The output is greedy, a function of the prompt's text
+  (:meth:`loadtest.sim.engine.Engine.add_request`): a generation continued on another
+  backend (the prompt followed by the text generated so far) goes on with the same words.
 * The other APIs engines serve (:mod:`loadtest.sim.apis`, one adapter each, all on the
   path of :meth:`SimBackend.serve`): ``POST /v1/responses`` (OpenAI Responses, streamed
   or not), ``POST /v1/messages`` (Anthropic Messages, streamed or not, errors in
@@ -67,6 +71,7 @@ import itertools
 import random
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -78,7 +83,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from loadtest.sim import apis, tokenizer
 from loadtest.sim.apis import Api
 from loadtest.sim.engine import AsyncEngineRunner, Engine, RequestOutput, RequestStream, _Stat
-from loadtest.sim.prompt import BadRequest, check_token_ids, dumps, error_response, prompt_token_ids
+from loadtest.sim.prompt import BadRequest, check_token_ids, dumps, error_response, prompt_token_ids, read_prompt
 from loadtest.sim.spec import FaultConfig, KVEventsConfig, LoraConfig, SimBackendConfig
 
 if TYPE_CHECKING:
@@ -872,7 +877,7 @@ class SimBackend:
         try:
             data, lora = await self._admit(request)
             model = data["model"]
-            ids = prompt_token_ids(data, chat, self.tok)
+            ids, text = read_prompt(data, chat, self.tok)
             max_tokens = data.get("max_completion_tokens")
             if max_tokens is None:
                 max_tokens = data.get("max_tokens")
@@ -894,6 +899,8 @@ class SimBackend:
             return e.response()
 
         kw: dict[str, Any] = dict(lora)
+        if text is not None:  # the output follows from the prompt's text (Engine.add_request)
+            kw["context"] = zlib.crc32(text.encode())
         prefill_only = bool(kvp and kvp.get("do_remote_decode") and self.role in ("mixed", "prefill"))
         if prefill_only:
             kw["prefill_only"] = True

@@ -128,6 +128,34 @@ async def test_chat_stream_and_completion_shapes():
         assert status == 400 and "maximum context length" in orjson.loads(raw)["error"]["message"]
 
 
+async def test_a_generation_continued_from_its_text_goes_on_with_the_same_words():
+    """The output is greedy, a function of the text before each token: the prompt
+    followed by the first k words of an answer (a chat's last message continued, a text
+    prompt extended) yields the rest of that answer, and counts the prompt's tokens as
+    the first request's prompt plus those k tokens."""
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    async with backends({"name": "a"}, {"name": "b"}) as (s, a, b):
+        _, _, raw = await post(s, a.url, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 20})
+        whole = orjson.loads(raw)
+        text = whole["choices"][0]["message"]["content"]
+        part = "".join(" " + w for w in text.split(" ")[1:8])  # its first 7 words
+        body = {"model": MODEL, "max_tokens": 13, "add_generation_prompt": False, "continue_final_message": True,
+                "messages": [*msgs, {"role": "assistant", "content": part}]}
+        _, _, raw = await post(s, b.url, "/v1/chat/completions", body)
+        rest = orjson.loads(raw)
+        assert part + rest["choices"][0]["message"]["content"] == text
+        assert rest["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] + 7
+        status, _, raw = await post(s, b.url, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+        assert status == 400 and "continue_final_message" in orjson.loads(raw)["error"]["message"]
+
+        _, _, raw = await post(s, a.url, "/v1/completions", {"model": MODEL, "prompt": "Once upon", "max_tokens": 9})
+        text = orjson.loads(raw)["choices"][0]["text"]
+        part = "".join(" " + w for w in text.split(" ")[1:4])
+        _, _, raw = await post(s, b.url, "/v1/completions", {"model": MODEL, "prompt": "Once upon" + part,
+                                                              "max_tokens": 6})
+        assert part + orjson.loads(raw)["choices"][0]["text"] == text
+
+
 async def test_bad_token_ids_get_vllms_400s():
     """A prompt of token ids is checked as vLLM 0.32 checks it: its request model
     (``list[Annotated[int, Field(ge=0)]]``, pydantic's lax integers) answers a negative
