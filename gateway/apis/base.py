@@ -17,6 +17,11 @@ each API is an :class:`Api` whose few methods say how its requests and answers r
   reports;
 - :meth:`Api.error_body` and :meth:`Api.error_event`: an error in the shape that API's
   clients parse, whole or as the last event of a stream;
+- :meth:`Api.continuable`, :meth:`Api.relayed_text`, :meth:`Api.continuation` and
+  :meth:`Api.spliced`: how a stream whose backend failed is continued on another
+  (:mod:`gateway.pipeline.migration`): whether a request may be, the text one event
+  relayed, the request that continues after that text, and a continuation's event
+  rewritten into the client's stream (an API that defines none is never continued);
 
 and a few attributes: its path, its OpenTelemetry ``gen_ai.operation.name``, whether it
 generates (embeddings and rerank do not: their cost is prefill only), how its stream
@@ -148,6 +153,35 @@ class Api:
         error body for ``status`` (OpenAI's: a ``data:`` event holding it, as vLLM and
         OpenAI send it; the openai SDK raises it)."""
         return b"data: " + body + b"\n\n"
+
+
+    def continuable(self, data: dict[str, Any]) -> bool:
+        """Whether a stream answering request ``data`` may be continued on another
+        backend when its own fails: only when the continuation can be faithful (the
+        same answer a greedy engine would have given, the request's parameters kept)."""
+        return False
+
+    def relayed_text(self, event: dict[str, Any]) -> str | None:
+        """The text one event of a stream of this API adds to the answer (``""``: none),
+        or ``None`` when what it carries cannot be continued as text (a tool call,
+        reasoning, logprobs, another choice, the answer's end, an error)."""
+        return None
+
+    def continuation(self, data: dict[str, Any], text: str, tokens: int) -> dict[str, Any] | None:
+        """The request object that continues the answer to request ``data`` after its
+        first ``tokens`` tokens, ``text``, went to the client: the same request, the
+        text as the start of the answer, the output-token caps reduced by ``tokens``;
+        ``None`` when it cannot be continued (no token left)."""
+        return None
+
+    def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
+                tokens: int) -> dict[str, Any] | None:
+        """A continuation's stream ``event`` rewritten as an event of the client's
+        stream, whose first event's identity fields were ``head`` and which had relayed
+        ``tokens`` tokens before; its usage says ``prompt_tokens`` (``None``: the
+        continuation's prompt less ``tokens``) and the whole answer's completion tokens.
+        ``None``: the event is dropped (a second start of the answer)."""
+        return event
 
 
 def reshape(api: Api, status: int, body: bytes) -> bytes:

@@ -2,7 +2,20 @@
 (``POST /v1/completions``): the two APIs every engine serves, whose streams end with
 ``data: [DONE]`` and carry their usage when asked (``stream_options.include_usage``,
 which the gateway asks for on the client's behalf:
-:func:`gateway.pipeline.openai_request.request_usage`)."""
+:func:`gateway.pipeline.openai_request.request_usage`).
+
+A stream of either may be continued on another backend (:mod:`gateway.pipeline.migration`):
+chat as the conversation with the text so far as a last assistant message that the
+engine continues (``continue_final_message: true``, ``add_generation_prompt: false``:
+vLLM's and SGLang's fields; llama.cpp continues a last assistant message by itself),
+completions as the prompt followed by the text so far. Not continued, because the
+continuation could not be faithful: ``n`` or ``best_of`` above 1, logprobs asked for
+(``logprobs``, ``top_logprobs``, ``prompt_logprobs``), ``echo``, a completions
+``suffix`` or a prompt that is not one string, structured output (``response_format``
+``json_object`` or ``json_schema``, vLLM's ``guided_*`` and ``structured_outputs``: the
+engine would constrain the continuation as a whole new document), a forced tool call
+(``tool_choice`` ``required`` or a named function); and at the failure, an answer that
+had started a tool call or reasoning, or had ended (:meth:`relayed_text`)."""
 
 from __future__ import annotations
 
@@ -25,6 +38,86 @@ def _openai_fields(data: dict[str, Any]) -> Fields:
     return Fields(model, stream, include_usage, max_tokens if max_tokens is not None else mct)
 
 
+_UNFAITHFUL = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _continuable(data: dict[str, Any]) -> bool:
+    """The conditions both APIs share (see the module doc)."""
+    if data.get("n") not in (None, 1) or data.get("best_of") not in (None, 1):
+        return False
+    if any(data.get(f) not in (None, False) for f in _UNFAITHFUL):
+        return False
+    rf = data.get("response_format")
+    return not (isinstance(rf, dict) and rf.get("type") not in (None, "text"))
+
+
+def _relayed_text(event: dict[str, Any], chat: bool) -> str | None:
+    """The text choice 0 of one stream event adds (see :meth:`Api.relayed_text`)."""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or "error" in event:
+        return None
+    text = ""
+    for c in choices:
+        if not isinstance(c, dict) or c.get("index", 0) != 0 or c.get("finish_reason") is not None \
+                or c.get("logprobs"):
+            return None
+        if chat:
+            delta = c.get("delta")
+            if not isinstance(delta, dict) or delta.get("tool_calls") or delta.get("function_call") \
+                    or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("refusal"):
+                return None
+            part = delta.get("content")
+        else:
+            part = c.get("text")
+        if part is not None and not isinstance(part, str):
+            return None
+        text += part or ""
+    return text
+
+
+def _rest(data: dict[str, Any], tokens: int) -> dict[str, Any] | None:
+    """``data`` with its output-token caps (and ``min_tokens``) reduced by ``tokens``,
+    or ``None`` when no token is left."""
+    out = dict(data)
+    for f in ("max_tokens", "max_completion_tokens"):
+        cap = data.get(f)
+        if isinstance(cap, int) and not isinstance(cap, bool):
+            if cap - tokens < 1:
+                return None
+            out[f] = cap - tokens
+    floor = data.get("min_tokens")
+    if isinstance(floor, int) and not isinstance(floor, bool) and floor > 0:
+        out["min_tokens"] = max(floor - tokens, 0)
+    return out
+
+
+def _spliced(event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None, tokens: int,
+             chat: bool) -> dict[str, Any] | None:
+    """See :meth:`Api.spliced`: the client's ``id``, ``created`` and ``model``; the role-only
+    first chunk of a chat continuation dropped; usage rewritten for the whole answer."""
+    choices = event.get("choices")
+    if chat and isinstance(choices, list) and len(choices) == 1 and "usage" not in event:
+        c = choices[0]
+        delta = c.get("delta") if isinstance(c, dict) else None
+        if isinstance(delta, dict) and "role" in delta and not any(v for k, v in delta.items() if k != "role") \
+                and c.get("finish_reason") is None:
+            return None
+    event.update(head)
+    usage = event.get("usage")
+    if isinstance(usage, dict):
+        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(pt, int) and isinstance(ct, int):
+            prompt = prompt_tokens if prompt_tokens is not None else max(pt - tokens, 0)
+            usage = {**usage, "prompt_tokens": prompt, "completion_tokens": ct + tokens,
+                     "total_tokens": prompt + ct + tokens}
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                usage["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], prompt)}
+            event["usage"] = usage
+    return event
+
+
 class ChatCompletions(Api):
     """``POST /v1/chat/completions``: ``messages`` (a non-empty array of objects with
     a string ``role``), rendered through the model's chat template."""
@@ -43,6 +136,31 @@ class ChatCompletions(Api):
                                   param=f"messages[{i}]", code="invalid_value")
         return fields
 
+    def continuable(self, data: dict[str, Any]) -> bool:
+        tc = data.get("tool_choice")
+        return _continuable(data) and not (tc == "required" or isinstance(tc, dict))
+
+    def relayed_text(self, event: dict[str, Any]) -> str | None:
+        return _relayed_text(event, True)
+
+    def continuation(self, data: dict[str, Any], text: str, tokens: int) -> dict[str, Any] | None:
+        out = _rest(data, tokens)
+        if out is None:
+            return None
+        messages = list(data["messages"])
+        last = messages[-1]
+        if data.get("continue_final_message") is True and last.get("role") == "assistant" \
+                and isinstance(last.get("content"), str):  # the client's own start of the answer, continued
+            messages[-1] = {**last, "content": last["content"] + text}
+        else:
+            messages.append({"role": "assistant", "content": text})
+        out.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+        return out
+
+    def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
+                tokens: int) -> dict[str, Any] | None:
+        return _spliced(event, head, prompt_tokens, tokens, True)
+
 
 class Completions(Api):
     """``POST /v1/completions``: ``prompt`` (a string, token ids, or an array of
@@ -58,3 +176,19 @@ class Completions(Api):
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise missing("prompt", data, "a string or a non-empty array")
         return fields
+
+    def continuable(self, data: dict[str, Any]) -> bool:
+        return _continuable(data) and isinstance(data.get("prompt"), str) and not data.get("suffix")
+
+    def relayed_text(self, event: dict[str, Any]) -> str | None:
+        return _relayed_text(event, False)
+
+    def continuation(self, data: dict[str, Any], text: str, tokens: int) -> dict[str, Any] | None:
+        out = _rest(data, tokens)
+        if out is not None:
+            out["prompt"] = data["prompt"] + text
+        return out
+
+    def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
+                tokens: int) -> dict[str, Any] | None:
+        return _spliced(event, head, prompt_tokens, tokens, False)

@@ -10,6 +10,7 @@ module per concern:
 - :mod:`~gateway.config.stores`: ``state``, ``batch``, ``usage``;
 - :mod:`~gateway.config.tenancy`: ``auth``, ``admin``, ``admission``;
 - :mod:`~gateway.config.tracing`: ``tracing``;
+- :mod:`~gateway.config.migration`: ``migration``;
 - :mod:`~gateway.config.root`: :class:`GatewayConfig` and the checks across sections;
 - :mod:`~gateway.config.loader`: :func:`load_config`, :func:`parse_config`;
 - :mod:`~gateway.config.errors`: validation errors in plain words;
@@ -22,6 +23,7 @@ importable from ``gateway.config``.
 
 from gateway.config.base import AUTO_MODELS, ConfigError, PositiveSeconds, Strict
 from gateway.config.loader import load_config, parse_config
+from gateway.config.migration import Migration
 from gateway.config.root import GatewayConfig
 from gateway.config.routing_rules import CanarySplit, Fallback, FallbackTrigger, LoraAdapter, ModelSettings, Routing
 from gateway.config.serving import ENGINE_FIELDS, EndpointPicker, Lifecycle, Limits, Listen, Pool, Streaming
@@ -63,6 +65,7 @@ __all__ = [
     "Limits",
     "Listen",
     "LoraAdapter",
+    "Migration",
     "ModelSettings",
     "Pool",
     "PositiveSeconds",

@@ -12,6 +12,7 @@ from pydantic import (
 )
 
 from gateway.config.base import AUTO_MODELS, Strict
+from gateway.config.migration import Migration
 from gateway.config.routing_rules import ModelSettings, Routing
 from gateway.config.serving import Lifecycle, Limits, Listen, Pool, Streaming
 from gateway.config.stores import Batch, StateStore, StoredResponses, Usage
@@ -58,6 +59,9 @@ class GatewayConfig(Strict):
     streaming: Streaming = Field(
         Streaming(), description="Streamed answers whose first token is long in coming: keep-alive comments "
         "for the proxies in front.")
+    migration: Migration = Field(
+        Migration(), description="Streams continued on another backend of the model when theirs fails after "
+        "output reached the client (docs/failure-contract.md).")
     auth: Auth = Field(
         Auth(), description="Client API keys (`Authorization: Bearer`) and their per-key limits.")
     admin: Admin = Field(
@@ -120,6 +124,9 @@ class GatewayConfig(Strict):
                 if f.model not in served:
                     raise ValueError(f"routing.fallbacks: fallback {f.model!r} of model {model!r} is served by "
                                      "no backend")
+        unknown = sorted(m for m in self.migration.models if m not in served)
+        if unknown:
+            raise ValueError(f"migration.models: no backend serves {', '.join(map(repr, unknown))}")
         unpriced = sorted(m for m in self.usage.prices if m not in served)
         if unpriced:
             raise ValueError(f"usage.prices: no backend serves {', '.join(map(repr, unpriced))}")

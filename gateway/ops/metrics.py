@@ -244,6 +244,8 @@ class GatewayMetrics:
         self.stream_errors = Counter("turbo_gateway_stream_errors",
                                      "Streams that failed after bytes had reached the client",
                                      ["backend", "reason"], registry=r)
+        self.stream_migrations = Counter("turbo_gateway_stream_migrations", "Streams continued on another backend "
+                                         "after theirs failed mid-stream", ["model", "reason"], registry=r)
         self.client_disconnects = Counter("turbo_gateway_client_disconnects",
                                           "Requests whose client went away before the response ended",
                                           ["backend"], registry=r)

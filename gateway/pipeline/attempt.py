@@ -9,7 +9,9 @@ failure retries on another backend as the one retry executor
 
 Everything up to the first byte sent to the client can still be retried elsewhere;
 a failure raises an :class:`~gateway.errors.UpstreamError` (with ``ctx.down.started``
-when bytes had already reached the client). The attempt's timeouts live in one typed
+when bytes had already reached the client). After that, an eligible stream is continued
+on another backend by the same loop (:mod:`~gateway.pipeline.migration`), any other
+ends with an error event. The attempt's timeouts live in one typed
 object, :class:`~gateway.pipeline.deadlines.Deadlines`.
 """
 
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from gateway.apis.base import Api
 from gateway.errors import REQUEST_ID_HEADER, ApiNotServed, BackendStatus, Disconnected, UpstreamError
-from gateway.pipeline import engine_errors, relay, settlement
+from gateway.pipeline import engine_errors, migration, relay, settlement
 from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone
@@ -78,9 +80,17 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
                 await asyncio.sleep(e.retry_after_s)
                 now = loop.time()
                 continue
+            if ctx.scan is not None and last is not None:  # no backend to continue the stream on: it ends
+                await settlement.stream_failed(state, ctx, last)
+                return None
             return (last, None) if last is not None else (None, e)
-        m.child(m.decisions, decision.policy, decision.reason).inc()
         backend = decision.backend
+        if ctx.scan is not None and backend.name in excluded:  # a stream is continued on another backend only
+            assert last is not None
+            settlement.release(state, reservation)
+            await settlement.stream_failed(state, ctx, last)
+            return None
+        m.child(m.decisions, decision.policy, decision.reason).inc()
         ctx.backend, ctx.decision = backend.name, decision
         ctx.attempts.append((backend.name, now, "started"))
         retrier.attempts += 1
@@ -103,11 +113,12 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
                 subset = _served_by(state, ctx)
                 if _api_unserved(ctx, subset):
                     return ApiNotServed("", ctx.parsed.endpoint, ctx.model), None
-            if ctx.scan is not None:  # the backend's bytes already reached the client: end the stream
-                await settlement.stream_failed(state, ctx, err)
-                return None
             last, now = err, loop.time()
             delay = retrier.after_failure(err.retryable, now)
+            # the backend's bytes already reached the client: continue the stream elsewhere, or end it
+            if ctx.scan is not None and (delay is None or not migration.prepare(state, ctx, err, backend.name)):
+                await settlement.stream_failed(state, ctx, err)
+                return None
             if delay is None:
                 return err, None
             excluded.add(backend.name)

@@ -61,6 +61,31 @@ class ServedMetrics:
         self.completion_tokens = m.child(m.completion_tokens, model)
 
 
+class Continuation:
+    """A stream that may be continued on another backend when its own fails
+    (:mod:`gateway.pipeline.migration`, which reads and writes these fields): at most
+    ``limit`` continuations, ``used`` so far; the text and tokens relayed by the legs
+    that ended (``text``, ``tokens``); the client's stream's identity fields (``head``:
+    ``id``, ``created``, ``model``) and prompt tokens when its first leg reported them;
+    ``charged``: the (prompt, cached prompt, completion) tokens of each leg that ended;
+    ``source`` and ``reason``: the backend whose failure is being continued and why;
+    ``continuing``: a continuation is being attempted (its first bytes not yet relayed)."""
+
+    __slots__ = ("charged", "continuing", "head", "limit", "prompt_tokens", "reason", "source", "text", "tokens",
+                 "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.text = ""
+        self.tokens = 0
+        self.head: dict[str, Any] = {}
+        self.prompt_tokens: int | None = None
+        self.charged: list[tuple[int, int, int]] = []
+        self.source = self.reason = ""
+        self.continuing = False
+
+
 @dataclass(slots=True)
 class RequestContext:
     """One client request's progress across attempts (and fallback models)."""
@@ -90,3 +115,4 @@ class RequestContext:
     subset: frozenset[str] | None = None  # the only backends it may go to (a proxy's subset hint), None: any
     trace: RequestTrace | None = None  # its spans, with tracing on (gateway.ops.tracing)
     answer: bytes | None = None  # a whole (non-streamed) answer's body, once relayed
+    migration: Continuation | None = None  # a stream that may be continued elsewhere (gateway.pipeline.migration)

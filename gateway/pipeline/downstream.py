@@ -164,6 +164,9 @@ class CollectDownstream:
         self.status, self.body, self.headers = status, body, dict(headers)
 
     def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
+        if self.started:  # the head went out already: the body goes on
+            self.body += first
+            return
         self.status, self.headers, self.body, self.started = 200, dict(headers), first, True
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:

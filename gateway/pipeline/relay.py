@@ -8,7 +8,9 @@ chunk framing straight to the client's transport (:class:`StreamRelay`). The str
 last bytes go out together with the end of the chunked response. When the head and
 first bytes of a stream arrive in one read, the client is answered inside that read
 (:class:`EarlyAnswer`, the director's one early-answer hook) rather than a loop turn
-later. What the answer teaches and counts is :mod:`~gateway.pipeline.settlement`'s.
+later. What the answer teaches and counts is :mod:`~gateway.pipeline.settlement`'s. A
+continuation of a stream whose backend failed (:mod:`~gateway.pipeline.migration`) is
+relayed the same way into the client's open stream, its scan rewriting its events.
 
 A client that did not ask for ``usage`` gets the stream it asked for, although the
 attempt asked the engine for it (:func:`~gateway.pipeline.openai_request.request_usage`)
@@ -23,12 +25,12 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import Disconnected
-from gateway.pipeline import settlement
+from gateway.pipeline import migration, settlement
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone, Downstream
 from gateway.pipeline.headers import answer_headers, stream_headers
-from gateway.pipeline.stream_scan import StreamScan, TypedEventScan, scan_for, whole_usage
+from gateway.pipeline.stream_scan import StreamScan, TypedEventScan, whole_usage
 from gateway.upstream.connection import Exchange as Upstream
 from routing.core import Reservation
 
@@ -138,7 +140,7 @@ def _start(state: GatewayState, ctx: RequestContext, reservation: Reservation,
     :class:`~gateway.pipeline.stream_scan.TypedEventScan`) and scan them. Returns the
     time, the scan and the bytes to send."""
     first_at = state.loop.time()
-    scan = ctx.scan = scan_for(ctx.parsed.api, not ctx.parsed.include_usage)
+    scan = ctx.scan = migration.scan_for(state, ctx)  # a continuation's: rewritten into the client's stream
     if isinstance(scan, TypedEventScan):
         scan.on_first_token = functools.partial(_first_token, state, ctx, reservation)
     else:

@@ -42,6 +42,7 @@ from gateway.errors import (
     stream_error_body,
 )
 from gateway.ops import access_log
+from gateway.pipeline import migration
 from gateway.pipeline.context import RequestContext, ServedMetrics
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.stream_scan import StreamScan, whole_usage
@@ -81,6 +82,8 @@ def first_byte(state: GatewayState, ctx: RequestContext, reservation: Reservatio
     if reservation is not None:
         reservation.first_token(at)
     s = served(state, ctx)  # the answering backend is known from here on
+    if ctx.ttft_s is not None:  # a continuation (gateway.pipeline.migration): the client's first byte went earlier
+        return
     ttft = ctx.ttft_s = at - ctx.arrival
     s.ttft.observe(ttft)
     s.pool_ttft.observe(ttft)
@@ -220,6 +223,8 @@ def attempt_failed(state: GatewayState, backend: BackendState, reservation: Rese
 def finish(state: GatewayState, ctx: RequestContext, status: int) -> None:
     """Count the request's final ``status`` (and its end-to-end time when 200), and its
     usage in the ledger (:mod:`gateway.tenancy.usage_ledger`) under its caller's key name."""
+    if ctx.migration is not None:  # a stream continued elsewhere: every leg is charged
+        migration.settle(ctx)
     account(state, ctx, status)
     if ctx.trace is not None:
         ctx.trace.finish(status, ctx.model, ctx.usage, ctx.fallback_reason)

@@ -1,7 +1,8 @@
 """Fault injection over the simulated fleet (loadtest/sim): one backend of three
 misbehaves, a mixed burst (streamed and not) goes through the gateway, and for each
-fault: no retryable request is lost, the rest get the right status or a clean error
-event, and every in-flight and limiter counter is back to zero afterwards."""
+fault: no retryable request is lost, a stream cut mid-answer is continued on another
+backend (or, with ``migration`` off, ends with a clean error event), the rest get the
+right status, and every in-flight and limiter counter is back to zero afterwards."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ FAULTS = {
     "stall_before_first_byte": ({"stall_s": 5.0}, "all_ok"),
     "storm_429": ({"rate_limit_rate": 1.0, "retry_after_s": 30}, "all_ok"),
     "error_503": ({"error_rate": 1.0, "error_status": 503}, "all_ok"),
-    "killed_mid_stream": ({"close_after_chunks": 3}, "streams_may_cut"),
+    "killed_mid_stream": ({"close_after_chunks": 3}, "all_ok"),  # streams continued elsewhere (migration)
+    "killed_mid_stream_no_migration": ({"close_after_chunks": 3}, "streams_may_cut"),
     "slow_drip": ({"drip_s": 0.02}, "all_ok"),
     "dies_and_comes_back": ({"crash_after_s": 0.0, "crash_down_s": 0.5}, "all_ok"),
 }
@@ -52,6 +54,7 @@ async def test_fault(fault):
             [{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()],
             timeouts={"ttft_s": 1.0, "idle_s": 2.0}, breaker={"failure_threshold": 2, "open_s": 0.5},
             retries={"max_attempts": 3, "max_retry_after_s": 1},
+            migration={"enabled": fault != "killed_mid_stream_no_migration"},
             auth={"keys": [{"name": "suite", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest(),
                             "max_concurrent": N}]})
         async with running_gateway(cfg) as gw:
@@ -71,8 +74,10 @@ async def test_fault(fault):
                         assert orjson.loads(last[5:])["error"]["code"] == "disconnected"
             if fault != "slow_drip":  # the fault really happened
                 assert _sum(gw, "turbo_gateway_upstream_errors_total", backend="f0") >= 1
-            if fault == "killed_mid_stream":
+            if fault == "killed_mid_stream_no_migration":
                 assert _sum(gw, "turbo_gateway_stream_errors_total", backend="f0") >= 1
+            if fault == "killed_mid_stream":
+                assert _sum(gw, "turbo_gateway_stream_migrations_total") >= 1
             for name in urls:
                 await wait_until(lambda name=name: gw.idle(name))
             assert gw.state.limiter.usage["suite"].concurrent == 0

@@ -1,0 +1,254 @@
+"""Migration: a stream that survives its backend.
+
+When a streamed answer's backend fails after output reached the client (the engine
+crashed or was killed, the connection was reset, an idle or total timeout), an eligible
+stream is continued on another backend of the same model instead of ending with an
+error event: the continuation is the request with the text already relayed as the start
+of the answer (the API's adapter builds it: :meth:`gateway.apis.base.Api.continuation`),
+routed, attempted and retried like any attempt by the one retry executor
+(:func:`gateway.pipeline.attempt.with_retries`, the failed backend excluded), and its
+events are relayed into the client's stream rewritten as the original's
+(:meth:`~gateway.apis.base.Api.spliced`): one uninterrupted stream, announced by an SSE
+comment (``: migrated from A to B``) that SDKs ignore.
+
+The steps call in here at four points:
+
+| when | call | caller |
+|---|---|---|
+| a stream's first bytes go to the client | :func:`scan_for` | the relay's start (:mod:`~gateway.pipeline.relay`) |
+| an attempt failed after bytes reached the client | :func:`prepare` | the retry loop |
+| the request is counted, whatever its end | :func:`settle` | :func:`gateway.pipeline.settlement.finish` |
+
+Eligible: a streamed request of an API that says it can be continued
+(:meth:`~gateway.apis.base.Api.continuable`), on the gateway's own data plane, not a
+disaggregated one, with ``migration`` allowing its model a continuation. Only an eligible
+stream's bytes are kept (:class:`KeptScan`), and only while it is open; at a failure
+they are read for the text relayed (:meth:`~gateway.apis.base.Api.relayed_text`), and a
+stream is not continued when half an event reached the client, when what was relayed is
+not plain text (a tool call, reasoning) or no token of ``max_tokens`` is left.
+
+The usage ledger charges what the engines did: each leg's prompt and the tokens it
+relayed, and the last leg's own usage (:func:`settle`); the client's usage counts the
+original prompt and the whole answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.errors import UpstreamError
+from gateway.pipeline.context import Continuation, RequestContext
+from gateway.pipeline.stream_scan import StreamScan
+from gateway.pipeline.stream_scan import scan_for as plain_scan_for
+
+if TYPE_CHECKING:
+    from gateway.apis.base import Api
+    from gateway.runtime import GatewayState
+
+log = logging.getLogger("gateway.pipeline")
+
+_MAX_KEPT_BYTES = 16 * 1024 * 1024  # a stream longer than this is not kept, so not continued
+
+
+class KeptScan(StreamScan):
+    """The scan of one leg of an eligible stream, which also keeps the bytes the backend
+    sent (``kept``, ``None`` once over :data:`_MAX_KEPT_BYTES`) for as long as the leg is
+    relayed."""
+
+    __slots__ = ("kept", "size")
+
+    def __init__(self, withhold: bool) -> None:
+        super().__init__(withhold)
+        self.kept: list[bytes] | None = []
+        self.size = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        kept = self.kept
+        if kept is not None:
+            kept.append(chunk)
+            self.size += len(chunk)
+            if self.size > _MAX_KEPT_BYTES:
+                self.kept = None
+        return StreamScan.feed(self, chunk)
+
+
+class SpliceScan(KeptScan):
+    """The scan of a continuation: what :class:`KeptScan` does (its own bytes scanned
+    for its own usage and end, kept for a further continuation), and the bytes relayed
+    are its events rewritten into the client's stream (:meth:`Api.spliced`), whole lines
+    only, after ``prefix`` (the migration's comment)."""
+
+    __slots__ = ("api", "drop_blank_line", "head", "pending", "prefix", "prompt_tokens", "tokens")
+
+    def __init__(self, withhold: bool, api: Api, m: Continuation, prefix: bytes) -> None:
+        super().__init__(withhold)
+        self.api, self.head, self.prompt_tokens, self.tokens = api, m.head, m.prompt_tokens, m.tokens
+        self.prefix = prefix
+        self.pending = b""
+        self.drop_blank_line = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = KeptScan.feed(self, chunk)
+        if self.pending:
+            out = self.pending + out
+        nl = out.rfind(b"\n") + 1
+        self.pending = out[nl:]
+        return self._rewritten(out[:nl]) if nl else b""
+
+    def flush(self) -> bytes:
+        KeptScan.flush(self)  # a partial last line is dropped: it cannot be rewritten
+        self.pending = b""
+        return b""
+
+    def _rewritten(self, lines: bytes) -> bytes:
+        out = []
+        for line in lines.splitlines(keepends=True):
+            if self.drop_blank_line:
+                self.drop_blank_line = False
+                if not line.strip():
+                    continue
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                try:
+                    event = orjson.loads(line[5:])
+                except orjson.JSONDecodeError:
+                    event = None
+                if isinstance(event, dict):
+                    event = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens)
+                    if event is None:
+                        self.drop_blank_line = True
+                        continue
+                    line = b"data: " + orjson.dumps(event) + b"\n"
+            out.append(line)
+        data = b"".join(out)
+        if data and self.prefix:
+            data, self.prefix = self.prefix + data, b""
+        return data
+
+
+def scan_for(state: GatewayState, ctx: RequestContext) -> StreamScan:
+    """The scan of the stream whose first bytes are going to the client now: a
+    continuation's (:class:`SpliceScan`, counted and logged as a migration here), an
+    eligible stream's first leg (:class:`KeptScan`; ``ctx.migration`` is set), or the
+    plain scan of its API."""
+    parsed = ctx.parsed
+    m = ctx.migration
+    if m is not None and m.continuing:
+        return _continued(state, ctx, m)
+    limit = state.cfg.migration.limit(ctx.model)
+    if limit and parsed.api.continuable(ctx.data or parsed.data) and \
+            (ctx.request is None or not ctx.request.remote_prefill):
+        ctx.migration = Continuation(limit)
+        return KeptScan(not parsed.include_usage)
+    return plain_scan_for(parsed.api, not parsed.include_usage)
+
+
+def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backend: str) -> bool:
+    """The attempt on ``backend`` failed with ``err`` after bytes of its stream reached
+    the client: make ``ctx.body`` the continuation's request and return ``True`` when
+    the stream may be continued elsewhere (the retry loop then routes it like any
+    attempt), else ``False`` (it ends with an error event). A continuation attempt that
+    failed before its first byte keeps the request made for it."""
+    m = ctx.migration
+    if m is None:
+        return False
+    if m.continuing:
+        return True
+    scan = ctx.scan
+    if m.used >= m.limit or not isinstance(scan, KeptScan) or scan.kept is None or \
+            (scan.tail and not scan.withhold):  # half an event reached the client
+        return False
+    api = ctx.parsed.api
+    relayed = _relayed(api, scan.kept)
+    if relayed is None:
+        return False
+    text, tokens, head, usage = relayed
+    body = api.continuation(ctx.data or ctx.parsed.data, m.text + text, m.tokens + tokens)
+    if body is None:
+        return False
+    prompt, cached, completion = api.counts(usage) if usage is not None else (None, None, None)
+    if completion is not None:  # the engine reported usage on every event: exact counts
+        tokens = completion
+    if not m.head:
+        m.head = head
+        m.prompt_tokens = prompt
+    if prompt is None:
+        estimate = ctx.estimate.prompt_tokens if ctx.estimate is not None else 0
+        prompt = estimate + m.tokens
+    m.charged.append((prompt, min(cached or 0, prompt), tokens))
+    m.text += text
+    m.tokens += tokens
+    m.used += 1
+    m.source, m.reason, m.continuing = backend, err.reason, True
+    ctx.body = orjson.dumps(body)
+    return True
+
+
+def settle(ctx: RequestContext) -> None:
+    """Add the legs that ended before the last one to the request's counts
+    (``ctx.usage``, ``ctx.tokens``), which hold the last leg's: the ledger's entry and
+    the per-key token limit charge what each engine did. A continuation that never sent
+    a byte leaves its failed leg's counts where they are."""
+    m = ctx.migration
+    if m is None:
+        return
+    legs = m.charged[:-1] if m.continuing else m.charged
+    if not legs:
+        return
+    prompt, cached, completion = ctx.usage or (0, 0, 0)
+    for p, c, t in legs:
+        prompt, cached, completion = prompt + p, cached + c, completion + t
+    ctx.usage = (prompt, cached, completion)
+    ctx.tokens = prompt + completion
+
+
+def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> SpliceScan:
+    """A continuation's first bytes arrived from ``ctx.backend``: count the migration,
+    log it, mark its attempt, and return its scan."""
+    m.continuing = False
+    metrics = state.metrics
+    metrics.child(metrics.stream_migrations, ctx.model, m.reason).inc()
+    log.info("stream %s migrated from %s to %s after %s (%d tokens relayed)", ctx.request_id, m.source, ctx.backend,
+             m.reason, m.tokens)
+    if ctx.attempts:
+        name, started, _ = ctx.attempts[-1]
+        ctx.attempts[-1] = (name, started, "continuation")
+    comment = b": migrated from %s to %s\n\n" % (m.source.encode(), ctx.backend.encode())
+    return SpliceScan(not ctx.parsed.include_usage, ctx.parsed.api, m, comment)
+
+
+def _relayed(api: Api, kept: list[bytes]) -> tuple[str, int, dict[str, Any], dict[str, Any] | None] | None:
+    """What one leg relayed, read from its bytes ``kept`` (whole lines only): its text,
+    its tokens (one per event that carried text), the identity fields of its first
+    event and the last usage it reported; ``None`` when it cannot be continued as text
+    (:meth:`Api.relayed_text`) or it had ended (``[DONE]``)."""
+    data = b"".join(kept)
+    parts: list[str] = []
+    tokens = 0
+    head: dict[str, Any] = {}
+    usage: dict[str, Any] | None = None
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return None
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(event, dict):
+            return None
+        if not head:
+            head = {k: event[k] for k in ("id", "created", "model") if k in event}
+        if isinstance(event.get("usage"), dict):
+            usage = event["usage"]
+        text = api.relayed_text(event)
+        if text is None:
+            return None
+        if text:
+            parts.append(text)
+            tokens += 1
+    return "".join(parts), tokens, head, usage
