@@ -774,6 +774,15 @@ class SimBackend:
             await asyncio.sleep(f.drip_s * max(1, len(toks)))
         return toks, last
 
+    async def _cut(self, request: web.Request, stall: bool) -> NoReturn:
+        """Cut a stream (``close_after_chunks``: the connection drops), or with ``stall``
+        (``stall_after_chunks``) send nothing more until the client goes away."""
+        if stall:
+            self._inject("stall_mid_stream")
+            await asyncio.Event().wait()
+        self._inject("close")
+        self._close_connection(request)
+
     def _close_connection(self, request: web.Request) -> NoReturn:
         tr = request.transport
         if tr is not None:
@@ -787,12 +796,14 @@ class SimBackend:
         ``head`` events, ``render(output)``'s events for each engine output (outputs
         that piled up are written together), then ``tail()``'s. Faults: ``drip_s``
         before each event, ``close_after_chunks`` drops the connection after that many
+        events and ``stall_after_chunks`` sends nothing more after that many
         events (head and token events count, the tail does not)."""
         f = self.faults
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
         sent = 0
-        close_after = f.close_after_chunks
+        close_after = f.close_after_chunks if f.close_after_chunks is not None else f.stall_after_chunks
+        stall = f.close_after_chunks is None and f.stall_after_chunks is not None
         drip = f.drip_s
         if drip > 0:
             self._inject("drip")
@@ -802,8 +813,7 @@ class SimBackend:
             if drip > 0:
                 for part in parts:
                     if close_after is not None and sent >= close_after:
-                        self._inject("close")
-                        self._close_connection(request)
+                        await self._cut(request, stall)
                     await asyncio.sleep(drip)
                     await resp.write(part)
                     sent += 1
@@ -812,8 +822,7 @@ class SimBackend:
                 keep = close_after - sent
                 if keep > 0:
                     await resp.write(b"".join(parts[:keep]))
-                self._inject("close")
-                self._close_connection(request)
+                await self._cut(request, stall)
             if parts:
                 await resp.write(b"".join(parts))
                 sent += len(parts)
@@ -826,8 +835,7 @@ class SimBackend:
                 outs.extend(rs.ready())  # coalesce tokens that piled up into one write
             await send([part for o in outs for part in render(o)])
         if close_after is not None and sent >= close_after:
-            self._inject("close")
-            self._close_connection(request)
+            await self._cut(request, stall)
         await resp.write(b"".join(tail()))
         await resp.write_eof()
         return resp

@@ -36,6 +36,9 @@ class FaultConfig:
     - ``close_after_chunks``: close the connection after this many SSE chunks of a
       stream (no ``[DONE]``, truncated chunked body); a non-streamed request gets its
       connection closed with no answer once that many tokens were generated.
+    - ``stall_after_chunks``: a stream goes silent after this many SSE chunks (the
+      connection stays open, nothing more is sent until the client goes away; an engine
+      hung mid-generation); ``close_after_chunks`` wins when both are set.
     - ``drip_s``: extra delay before every SSE chunk (a slow link); a non-streamed
       answer is delayed by ``drip_s`` per token.
     - ``crash_after_s`` / ``crash_down_s`` / ``crash_every_s``: crash (drop every
@@ -58,6 +61,7 @@ class FaultConfig:
     rate_limit_rate: float = 0.0
     retry_after_s: float = 1.0
     close_after_chunks: int | None = None
+    stall_after_chunks: int | None = None
     drip_s: float = 0.0
     crash_after_s: float | None = None
     crash_down_s: float = 1.0
@@ -91,9 +95,10 @@ class FaultConfig:
             raise ValueError(f"faults.kv_events_stop must be true or false, got {fc.kv_events_stop!r}")
         if not isinstance(fc.error_status, int) or not 400 <= fc.error_status <= 599:
             raise ValueError(f"faults.error_status must be an HTTP error status, got {fc.error_status!r}")
-        if fc.close_after_chunks is not None and (not isinstance(fc.close_after_chunks, int)
-                                                  or fc.close_after_chunks < 0):
-            raise ValueError("faults.close_after_chunks must be null or an integer >= 0")
+        for k in ("close_after_chunks", "stall_after_chunks"):
+            v = getattr(fc, k)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"faults.{k} must be null or an integer >= 0")
         return fc
 
     def to_dict(self) -> dict[str, Any]:

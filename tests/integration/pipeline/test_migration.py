@@ -1,0 +1,229 @@
+"""A stream survives its backend (docs/failure-contract.md, "After the first byte").
+
+Simulated backends (loadtest/sim) whose greedy output is a function of the prompt's
+text, so that a generation continued elsewhere goes on with the same words: a backend
+cut mid-stream (``close_after_chunks``, a crash, a stall past the idle timeout), the
+openai SDK (or raw aiohttp, to see the bytes) as the client through the gateway's own
+data plane. The client gets one uninterrupted answer equal to an uninterrupted run's,
+with one usage; the ledger charges both legs; the breaker hears of the failure; requests
+that cannot be continued faithfully, a stream past ``migration.max_per_request`` and a
+gateway with migration off end with the error event as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from loadtest.sim.server import SimBackendConfig, start_backends
+from tests.support.servers import RunningGateway, gateway_config, running_gateway, wait_until
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a long story."}]
+N = 24  # max_tokens of every request
+CUT = 6  # the faulty backend closes the connection after this many events (a chat's role chunk and 5 tokens)
+
+
+@asynccontextmanager
+async def fleet(names: tuple[str, ...] = ("a", "b"), faults: dict[str, dict[str, Any]] | None = None,
+                **overrides: Any) -> AsyncIterator[tuple[RunningGateway, dict[str, str]]]:
+    """Simulated backends ``names`` (the first one is routed to first: round robin in
+    config order) with ``faults`` per name, behind a gateway configured with ``overrides``."""
+    backends, urls = await start_backends(
+        [SimBackendConfig(name=n, models=["m"], profile="demo", speed=50.0) for n in names])
+    try:
+        async with aiohttp.ClientSession() as s:
+            for name, f in (faults or {}).items():
+                async with s.post(urls[name] + "/admin/faults", json=f) as r:
+                    assert r.status == 200, await r.text()
+        cfg = gateway_config([{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()], **overrides)
+        async with running_gateway(cfg) as gw:
+            yield gw, urls
+            for name in urls:
+                await wait_until(lambda name=name: gw.idle(name))
+    finally:
+        for b in backends:
+            await b.cleanup()
+
+
+async def sdk_chat(url: str, **extra: Any) -> tuple[str, list[Any], Any]:
+    """One streamed chat answer through the openai SDK: its text, its chunks, its usage."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        stream = await client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=N, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True}, **extra)
+        chunks = [c async for c in stream]
+    finally:
+        await client.close()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks, chunks[-1].usage
+
+
+async def raw(url: str, path: str, body: dict[str, Any]) -> bytes:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def events(body: bytes) -> list[Any]:
+    return [orjson.loads(line[5:]) for line in body.split(b"\n")
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"]
+
+
+def ledger(gw: RunningGateway) -> list[int]:
+    """The usage ledger's sums: [requests, prompt, cached, completion, errors, cost]."""
+    total = [0] * 6
+    for v in gw.state.usage.buckets.values():
+        total = [a + b for a, b in zip(total, v, strict=True)]
+    return total
+
+
+async def test_a_chat_stream_cut_mid_answer_is_continued_into_one_answer():
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}) as (gw, urls):
+        expected, _, ref_usage = await sdk_chat(urls["b"])  # uninterrupted, straight from an engine
+        text, chunks, usage = await sdk_chat(gw.url)
+        assert text == expected and len(expected.split()) == N
+        assert len({(c.id, c.created, c.model) for c in chunks}) == 1  # one stream: the first leg's identity
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1  # one start of the answer
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+            (ref_usage.prompt_tokens, N, ref_usage.prompt_tokens + N)
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 1
+        assert gw.metric("turbo_gateway_stream_errors_total", backend="a", reason="disconnected") == 0
+        assert gw.metric("turbo_gateway_upstream_errors_total", backend="a", reason="disconnected") == 1
+        assert gw.state.fleet.backends["a"].breaker.failures == 1  # the breaker heard of it
+        assert gw.metric("turbo_gateway_requests_total", model="m", backend="b", status="200") == 1
+        requests, prompt, _, completion, errors, _ = ledger(gw)
+        relayed = CUT - 1  # tokens the first leg relayed
+        # both legs: the first's prompt and its tokens, the continuation's prompt (the first's plus
+        # those tokens) and the rest of the answer
+        assert (requests, completion, errors) == (1, N, 0)
+        assert prompt > ref_usage.prompt_tokens + relayed
+
+
+async def test_a_completions_stream_is_continued_with_a_comment_and_the_same_bytes_around_it():
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": N, "stream": True, "ignore_eos": True}
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}) as (gw, urls):
+        expected = "".join(e["choices"][0]["text"] for e in events(await raw(urls["b"], "/v1/completions", body)))
+        got = await raw(gw.url, "/v1/completions", body)
+        before, sep, after = got.partition(b": migrated from a to b\n\n")
+        assert sep and before.endswith(b"\n\n") and after.startswith(b"data: ")
+        assert got.count(b"data: [DONE]") == 1 and got.endswith(b"data: [DONE]\n\n")
+        evs = events(got)
+        assert "".join(e["choices"][0]["text"] for e in evs) == expected
+        assert len(events(before)) == CUT and len({(e["id"], e["created"], e["model"]) for e in evs}) == 1
+        assert all("usage" not in e for e in evs)  # the client did not ask for usage: it gets none
+        assert gw.state.fleet.backends["a"].breaker.failures == 1
+
+
+async def test_a_backend_that_crashes_mid_stream_is_continued():
+    """The engine dies (every connection dropped, its state lost) after some tokens
+    reached the client."""
+    async with fleet(faults={"a": {"drip_s": 0.02}}) as (gw, urls):
+        expected, _, _ = await sdk_chat(urls["b"])
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=N, stream=True,
+                                                      extra_body={"ignore_eos": True})
+        parts = []
+        async with aiohttp.ClientSession() as s:
+            async for c in stream:
+                parts.append(c.choices[0].delta.content or "")
+                if len(parts) == 4:
+                    async with s.post(urls["a"] + "/admin/crash", json={"down_s": 0.2}) as r:
+                        assert r.status == 200
+        await client.close()
+        assert "".join(parts) == expected
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 1
+
+
+async def test_a_backend_that_goes_silent_mid_stream_is_continued_after_the_idle_timeout():
+    async with fleet(faults={"a": {"stall_after_chunks": CUT}}, timeouts={"idle_s": 0.3}) as (gw, urls):
+        expected, _, _ = await sdk_chat(urls["b"])
+        text, _, usage = await sdk_chat(gw.url)
+        assert text == expected and usage.completion_tokens == N
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="idle_timeout") == 1
+        assert gw.metric("turbo_gateway_upstream_errors_total", backend="a", reason="idle_timeout") == 1
+
+
+INELIGIBLE = {
+    "logprobs": {"logprobs": True},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    "forced_tool_call": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                         "tool_choice": "required"},
+}
+
+
+@pytest.mark.parametrize("case", list(INELIGIBLE))
+async def test_a_request_that_cannot_be_continued_faithfully_keeps_the_error_event(case):
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": N, "stream": True, "ignore_eos": True,
+            **INELIGIBLE[case]}
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}) as (gw, _):
+        got = await raw(gw.url, "/v1/chat/completions", body)
+        assert b"[DONE]" not in got and b": migrated" not in got
+        assert events(got)[-1]["error"]["code"] == "disconnected"
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 0
+        assert gw.metric("turbo_gateway_stream_errors_total", backend="a", reason="disconnected") == 1
+
+
+@pytest.mark.parametrize("migration", [{"enabled": False}, {"models": {"m": 0}}])
+async def test_migration_turned_off_keeps_the_error_event(migration):
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, migration=migration) as (gw, _):
+        with pytest.raises(openai.APIError, match="closed the connection mid-response"):
+            await sdk_chat(gw.url)
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 0
+        assert gw.metric("turbo_gateway_stream_errors_total", backend="a", reason="disconnected") == 1
+        requests, _, _, completion, errors, _ = ledger(gw)
+        assert (requests, completion, errors) == (1, CUT - 1, 1)  # charged what was relayed
+
+
+async def test_continuations_stop_at_max_per_request():
+    """Every backend cuts its streams after 10 events (a role chunk and 9 tokens): two
+    continuations finish an answer of ``N`` tokens on three backends, one does not."""
+    cut = {n: {"close_after_chunks": 10} for n in ("a", "b", "c")}
+    async with fleet(("a", "b", "c"), cut, migration={"max_per_request": 2}) as (gw, urls):
+        async with aiohttp.ClientSession() as s:  # the reference, uninterrupted
+            async with s.post(urls["a"] + "/admin/faults", json={}) as r:
+                assert r.status == 200
+            expected, _, _ = await sdk_chat(urls["a"])
+            async with s.post(urls["a"] + "/admin/faults", json=cut["a"]) as r:
+                assert r.status == 200
+        text, _, usage = await sdk_chat(gw.url)
+        assert text == expected and usage.completion_tokens == N
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 2
+    async with fleet(("a", "b", "c"), cut, migration={"max_per_request": 1}) as (gw, _):
+        with pytest.raises(openai.APIError):
+            await sdk_chat(gw.url)
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 1
+        assert gw.metric("turbo_gateway_stream_errors_total", backend="c", reason="disconnected") == 1
+        requests, _, _, completion, errors, _ = ledger(gw)
+        assert (requests, completion, errors) == (1, 18, 1)  # 9 tokens relayed by each leg
+
+
+async def test_a_stream_whose_only_backend_died_ends_with_the_error_event():
+    """No backend can continue it (the only one is down): the continuation's attempts
+    fail before a byte, and the stream ends with the error event, charged what the first
+    leg relayed."""
+    async with fleet(("a",)) as (gw, urls):
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=200, stream=True,
+                                                      extra_body={"ignore_eos": True})
+        got = 0
+        with pytest.raises(openai.APIError):
+            async with aiohttp.ClientSession() as s:
+                async for _ in stream:
+                    got += 1
+                    if got == 3:
+                        async with s.post(urls["a"] + "/admin/crash", json={"down_s": 30}) as r:
+                            assert r.status == 200
+        await client.close()
+        assert 3 <= got < 200
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 0
+        assert gw.metric("turbo_gateway_upstream_errors_total", backend="a", reason="disconnected") == 1
+        requests, _, _, completion, errors, _ = ledger(gw)
+        assert (requests, errors) == (1, 1) and completion >= 2
