@@ -23,7 +23,14 @@ from aiohttp import web
 
 from tests.integration.pipeline import test_engine_errors as engine_errors_suite
 from tests.support.envoy import picker_stack
-from tests.support.servers import ScriptedBackend, free_port, gateway_config, raw_backend, running_gateway
+from tests.support.servers import (
+    ScriptedBackend,
+    free_port,
+    gateway_config,
+    raw_backend,
+    running_gateway,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -234,3 +241,41 @@ async def test_a_silent_backend_is_cut_at_the_first_token_timeout_and_retried_on
                 r = await client.chat.completions.create(model="m", messages=CHAT)
                 assert r.choices[0].message.content == "hello"
             assert silent_hits and len(good.bodies) == 4
+
+
+async def test_a_stream_cut_mid_answer_is_not_continued_behind_envoy():
+    """What the gateway's own data plane continues on another backend (migration), the
+    picker cannot: Envoy relayed the first bytes, and neither it nor ext_proc can send
+    the request again or splice another answer in. The client's stream ends cut, with no
+    ``[DONE]`` and no migration comment, and the picker settles it as a request that
+    ended early (charged what was relayed); the other backend never sees it."""
+    from loadtest.sim.server import SimBackendConfig, start_backends
+
+    backends, urls = await start_backends(
+        [SimBackendConfig(name=n, models=["m"], profile="demo", speed=50.0) for n in ("a", "b")])
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(urls["a"] + "/admin/faults", json={"close_after_chunks": 4, "drip_s": 0.05}) as r:
+                assert r.status == 200
+            cfg = gateway_config([{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()])
+            async with picker_stack(cfg) as stack:
+                body = {"model": "m", "messages": CHAT, "max_tokens": 24, "stream": True, "ignore_eos": True}
+                got = b""
+                async with s.post(stack.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200 and r.headers["x-turbo-backend"] == "a"
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        async for chunk in r.content.iter_any():
+                            got += chunk
+                # part of the answer (Envoy may drop the events still in its buffers at the reset)
+                assert 1 <= got.count(b"data: {") <= 4 and b"[DONE]" not in got and b": migrated" not in got
+                gw = stack.gateway
+                assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 0
+                assert gw.metric("turbo_gateway_requests_total", model="m", backend="b", status="200") == 0
+                assert gw.state.fleet.backends["b"].in_flight == 0
+                await wait_until(lambda: gw.metric("turbo_gateway_client_disconnects_total", backend="a") == 1)
+            for b in backends:
+                async with s.get(urls[b.cfg.name] + "/admin/stats") as r:
+                    assert (await r.json())["http_requests"] == (1 if b.cfg.name == "a" else 0)
+    finally:
+        for b in backends:
+            await b.cleanup()
