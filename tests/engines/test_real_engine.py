@@ -564,3 +564,44 @@ def test_a_responses_chain_is_kept_by_the_gateway_for_an_engine_that_keeps_none(
     assert second.usage.input_tokens == direct.usage.input_tokens > first.usage.input_tokens
     items = client.responses.input_items.list(second.id, order="asc").data
     assert [getattr(i, "role", None) for i in items] == ["user", "assistant", "user"]
+
+
+# ---- (e) a stream survives its engine: SIGKILL mid-stream, continued on the other ---
+
+def test_a_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
+    """Two fresh llama-servers (this test kills one) behind a gateway: a greedy stream
+    (temperature 0; ASCII only, so that one event is one token) whose engine gets
+    SIGKILL after some tokens reached the client is continued on the other engine
+    (``continue_final_message``; llama.cpp continues a last assistant message by
+    itself), and the openai SDK receives one answer equal to an uninterrupted run's,
+    with its usage."""
+    model = engines.tiny_model()
+    greedy = {**ONE_CHUNK_PER_TOKEN, "temperature": 0}
+    max_tokens = 400
+    servers = [engines.LlamaServer(BIN, model, workdir, name=f"kill-{i}", parallel=1) for i in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        with engines.GatewayProcess({s.name: s.url for s in servers}, workdir, name="gw-kill").start() as gw:
+            client = sdk(gw)
+            reference = "".join(
+                c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                    model=MODEL, messages=chat("tell me a long story"), max_tokens=max_tokens, stream=True,
+                    extra_body=greedy) if c.choices)
+            stream = client.chat.completions.create(
+                model=MODEL, messages=chat("tell me a long story"), max_tokens=max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body=greedy)
+            victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
+            chunks = []
+            for c in stream:
+                chunks.append(c)
+                if len(chunks) == 10:
+                    victim.proc.kill()  # SIGKILL: the engine dies with the stream open
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == reference and len({c.id for c in chunks}) == 1
+            assert chunks[-1].usage.completion_tokens == max_tokens
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+            assert gw.metric("turbo_gateway_stream_migrations_total", model=MODEL, reason="disconnected") == 1
+    finally:
+        for s in servers:
+            s.stop()
