@@ -11,7 +11,7 @@ events are relayed into the client's stream rewritten as the original's
 (:meth:`~gateway.apis.base.Api.spliced`): one uninterrupted stream, announced by an SSE
 comment (``: migrated from A to B``) that SDKs ignore.
 
-The steps call in here at four points:
+The steps call in here at three points:
 
 | when | call | caller |
 |---|---|---|
@@ -22,7 +22,8 @@ The steps call in here at four points:
 Eligible: a streamed request of an API that says it can be continued
 (:meth:`~gateway.apis.base.Api.continuable`), on the gateway's own data plane, not a
 disaggregated one, with ``migration`` allowing its model a continuation. Only an eligible
-stream's bytes are kept (:class:`KeptScan`), and only while it is open; at a failure
+stream's bytes are kept (its scan's ``kept``: a list of the reads, no copy), and only
+while it is open (a 10,000-token answer keeps about 2.5 MB); at a failure
 they are read for the text relayed (:meth:`~gateway.apis.base.Api.relayed_text`), and a
 stream is not continued when half an event reached the client, when what was relayed is
 not plain text (a tool call, reasoning) or no token of ``max_tokens`` is left.
@@ -50,48 +51,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.pipeline")
 
-_MAX_KEPT_BYTES = 16 * 1024 * 1024  # a stream longer than this is not kept, so not continued
-
-
-class KeptScan(StreamScan):
-    """The scan of one leg of an eligible stream, which also keeps the bytes the backend
-    sent (``kept``, ``None`` once over :data:`_MAX_KEPT_BYTES`) for as long as the leg is
-    relayed."""
-
-    __slots__ = ("kept", "size")
-
-    def __init__(self, withhold: bool) -> None:
-        super().__init__(withhold)
-        self.kept: list[bytes] | None = []
-        self.size = 0
-
-    def feed(self, chunk: bytes) -> bytes:
-        kept = self.kept
-        if kept is not None:
-            kept.append(chunk)
-            self.size += len(chunk)
-            if self.size > _MAX_KEPT_BYTES:
-                self.kept = None
-        return StreamScan.feed(self, chunk)
-
-
-class SpliceScan(KeptScan):
-    """The scan of a continuation: what :class:`KeptScan` does (its own bytes scanned
-    for its own usage and end, kept for a further continuation), and the bytes relayed
-    are its events rewritten into the client's stream (:meth:`Api.spliced`), whole lines
+class SpliceScan(StreamScan):
+    """The scan of a continuation: its own bytes scanned for its own usage and end and
+    kept for a further continuation, as an eligible stream's are; the bytes relayed are
+    its events rewritten into the client's stream (:meth:`Api.spliced`), whole lines
     only, after ``prefix`` (the migration's comment)."""
 
     __slots__ = ("api", "drop_blank_line", "head", "pending", "prefix", "prompt_tokens", "tokens")
 
     def __init__(self, withhold: bool, api: Api, m: Continuation, prefix: bytes) -> None:
         super().__init__(withhold)
+        self.kept = []
         self.api, self.head, self.prompt_tokens, self.tokens = api, m.head, m.prompt_tokens, m.tokens
         self.prefix = prefix
         self.pending = b""
         self.drop_blank_line = False
 
     def feed(self, chunk: bytes) -> bytes:
-        out = KeptScan.feed(self, chunk)
+        out = StreamScan.feed(self, chunk)
         if self.pending:
             out = self.pending + out
         nl = out.rfind(b"\n") + 1
@@ -99,7 +76,7 @@ class SpliceScan(KeptScan):
         return self._rewritten(out[:nl]) if nl else b""
 
     def flush(self) -> bytes:
-        KeptScan.flush(self)  # a partial last line is dropped: it cannot be rewritten
+        StreamScan.flush(self)  # a partial last line is dropped: it cannot be rewritten
         self.pending = b""
         return b""
 
@@ -130,19 +107,18 @@ class SpliceScan(KeptScan):
 
 def scan_for(state: GatewayState, ctx: RequestContext) -> StreamScan:
     """The scan of the stream whose first bytes are going to the client now: a
-    continuation's (:class:`SpliceScan`, counted and logged as a migration here), an
-    eligible stream's first leg (:class:`KeptScan`; ``ctx.migration`` is set), or the
-    plain scan of its API."""
+    continuation's (:class:`SpliceScan`, counted and logged as a migration here), or the
+    plain scan of its API, which keeps the bytes read (``kept``) when the stream may be
+    continued."""
     parsed = ctx.parsed
     m = ctx.migration
     if m is not None and m.continuing:
         return _continued(state, ctx, m)
-    limit = state.cfg.migration.limit(ctx.model)
-    if limit and parsed.api.continuable(ctx.data or parsed.data) and \
+    scan = plain_scan_for(parsed.api, not parsed.include_usage)
+    if state.cfg.migration.limit(ctx.model) and parsed.api.continuable(ctx.data or parsed.data) and \
             (ctx.request is None or not ctx.request.remote_prefill):
-        ctx.migration = Continuation(limit)
-        return KeptScan(not parsed.include_usage)
-    return plain_scan_for(parsed.api, not parsed.include_usage)
+        scan.kept = []
+    return scan
 
 
 def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backend: str) -> bool:
@@ -152,13 +128,14 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     attempt), else ``False`` (it ends with an error event). A continuation attempt that
     failed before its first byte keeps the request made for it."""
     m = ctx.migration
-    if m is None:
-        return False
-    if m.continuing:
+    if m is not None and m.continuing:
         return True
     scan = ctx.scan
-    if m.used >= m.limit or not isinstance(scan, KeptScan) or scan.kept is None or \
-            (scan.tail and not scan.withhold):  # half an event reached the client
+    if scan is None or scan.kept is None or (scan.tail and not scan.withhold):  # half an event reached the client
+        return False
+    if m is None:
+        m = ctx.migration = Continuation(state.cfg.migration.limit(ctx.model))
+    if m.used >= m.limit:
         return False
     api = ctx.parsed.api
     relayed = _relayed(api, scan.kept)

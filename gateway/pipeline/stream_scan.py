@@ -32,12 +32,17 @@ class StreamScan:
     ``withhold``: the client did not ask for ``usage`` (``stream_options.include_usage``)
     but the engine was asked for it, so the event that carries only ``usage`` (its
     ``choices`` empty) is kept from the client; :meth:`feed` then returns complete lines
-    only, and a partial line is held back until its end arrives (or :meth:`flush`)."""
+    only, and a partial line is held back until its end arrives (or :meth:`flush`).
 
-    __slots__ = ("done", "drop_blank", "events", "overflow", "role_only", "tail", "usage", "withhold")
+    ``kept``: a list that receives every chunk fed, for a stream that may be continued
+    on another backend if its own fails (set by :mod:`gateway.pipeline.migration`), else
+    ``None``."""
+
+    __slots__ = ("done", "drop_blank", "events", "kept", "overflow", "role_only", "tail", "usage", "withhold")
 
     def __init__(self, withhold: bool = False) -> None:
         self.withhold = withhold
+        self.kept: list[bytes] | None = None  # the bytes read, kept while open (gateway.pipeline.migration)
         self.drop_blank = False  # the withheld event's blank line is still to come
         self.tail = b""
         self.events = 0
@@ -49,6 +54,8 @@ class StreamScan:
     def feed(self, chunk: bytes) -> bytes:
         """Scan the next bytes of the stream, ``chunk``; returns the bytes to relay to
         the client: ``chunk`` itself unless withholding (see the class doc)."""
+        if self.kept is not None:  # a stream that may be continued elsewhere (gateway.pipeline.migration)
+            self.kept.append(chunk)
         if self.overflow:
             return chunk
         # the usual read of a stream: one whole JSON event ("data: {...}\n\n", no other
