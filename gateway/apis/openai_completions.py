@@ -46,7 +46,7 @@ def _continuable(data: dict[str, Any]) -> bool:
     """The conditions both APIs share (see the module doc)."""
     if data.get("n") not in (None, 1) or data.get("best_of") not in (None, 1):
         return False
-    if any(data.get(f) not in (None, False) for f in _UNFAITHFUL):
+    if any(data.get(f) is not None and data.get(f) is not False for f in _UNFAITHFUL):  # logprobs 0 asks too
         return False
     rf = data.get("response_format")
     return not (isinstance(rf, dict) and rf.get("type") not in (None, "text"))

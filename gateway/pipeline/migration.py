@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.pipeline")
 
+
 class SpliceScan(StreamScan):
     """The scan of a continuation: its own bytes scanned for its own usage and end and
     kept for a further continuation, as an eligible stream's are; the bytes relayed are
@@ -131,7 +132,9 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     if m is not None and m.continuing:
         return True
     scan = ctx.scan
-    if scan is None or scan.kept is None or (scan.tail and not scan.withhold):  # half an event reached the client
+    if scan is None or scan.kept is None:
+        return False
+    if scan.tail and not scan.withhold and not isinstance(scan, SpliceScan):  # half an event reached the client
         return False
     if m is None:
         m = ctx.migration = Continuation(state.cfg.migration.limit(ctx.model))
