@@ -40,16 +40,25 @@ def _openai_fields(data: dict[str, Any]) -> Fields:
 
 _UNFAITHFUL = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "structured_outputs")
+# every field that may make a request not continuable: most requests set none of them
+_CHECKED = frozenset((*_UNFAITHFUL, "n", "best_of", "response_format", "tool_choice", "suffix"))
 
 
 def _continuable(data: dict[str, Any]) -> bool:
     """The conditions both APIs share (see the module doc)."""
-    if data.get("n") not in (None, 1) or data.get("best_of") not in (None, 1):
+    present = _CHECKED.intersection(data)
+    return not present or _faithful(data, present)
+
+
+def _faithful(data: dict[str, Any], present: frozenset[str]) -> bool:
+    """Whether the fields of ``data`` named in ``present`` allow a faithful continuation."""
+    if data.get("n") not in (None, 1) or data.get("best_of") not in (None, 1) or data.get("suffix"):
         return False
-    if any(data.get(f) is not None and data.get(f) is not False for f in _UNFAITHFUL):  # logprobs 0 asks too
-        return False
-    rf = data.get("response_format")
-    return not (isinstance(rf, dict) and rf.get("type") not in (None, "text"))
+    if any(data[f] is not None and data[f] is not False for f in present.intersection(_UNFAITHFUL)):
+        return False  # logprobs 0 asks for logprobs too
+    rf, tc = data.get("response_format"), data.get("tool_choice")
+    return not (isinstance(rf, dict) and rf.get("type") not in (None, "text")) and \
+        not (tc == "required" or isinstance(tc, dict))
 
 
 def _relayed_text(event: dict[str, Any], chat: bool) -> str | None:
@@ -137,8 +146,7 @@ class ChatCompletions(Api):
         return fields
 
     def continuable(self, data: dict[str, Any]) -> bool:
-        tc = data.get("tool_choice")
-        return _continuable(data) and not (tc == "required" or isinstance(tc, dict))
+        return _continuable(data)
 
     def relayed_text(self, event: dict[str, Any]) -> str | None:
         return _relayed_text(event, True)
@@ -178,7 +186,7 @@ class Completions(Api):
         return fields
 
     def continuable(self, data: dict[str, Any]) -> bool:
-        return _continuable(data) and isinstance(data.get("prompt"), str) and not data.get("suffix")
+        return isinstance(data.get("prompt"), str) and _continuable(data)
 
     def relayed_text(self, event: dict[str, Any]) -> str | None:
         return _relayed_text(event, False)
