@@ -84,8 +84,9 @@ def ledger(gw: RunningGateway) -> list[int]:
     return total
 
 
-async def test_a_chat_stream_cut_mid_answer_is_continued_into_one_answer():
-    async with fleet(faults={"a": {"close_after_chunks": CUT}}) as (gw, urls):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_path", "aiohttp"])
+async def test_a_chat_stream_cut_mid_answer_is_continued_into_one_answer(fast):
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, listen={"fast_path": fast}) as (gw, urls):
         expected, _, ref_usage = await sdk_chat(urls["b"])  # uninterrupted, straight from an engine
         text, chunks, usage = await sdk_chat(gw.url)
         assert text == expected and len(expected.split()) == N
