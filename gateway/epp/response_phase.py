@@ -104,9 +104,11 @@ def on_response_body(state: GatewayState, ctx: RequestContext, served: Served, c
 
 def settle_end(state: GatewayState, ctx: RequestContext, served: Served) -> None:
     """A 200 response ended: settle it with what its body showed (nothing, without
-    body processing)."""
+    body processing); a whole answer's body is the request's answer (what a Responses
+    turn keeps, :mod:`gateway.pipeline.conversation`)."""
     served.settled = True
-    settlement.proxied_end(state, ctx, served.reservation, served.scan, bytes(served.whole) if served.whole else None)
+    whole = ctx.answer = bytes(served.whole) if served.whole else None
+    settlement.proxied_end(state, ctx, served.reservation, served.scan, whole)
 
 
 def on_error_body(state: GatewayState, ctx: RequestContext, served: Served, chunk: bytes,

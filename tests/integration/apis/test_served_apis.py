@@ -88,12 +88,18 @@ async def test_responses_turns_stay_on_one_backend_and_are_counted_from_their_us
         assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 8
         assert gw.metric("turbo_gateway_cached_prompt_tokens_total", model=MODEL) == \
             final.usage.input_tokens_details.cached_tokens
+        # a chained turn: the gateway expands the previous one from its store, whole answer or stream
+        for previous in (r, final):
+            chained = await client.responses.create(model=MODEL, instructions=SYSTEM, input="Once more.",
+                                                    previous_response_id=previous.id, max_output_tokens=8)
+            assert chained.usage is not None and previous.usage is not None
+            assert chained.usage.input_tokens > previous.usage.input_tokens + previous.usage.output_tokens
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(model=MODEL, input=7)  # type: ignore[arg-type]
         assert e.value.body["param"] == "input"
         with pytest.raises(openai.NotFoundError):
             await client.responses.create(model="no-such-model", input="x")
-    assert served(gw) == 2
+    assert served(gw) == 4
 
 
 @pytest.mark.parametrize("behind_envoy", [False, True], ids=["own_data_plane", "behind_envoy"])
