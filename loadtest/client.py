@@ -118,16 +118,7 @@ def _other_api_body(opts: ClientOptions, session: Session, turn: int, history: l
     return body
 
 
-def _responses_usage(rec: RequestRecord, usage: Any) -> None:
-    if not isinstance(usage, dict):
-        return
-    if isinstance(usage.get("input_tokens"), int):
-        rec.prompt_tokens = usage["input_tokens"]
-    if isinstance(usage.get("output_tokens"), int):
-        rec.output_tokens = usage["output_tokens"]
-    details = usage.get("input_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        rec.cached_tokens = details["cached_tokens"]
+_RESPONSES_USAGE = ("input", "output")
 
 
 def _response_text(obj: dict[str, Any]) -> str:
@@ -147,7 +138,7 @@ async def _read_other(resp: aiohttp.ClientResponse, opts: ClientOptions, rec: Re
             return
         text = _response_text(data)
         rec.chunks = 1 if text else 0
-        _responses_usage(rec, data.get("usage"))
+        _take_usage(rec, data.get("usage"), _RESPONSES_USAGE)
         rec.response_id = data.get("id")
         if keep_text:
             rec.output_text = text
@@ -175,7 +166,7 @@ async def _read_other(resp: aiohttp.ClientResponse, opts: ClientOptions, rec: Re
                 parts.append(obj.get("delta") or "")
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
             response = obj.get("response") or {}
-            _responses_usage(rec, response.get("usage"))
+            _take_usage(rec, response.get("usage"), _RESPONSES_USAGE)
             rec.response_id = response.get("id")
             done = kind != "response.failed"
     rec.e2e_s = (last if last is not None else time.perf_counter()) - st
@@ -195,14 +186,18 @@ def _chunk_text(obj: dict[str, Any]) -> str:
     return out
 
 
-def _take_usage(rec: RequestRecord, usage: Any) -> None:
+def _take_usage(rec: RequestRecord, usage: Any, prefix: tuple[str, str] = ("prompt", "completion")) -> None:
+    """``rec``'s token counts from a ``usage`` object: OpenAI's ``prompt_tokens``,
+    ``completion_tokens`` and ``prompt_tokens_details.cached_tokens``, or, with
+    ``prefix`` ``("input", "output")``, the Responses API's names for them."""
     if not isinstance(usage, dict):
         return
-    if isinstance(usage.get("prompt_tokens"), int):
-        rec.prompt_tokens = usage["prompt_tokens"]
-    if isinstance(usage.get("completion_tokens"), int):
-        rec.output_tokens = usage["completion_tokens"]
-    details = usage.get("prompt_tokens_details")
+    prompt, completion = prefix
+    if isinstance(usage.get(f"{prompt}_tokens"), int):
+        rec.prompt_tokens = usage[f"{prompt}_tokens"]
+    if isinstance(usage.get(f"{completion}_tokens"), int):
+        rec.output_tokens = usage[f"{completion}_tokens"]
+    details = usage.get(f"{prompt}_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         rec.cached_tokens = details["cached_tokens"]
 

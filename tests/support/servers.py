@@ -212,3 +212,16 @@ async def raw_backend(script: Script) -> AsyncIterator[str]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a free loopback port for the duration; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

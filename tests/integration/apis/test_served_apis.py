@@ -24,7 +24,7 @@ from loadtest.sim.server import SimBackendConfig, start_backends
 from routing.tokenizer import load_tokenizer
 from tests.support.chat_cases import TINY
 from tests.support.envoy import picker_stack
-from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
+from tests.support.servers import ScriptedBackend, gateway_config, running_gateway, serving
 
 MODEL = "sim-model"
 KEY = "sk-apis"
@@ -271,23 +271,16 @@ async def test_a_typed_event_streams_first_token_is_its_first_output_delta():
 
     app = web.Application()
     app.router.add_post("/v1/responses", responses)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        async with running_gateway(gateway_config([{"name": "a", "url": url, "models": [MODEL]}])) as gw, \
-                aiohttp.ClientSession() as s, s.post(gw.url + "/v1/responses", json={
-                    "model": MODEL, "input": "hi", "stream": True, "store": False}) as r:
-            assert r.status == 200
-            first = await r.content.readuntil(b"\n\n")
-            assert b"response.created" in first
-            assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL) == 0  # no token yet
-            release.set()
-            rest = await r.read()
-            assert rest.count(b"response.output_text.delta\n") == 2 and b"response.completed" in rest
-            assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL) == 1
-            assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 2
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, \
+            running_gateway(gateway_config([{"name": "a", "url": url, "models": [MODEL]}])) as gw, \
+            aiohttp.ClientSession() as s, s.post(gw.url + "/v1/responses", json={
+                "model": MODEL, "input": "hi", "stream": True, "store": False}) as r:
+        assert r.status == 200
+        first = await r.content.readuntil(b"\n\n")
+        assert b"response.created" in first
+        assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL) == 0  # no token yet
+        release.set()
+        rest = await r.read()
+        assert rest.count(b"response.output_text.delta\n") == 2 and b"response.completed" in rest
+        assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL) == 1
+        assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 2
