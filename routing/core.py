@@ -66,6 +66,7 @@ from routing.retry import (
     retryable_status,
 )
 from routing.router import DECODE, PREFILL, SERVING, Plan, Router
+from routing.sessions import SessionTable
 from routing.store import RoutingStore, clear_remote_loads, fold_remote_loads, load_snapshot
 from routing.tokenizer import DEFAULT_CACHE_TOKENS as DEFAULT_TOKENIZER_CACHE_TOKENS
 from routing.tokenizer import ModelTokenizer, Tokenization, TokenizerError, TokenizeStats, Unsupported, load_tokenizer
@@ -73,12 +74,11 @@ from routing.tokenizer import ModelTokenizer, Tokenization, TokenizerError, Toke
 __all__ = [
     "DECODE", "DEFAULT_TOKENIZER_CACHE_TOKENS", "DUPLICATE", "GAP", "OK", "POLICIES", "PREFILL", "RESTART", "SERVING",
     "BackendSpec", "BackendState", "Decision", "DecisionCore", "EngineSample", "Fleet", "KVEventStats", "LoraActivity",
-    "Match", "ModelTokenizer",
-    "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation", "RouteRequest", "RoutingStore",
-    "SequenceTracker", "ServedModel", "TokenizeStats", "Tokenization", "TokenizerError", "UnknownModel",
-    "canonical_prompt", "clear_remote_loads", "estimate_ttft", "fold_remote_loads", "load_snapshot", "load_tokenizer",
-    "DEFAULT_BASE_BACKOFF_S", "DEFAULT_FAILED_BACKEND_COOLDOWN_S", "DEFAULT_MAX_ATTEMPTS", "DEFAULT_MAX_BACKOFF_S",
-    "RETRYABLE_STATUSES", "RetryPolicy", "retryable_status",
+    "Match", "ModelTokenizer", "NoBackendAvailable", "Plan", "PrefixIndex", "PromptEstimate", "Reservation",
+    "RouteRequest", "RoutingStore", "SequenceTracker", "ServedModel", "SessionTable", "TokenizeStats", "Tokenization",
+    "TokenizerError", "UnknownModel", "canonical_prompt", "clear_remote_loads", "estimate_ttft", "fold_remote_loads",
+    "load_snapshot", "load_tokenizer", "DEFAULT_BASE_BACKOFF_S", "DEFAULT_FAILED_BACKEND_COOLDOWN_S",
+    "DEFAULT_MAX_ATTEMPTS", "DEFAULT_MAX_BACKOFF_S", "RETRYABLE_STATUSES", "RetryPolicy", "retryable_status",
 ]
 
 log = logging.getLogger("routing.kv_event_decoding")
@@ -143,7 +143,7 @@ class DecisionCore:
             states[spec.name] = st
         changed = set(states) != set(old)
         for name in set(old) - set(states):
-            self.index.forget_backend(name)
+            self.router.forget_backend(name)
         fleet.backends = states
         fleet.index_models()
         if policy != self.policy_name or changed:
@@ -209,15 +209,15 @@ class DecisionCore:
         return tz
 
     def request(self, model: str, prompt_text: str, max_tokens: int | None, cache_salt: str | None = None,
-                stream: bool = True, token_ids: Sequence[int] | None = None,
-                subset: frozenset[str] | None = None) -> tuple[PromptEstimate, RouteRequest]:
+                stream: bool = True, token_ids: Sequence[int] | None = None, subset: frozenset[str] | None = None,
+                session: str | None = None) -> tuple[PromptEstimate, RouteRequest]:
         """Estimate a request (prompt tokens, prefix block hashes, expected output
         tokens) and the :class:`RouteRequest` that :meth:`plan` and :meth:`route` take
         (``stream``: its first token will be seen; ``subset``: the backends it may go to
         at all). ``token_ids``: the prompt's ids (from :meth:`tokenization`, or a
         completions prompt given as token ids), when there are: its token count is then
         exact, and ``token_keys`` holds its token-exact block keys for the block size of
-        each backend of ``model`` that publishes KV events."""
+        each backend of ``model`` that publishes KV events. ``session``: its session."""
         estimator = self.estimator
         est = estimator.estimate(model, prompt_text, max_tokens, cache_salt, token_ids)
         token_keys = None
@@ -228,7 +228,7 @@ class DecisionCore:
         tokens_per_block = estimator.block_bytes / estimator.stats(model).bytes_per_token
         return est, RouteRequest(model, frozenset(), est.text, est.size_bytes, est.hashes, est.prompt_tokens,
                                  est.output_tokens, tokens_per_block, None, None, subset, False, stream, token_ids,
-                                 token_keys)
+                                 token_keys, session)
 
     def wants_token_ids(self, model: str) -> bool:
         """Whether a backend of ``model`` publishes KV events (its requests' token ids,
@@ -338,8 +338,8 @@ class DecisionCore:
         """``backend`` may have restarted with an empty KV cache: it came back after
         failing its health checks, or its engine's counters went back between two
         scrapes. Its prefix entries, approximate and precise, are dropped (its KV
-        capacity in the index stays)."""
-        self.index.forget_backend(backend.name)
+        capacity in the index stays), and so are its sessions' blocks there."""
+        self.router.forget_backend(backend.name)
         self.index.set_capacity(backend.name, self.router.capacity_blocks(backend))
 
     # ---- engine KV-cache events -----------------------------------------------------------

@@ -10,6 +10,7 @@ from routing.fleet import Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Match, Policy, RouteRequest
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
+from routing.sessions import SessionTable
 from routing.store import RoutingStore
 
 EXPIRE_EVERY_S = 1.0  # the prefix index's expiry and the speeds' ageing, at most this often
@@ -50,6 +51,7 @@ class Router:
         self.index = index or PrefixIndex()
         self.block_tokens = block_tokens
         self.store = store  # learns the dispatched prefix blocks, for other replicas (routing.store)
+        self.sessions = SessionTable()  # each session's home (routing.sessions), set by the core
         self._next_expire = 0.0
         # model -> {engine block size: backends publishing KV events in it}, set by the core
         self.event_backends: dict[str, dict[int, list[str]]] = {}
@@ -60,6 +62,12 @@ class Router:
         self._canary_rng = random.Random()
         for b in fleet.backends.values():
             self.index.set_capacity(b.name, self.capacity_blocks(b))
+
+    def forget_backend(self, name: str) -> None:
+        """Backend ``name`` lost its cache (it restarted or left the fleet): its prefix
+        entries go, and its sessions hold nothing there any more."""
+        self.index.forget_backend(name)
+        self.sessions.backend_emptied(name)
 
     def capacity_blocks(self, b: BackendState) -> int:
         """``b``'s KV capacity in prefix-index blocks."""
@@ -142,12 +150,28 @@ class Router:
             self.index.expire(now)
             self.index.expire_speculative(now)
             self.refresh_speeds(now)
+            self.sessions.expire(now)
             self._next_expire = now + EXPIRE_EVERY_S
         m = Match(request, now, self.index.match(request.block_hashes, now), kv_turnover=self._kv_turnover)
         if request.token_keys:
             m.exact_tokens = self._match_tokens(request, request.token_keys, now)
+        if request.session is not None:
+            self._at_home(m, request.session, now)
         self._last_match = m
         return m
+
+    def _at_home(self, m: Match, session: str, now: float) -> None:
+        """Set ``m.home`` to the home of ``session``, if it has one, and count there the
+        blocks the session's last turn placed (:meth:`SessionTable.held_blocks`) when
+        the prefix index has fewer (another replica's dispatch not synced yet, or
+        blocks it aged out)."""
+        s = self.sessions.get(session, now)
+        if s is None:
+            return
+        m.home = s.home
+        held = self.sessions.held_blocks(s, m.request.block_hashes)
+        if held > m.matched_blocks.get(s.home, 0):
+            m.matched_blocks = {**m.matched_blocks, s.home: held}
 
     def _match_tokens(self, request: RouteRequest, token_keys: dict[int, tuple[int, ...]],
                       now: float) -> dict[str, int]:
@@ -268,6 +292,10 @@ class Router:
         decision.detail["output_tokens"] = request.output_tokens
         if match.exact_tokens:
             decision.evidence = self.evidence(request, match, decision.backend.name)
+        if request.session is not None:
+            decision.session = request.session
+            decision.placement = self.sessions.place(request.session, decision.backend.name, request.block_hashes,
+                                                     now)
         reservation = self.reserve(request, decision.backend, now)
         self.policy.on_dispatch(request, decision)
         return decision, reservation

@@ -42,6 +42,9 @@ class RouteRequest(NamedTuple):
     - ``token_keys``: the token-exact keys of the prompt's full blocks per engine
       block size (``{block_size: keys}``, see :func:`routing.estimate.token_block_keys`),
       computed from ``token_ids``: the key of precise prefix entries.
+    - ``session``: the session the request is a turn of (an opaque id the data plane
+      scoped by the caller's key; ``None``: none), whose home the router looks up
+      (:mod:`routing.sessions`).
     """
 
     model: str
@@ -59,6 +62,7 @@ class RouteRequest(NamedTuple):
     stream: bool = True
     token_ids: Sequence[int] | None = None
     token_keys: dict[int, tuple[int, ...]] | None = None
+    session: str | None = None
 
 
 NOTHING: Mapping[str, int] = MappingProxyType({})  # no backend holds anything
@@ -80,7 +84,9 @@ class Match:
       (:mod:`routing.lora`; empty before its first placement; ``None`` for a base model);
     - ``kv_turnover``: a function of a candidate giving (KV tokens its cache can take
       without evicting, share of its evicted blocks asked for again)
-      (:meth:`routing.router.Router.kv_turnover`; ``None``: not known).
+      (:meth:`routing.router.Router.kv_turnover`; ``None``: not known);
+    - ``home``: the backend holding the request's session (``None``: no session, or a
+      new one); ``matched_blocks`` counts what its last turn placed there.
     """
 
     request: RouteRequest
@@ -89,6 +95,7 @@ class Match:
     exact_tokens: Mapping[str, int] = field(default_factory=lambda: NOTHING)
     adapter_set: tuple[str, ...] | None = None
     kv_turnover: Callable[[BackendState], tuple[float, float]] | None = None
+    home: str | None = None
 
     @classmethod
     def of(cls, request: RouteRequest, now: float = 0.0) -> Match:
@@ -118,7 +125,9 @@ class Decision:
     ``reason`` is a short token for metrics (``round_robin``, ``least_requests``,
     ``tie``...); ``detail`` carries numbers for the explanation header; ``evidence``
     (set by the router) is the kind of prefix-index evidence behind the chosen
-    backend's matched tokens: ``precise``, ``speculative`` or ``approximate``.
+    backend's matched tokens: ``precise``, ``speculative`` or ``approximate``;
+    ``session`` and ``placement`` (set by the router for a request of a session): its
+    id, and whether it went to the session's ``home``, ``moved`` or is ``new``.
     """
 
     backend: BackendState
@@ -126,6 +135,8 @@ class Decision:
     reason: str
     detail: dict[str, float] = field(default_factory=dict)
     evidence: str = "approximate"
+    session: str | None = None
+    placement: str = ""
 
 
 class Policy(Protocol):

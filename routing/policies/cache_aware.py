@@ -45,6 +45,10 @@ Adaptations to this gateway, each named:
   are taken among the eligible backends. With every backend eligible this is the
   upstream behaviour exactly.
 - Load is ``in_flight``, unweighted, as upstream (it ignores capacities).
+- Sessions (not upstream): a request of a session whose home
+  (:mod:`routing.sessions`) is a candidate goes home unless step 1 finds the load
+  imbalanced (then it moves to the least-loaded backend, its new home); the tree
+  still records it.
 
 Upstream later changed step 2's miss branch: since sgl-project/sglang PR #14650
 (Dec 2025, "cache-aware router should pick min load instead of min tenant size"),
@@ -117,9 +121,12 @@ class CacheAware(BasePolicy):
                             {"max_load": float(max_load), "min_load": float(min_load),
                              "in_flight": float(chosen.requests)})
 
+        by_name = {b.name: b for b in candidates}
+        home = by_name.get(match.home) if match.home is not None else None
+        if home is not None:  # a session's turn goes home unless the load is imbalanced
+            return Decision(home, self.name, "session_home", {"in_flight": float(home.requests)})
         text = request.prompt_text
         tree = self.trees.get(request.model)
-        by_name = {b.name: b for b in candidates}
         matched, tenant, node = (0, None, None) if tree is None else tree.match(text, by_name)
         rate = matched / len(text) if text else 0.0
         detail = {"match_rate": rate, "matched_chars": float(matched)}

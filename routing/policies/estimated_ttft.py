@@ -50,7 +50,11 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
 
 The lowest estimate wins; candidates within ``TIE_RELATIVE`` (2%) + ``TIE_ABSOLUTE_S``
 (0.5 ms) of the best are ties broken at random, so that several gateway replicas with
-the same view do not herd onto one backend.
+the same view do not herd onto one backend; a turn of a session whose home is among
+the ties goes home (``session_home``). A session's home counts the blocks its last turn
+placed there as cached (:mod:`routing.sessions`), so the home wins by its hit, and a
+session moves only when the home's queue costs more than recomputing its context
+elsewhere.
 """
 
 from __future__ import annotations
@@ -149,6 +153,17 @@ def _probe(match: Match, scored: list[Scored], limit: float) -> Scored | None:
     return None
 
 
+def _home(match: Match, ties: list[Scored]) -> Scored | None:
+    """The tie that is the home of the request's session, if any."""
+    home = match.home
+    if home is None:
+        return None
+    for t in ties:
+        if t[1].name == home:
+            return t
+    return None
+
+
 class EstimatedTTFT(BasePolicy):
     """Lowest estimated time to first token wins; near-ties broken at random."""
 
@@ -176,9 +191,14 @@ class EstimatedTTFT(BasePolicy):
             if match.now >= self._probe_at:
                 self._probe_at = match.now + 1.0
                 probe = _probe(match, scored, limit)
-            (est, uncached), chosen = probe or (ties[0] if len(ties) == 1 else self._rng.choice(ties))
+            home = _home(match, ties) if len(ties) > 1 else None
+            if home is not None:  # a session stays home when moving saves nothing
+                probe = None
+            (est, uncached), chosen = home or probe or (ties[0] if len(ties) == 1 else self._rng.choice(ties))
             if probe is not None:
                 reason = "probe"
+            elif home is not None:
+                reason = "session_home"
             elif len(ties) > 1:
                 reason = "tie"
             elif request.prompt_tokens - uncached > 0 and \
