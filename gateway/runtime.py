@@ -176,6 +176,7 @@ def configure(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
     core = state.core
     core.apply(backend_specs(cfg), cfg.routing.policy, canary_splits(cfg), model_tokenizers(cfg))
     core.index.speculative_s = cfg.routing.speculative_s
+    core.router.sessions.configure(cfg.sessions.ttl_s, cfg.sessions.max_sessions, share=bool(cfg.state.url))
     b = cfg.breaker
     for backend in core.fleet.backends.values():
         backend.breaker.configure(b.failure_threshold, b.open_s, b.success_threshold)

@@ -49,6 +49,7 @@ class Messages(Api):
 
     name, path, operation = "messages", "/v1/messages", "chat"
     end_events = frozenset((b"message_stop",))
+    user_field = "metadata.user_id"
     delta_event = b"content_block_delta"
 
     def read(self, data: dict[str, Any]) -> Fields:

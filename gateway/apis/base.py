@@ -103,6 +103,8 @@ class Api:
     counts_tokens = False  # its answer is the prompt's token count (:meth:`token_count_answer`)
     end_events: frozenset[bytes] = frozenset()  # SSE event names that end its stream; empty: ``data: [DONE]``
     delta_event = b""  # the SSE event name of one output token; empty: every ``data:`` event
+    session_field: str | None = None  # the request field naming a session (gateway.pipeline.session)
+    user_field: str | None = None  # the request field naming the end user, dotted into objects
 
     def read(self, data: dict[str, Any]) -> Fields:
         """The routing fields of request ``data``. Raises :class:`ClientError` 400."""

@@ -133,6 +133,7 @@ class ChatCompletions(Api):
 
     name, path, operation = "chat", "/v1/chat/completions", "chat"
     disaggregates = True
+    session_field, user_field = "prompt_cache_key", "user"
 
     def read(self, data: dict[str, Any]) -> Fields:
         fields = _openai_fields(data)
@@ -177,6 +178,7 @@ class Completions(Api):
     name, path, operation = "completions", "/v1/completions", "text_completion"
     prompt_kind, prompt_param = "completions", "prompt"
     disaggregates = True
+    session_field, user_field = "prompt_cache_key", "user"
 
     def read(self, data: dict[str, Any]) -> Fields:
         fields = _openai_fields(data)

@@ -70,6 +70,7 @@ class Responses(Api):
     name, path, operation = "responses", "/v1/responses", "chat"
     prompt_param = "input"
     stateful = True
+    session_field, user_field = "prompt_cache_key", "user"
     end_events = frozenset((b"response.completed", b"response.incomplete", b"response.failed"))
     delta_event = b"response.output_text.delta"
 

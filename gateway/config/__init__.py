@@ -7,6 +7,7 @@ module per concern:
 - :mod:`~gateway.config.serving`: ``listen`` (and the endpoint picker), ``pools``,
   ``limits``, ``lifecycle``, ``streaming``;
 - :mod:`~gateway.config.routing_rules`: ``routing``, ``models``;
+- :mod:`~gateway.config.sessions`: ``sessions``;
 - :mod:`~gateway.config.stores`: ``state``, ``batch``, ``usage``;
 - :mod:`~gateway.config.tenancy`: ``auth``, ``admin``, ``admission``;
 - :mod:`~gateway.config.tracing`: ``tracing``;
@@ -27,6 +28,7 @@ from gateway.config.migration import Migration
 from gateway.config.root import GatewayConfig
 from gateway.config.routing_rules import CanarySplit, Fallback, FallbackTrigger, LoraAdapter, ModelSettings, Routing
 from gateway.config.serving import ENGINE_FIELDS, EndpointPicker, Lifecycle, Limits, Listen, Pool, Streaming
+from gateway.config.sessions import Sessions
 from gateway.config.stores import Batch, Price, StateStore, Usage
 from gateway.config.tenancy import Admin, Admission, Auth, ClientKey
 from gateway.config.tracing import Tracing
@@ -72,6 +74,7 @@ __all__ = [
     "Price",
     "Retries",
     "Routing",
+    "Sessions",
     "SpeedHints",
     "StateStore",
     "Streaming",

@@ -15,6 +15,7 @@ from gateway.config.base import AUTO_MODELS, Strict
 from gateway.config.migration import Migration
 from gateway.config.routing_rules import ModelSettings, Routing
 from gateway.config.serving import Lifecycle, Limits, Listen, Pool, Streaming
+from gateway.config.sessions import Sessions
 from gateway.config.stores import Batch, StateStore, StoredResponses, Usage
 from gateway.config.tenancy import Admin, Admission, Auth
 from gateway.config.tracing import Tracing
@@ -48,6 +49,9 @@ class GatewayConfig(Strict):
         "\"Exponential Backoff And Jitter\", 2015), for connect errors, 429, 502/503/504 and timeouts, only "
         "while no byte has reached the client; each retry goes to another backend when one can serve the "
         "model.")
+    sessions: Sessions = Field(
+        Sessions(), description="Sessions (agent loops, conversations): which requests are turns of one session "
+        "and how long the backend holding its KV cache stays its home (docs/sessions.md).")
     state: StateStore = Field(
         StateStore(), description="Where the routing state lives: this process, or shared by every replica "
         "through Redis (no Redis call on the request path). Changing it needs a restart.")

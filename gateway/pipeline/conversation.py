@@ -11,8 +11,9 @@ caller's key name:
   (:meth:`~gateway.apis.base.Api.expand`), so any backend can serve it (prefix
   affinity still sends it to the one holding its KV cache), and the engine is asked
   not to store it (``store: false``);
-- :func:`keep`, once the turn was answered: its record (its whole input and the
-  response) is stored unless the client said ``store: false``.
+- :func:`keep`, once the turn was answered: its record (its whole input, the response
+  and the session, :mod:`gateway.pipeline.session`) is stored unless the client said
+  ``store: false``; a turn naming it continues its session.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import orjson
 from gateway.errors import ClientError
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.openai_request import ParsedRequest, dumps_json, parse_request
+from gateway.pipeline.session import started
 from gateway.pipeline.stream_scan import TypedEventScan
 from gateway.store.responses import StoreUnavailable
 
@@ -42,7 +44,9 @@ def unavailable(e: StoreUnavailable) -> ClientError:
 
 async def expand(state: GatewayState, parsed: ParsedRequest, owner: str) -> ParsedRequest:
     """``parsed`` as the engine gets it: with the turn its ``previous_response_id``
-    names, kept for ``owner``, before its own input; ``store: false`` for the engine.
+    names, kept for ``owner``, before its own input; ``store: false`` for the engine;
+    its session is that turn's (:mod:`gateway.pipeline.session`), and a stored turn
+    that continues none and names none starts one.
     Raises :class:`ClientError` 400 (an unknown or malformed previous response id,
     ``background``, which this gateway does not run) or 503 (the store did not answer)."""
     data = parsed.data
@@ -62,7 +66,15 @@ async def expand(state: GatewayState, parsed: ParsedRequest, owner: str) -> Pars
             raise ClientError(400, f"Previous response with id '{previous}' not found.",
                               param="previous_response_id", code="previous_response_not_found")
         data = parsed.api.expand(data, record)
-    return parse_request(parsed.api, dumps_json({**data, "store": False}), data)
+        chained = record.get("session")
+        session = chained if isinstance(chained, str) and state.cfg.sessions.enabled else parsed.session
+    else:
+        session = parsed.session
+        if session is None and state.cfg.sessions.enabled and data.get("store") is not False:
+            session = started(owner)  # a conversation's first turn: its next ones continue its session
+    expanded = parse_request(parsed.api, dumps_json({**data, "store": False}), data)
+    expanded.session = session
+    return expanded
 
 
 async def keep(state: GatewayState, ctx: RequestContext) -> None:
@@ -76,6 +88,8 @@ async def keep(state: GatewayState, ctx: RequestContext) -> None:
     if answer is None or not isinstance(answer.get("id"), str):
         return
     record = parsed.api.record(ctx.data or parsed.data, answer)
+    if parsed.session is not None:
+        record["session"] = parsed.session
     try:
         stored = await state.responses.put(ctx.key_name, answer["id"], record)
     except StoreUnavailable as e:

@@ -61,6 +61,7 @@ from gateway.pipeline.openai_request import (
     parse_body,
 )
 from gateway.pipeline.retry import Retrier
+from gateway.pipeline.session import session_of
 from gateway.tenancy.keys import ANONYMOUS, Caller
 from routing.core import UnknownModel
 
@@ -163,7 +164,8 @@ async def parse(state: GatewayState, api: Api, headers: Mapping[str, str],
                 in_process: bool = False) -> ParsedRequest:
     """Read and parse the request's body (JSON, the fields routing needs; unknown
     fields pass through; the engine-control fields ``caller`` may not set are held
-    back) and check that a backend serves its model. Raises :class:`ClientError` 400,
+    back), check that a backend serves its model and name its session
+    (:mod:`gateway.pipeline.session`). Raises :class:`ClientError` 400,
     404, 413 or 415 (not 415 for ``in_process`` lines, whose content type the batch
     manager checked)."""
     if not in_process:
@@ -172,6 +174,7 @@ async def parse(state: GatewayState, api: Api, headers: Mapping[str, str],
         body = await body()
     parsed = await off_loop(len(body), parse_body, api, body, caller.held_back, state.keyring.strip)
     check_model(state, parsed.model)
+    parsed.session = session_of(state.cfg.sessions, api, parsed.data, headers, caller.name)
     return parsed
 
 

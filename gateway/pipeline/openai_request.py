@@ -38,6 +38,8 @@ class ParsedRequest:
     canonical prompt (:func:`routing.estimate.canonical_prompt`), for routing;
     ``cache_salt`` is vLLM's per-tenant prefix-cache salt when the caller sent one.
     ``max_tokens`` is the output-token cap (0: an API that generates nothing).
+    ``session`` is the session it is a turn of, scoped by the caller's key
+    (:mod:`gateway.pipeline.session`; ``None``: none).
     """
 
     api: Api
@@ -49,6 +51,7 @@ class ParsedRequest:
     max_tokens: int | None
     prompt_text: str
     cache_salt: str | None = None
+    session: str | None = None
 
     @property
     def endpoint(self) -> str:

@@ -29,7 +29,8 @@ async def estimate(state: GatewayState, ctx: RequestContext) -> Failure | None:
     parsed = ctx.parsed
     token_ids = await token_ids_of(state, ctx)
     ctx.estimate, req = await off_loop(len(parsed.body), state.core.request, ctx.model, parsed.prompt_text,
-                                       parsed.max_tokens, parsed.cache_salt, parsed.stream, token_ids, ctx.subset)
+                                       parsed.max_tokens, parsed.cache_salt, parsed.stream, token_ids, ctx.subset,
+                                       parsed.session)
     ctx.request = req
     if token_ids is not None:  # an exact count: a prompt that fits on no backend is refused unsent
         limit = state.core.context_exceeded(ctx.model, len(token_ids), parsed.max_tokens)
