@@ -27,6 +27,7 @@ from gateway.engine_signals.health_checks import HealthChecker
 from gateway.engine_signals.kv_event_subscriber import KVEventSubscribers
 from gateway.engine_signals.metrics_scraper import MetricsScraper
 from gateway.ops.metrics import GatewayMetrics, HardeningCollector, TokenizerCollector
+from gateway.ops.session_metrics import SessionCollector
 from gateway.pipeline.keepalive import KeepAlives
 from gateway.pipeline.retry import RetryPolicy, policy_from_config
 from gateway.store.responses import ResponseStore
@@ -148,6 +149,7 @@ def build_state(cfg: GatewayConfig, config_path: str | None = None, version: str
                                     max_record_bytes=rs.max_record_bytes, timeout_s=st.timeout_s, cluster=st.cluster)
     metrics.registry.register(HardeningCollector(state))
     metrics.registry.register(TokenizerCollector(core))
+    metrics.registry.register(SessionCollector(core))
     return state
 
 

@@ -45,8 +45,9 @@ def route_header(decision: Decision, fallback: str = "", fallback_reason: str = 
     the kind of evidence behind them (``precise``, ``speculative`` or ``approximate``)
     and the estimate that decided (when the policy made one), each of which tells
     whether the prompt's prefix is cached, and the output tokens the estimate expected
-    (0: a prefill-only API); for a request served by a fallback model, that model and
-    the failure that sent it there."""
+    (0: a prefill-only API), and for a turn of a session, the start of its id and
+    whether it went to the session's ``home``, ``moved`` or is ``new``; for a request
+    served by a fallback model, that model and the failure that sent it there."""
     parts = [f"policy={decision.policy}", f"backend={decision.backend.name}"]
     if details:
         d = decision.detail
@@ -58,6 +59,8 @@ def route_header(decision: Decision, fallback: str = "", fallback_reason: str = 
             parts.append(f"output_tokens_est={d['output_tokens']}")
         if "metrics_stale" in d:
             parts.append("metrics_stale=1")
+        if decision.session is not None:  # 8 hex digits of the (key-scoped) session id
+            parts.append(f"session={decision.session[:8]}; placement={decision.placement}")
     if fallback_reason:
         parts.append(f"fallback={fallback}; fallback_reason={fallback_reason}")
     return "; ".join(parts)

@@ -45,3 +45,14 @@ def test_an_api_without_a_session_field_uses_the_header_and_nothing_when_off():
     assert session_of(ON, EMBEDDINGS, {"prompt_cache_key": "p"}, {"x-session-id": "h"}, "k") == scoped("k", "h")
     assert session_of(Sessions(header=None), MESSAGES, {}, {"x-session-id": "h"}, "k") is None
     assert session_of(Sessions(enabled=False), CHAT, {"prompt_cache_key": "p"}, {}, "k") is None
+
+
+def test_the_route_header_names_the_session_and_placement_only_with_details():
+    from gateway.pipeline.headers import route_header
+    from routing.core import BackendSpec, BackendState, Decision
+
+    d = Decision(BackendState(BackendSpec("x", frozenset({"m"}))), "estimated_ttft", "prefix_hit",
+                 {"matched_tokens": 640.0}, session=scoped("k", "s"), placement="home")
+    assert route_header(d).endswith(f"; session={scoped('k', 's')[:8]}; placement=home")
+    assert "session=" not in route_header(d, details=False)
+    assert "session=" not in route_header(Decision(d.backend, "estimated_ttft", "tie"))
