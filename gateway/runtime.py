@@ -32,6 +32,7 @@ from gateway.pipeline.keepalive import KeepAlives
 from gateway.pipeline.retry import RetryPolicy, policy_from_config
 from gateway.store.responses import ResponseStore
 from gateway.store.routing_state import InProcessStore, RedisStore
+from gateway.store.sessions import SessionSync
 from gateway.tenancy.admission import AdmissionControl
 from gateway.tenancy.keys import KeyRing
 from gateway.tenancy.limits import Limiter, LimiterSync
@@ -70,6 +71,7 @@ class GatewayState:
     limiter_sync: LimiterSync | None = None
     usage: UsageLedger = field(default_factory=UsageLedger)  # the usage ledger's counts (gateway.tenancy.usage_ledger)
     usage_sync: UsageSync | None = None  # flushes them to Redis when state.url is set
+    session_sync: SessionSync | None = None  # shares the sessions' homes when state.url is set (gateway.store.sessions)
     kv_events: KVEventSubscribers | None = None  # the engines' KV-event subscribers, made by connect()
     adapters: AdapterLoader = field(default_factory=AdapterLoader)  # LoRA adapters loaded on demand
     batch_gate: Any = None  # gateway.batch.batch_gate.BatchGate when batch is enabled
@@ -282,3 +284,13 @@ def usage_sync(state: GatewayState) -> UsageSync | None:
         return None
     return UsageSync(state.usage, st.url, namespace=st.namespace, interval_s=state.cfg.usage.flush_interval_s,
                      timeout_s=st.timeout_s, cluster=st.cluster)
+
+
+def session_sync(state: GatewayState) -> SessionSync | None:
+    """The Redis sync of the sessions' homes when ``state.url`` is set and sessions are
+    on (not started)."""
+    st = state.cfg.state
+    if not st.url or not state.cfg.sessions.enabled:
+        return None
+    return SessionSync(state.core.router.sessions, st.url, namespace=st.namespace, interval_s=st.staleness_s / 2,
+                       timeout_s=st.timeout_s, cluster=st.cluster, stream_maxlen=st.prefix_stream_maxlen)

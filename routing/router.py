@@ -164,11 +164,14 @@ class Router:
         """Set ``m.home`` to the home of ``session``, if it has one, and count there the
         blocks the session's last turn placed (:meth:`SessionTable.held_blocks`) when
         the prefix index has fewer (another replica's dispatch not synced yet, or
-        blocks it aged out)."""
+        blocks it aged out), and, when another replica placed its last turn, that
+        turn's uncached tokens (``Match.home_queued``)."""
         s = self.sessions.get(session, now)
         if s is None:
             return
         m.home = s.home
+        if not s.here:
+            m.home_queued = float(s.queued)
         held = self.sessions.held_blocks(s, m.request.block_hashes)
         if held > m.matched_blocks.get(s.home, 0):
             m.matched_blocks = {**m.matched_blocks, s.home: held}
@@ -294,8 +297,9 @@ class Router:
             decision.evidence = self.evidence(request, match, decision.backend.name)
         if request.session is not None:
             decision.session = request.session
-            decision.placement = self.sessions.place(request.session, decision.backend.name, request.block_hashes,
-                                                     now)
+            chosen = decision.backend.name
+            queued = int(request.prompt_tokens - match.cached_tokens(chosen))
+            decision.placement = self.sessions.place(request.session, chosen, request.block_hashes, now, queued)
         reservation = self.reserve(request, decision.backend, now)
         self.policy.on_dispatch(request, decision)
         return decision, reservation

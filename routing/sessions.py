@@ -12,6 +12,11 @@ last one, which is checked by the chained hash of its last block
 queue in the one unit of every decision (estimated time): the turn goes home unless
 moving is cheaper, and where it goes becomes the home (:meth:`SessionTable.place`).
 
+A session's turns are sequential: when its next turn comes, the last one is over. So
+the load another replica's snapshot may still show at the home for that last turn (it
+is shared at a bounded staleness, :mod:`routing.store`) is not counted against the home
+(``Match.home_queued``: at most that turn's uncached prompt tokens and one stream).
+
 The table is pure state: no clock of its own (every call takes the router's monotonic
 ``now``, seconds) and no I/O. A store in the gateway shares it with the other replicas
 and keeps it across restarts: it takes the sessions placed here from
@@ -26,7 +31,7 @@ seen for that long is forgotten (its next turn is ``new``). The table holds at m
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 HOME, MOVED, NEW = "home", "moved", "new"  # where a session's turn went (Decision.placement)
@@ -39,13 +44,17 @@ class Session:
     """One session's home: ``home`` (backend name), the ``blocks`` leading prompt
     blocks its last turn placed there and the chained hash of the last of them
     (``tail``, 0 when none), when it was last seen (``seen``, monotonic seconds of the
-    table's clock) and how many ``turns`` were placed."""
+    table's clock), how many ``turns`` were placed, the last turn's uncached prompt
+    tokens (``queued``: the prefill it queued at the home) and whether this replica
+    placed it (``here``; else it was learned from another replica)."""
 
     home: str
     blocks: int
     tail: int
     seen: float
     turns: int
+    queued: int = 0
+    here: bool = True
 
 
 class SessionTable:
@@ -55,7 +64,8 @@ class SessionTable:
     - ``max_sessions``: at most this many sessions are held (the least recently seen
       one leaves first).
     - ``share``: record every placement's session id in :attr:`changed`, for a store
-      that shares the table (off: nothing is recorded).
+      that shares the table, and call :attr:`notify` (the store's wake-up, which must
+      do no I/O) when set; off: nothing is recorded.
 
     ``placements`` counts the turns placed by kind (``home``, ``moved``, ``new``).
     Raises ``ValueError`` on a ``ttl_s`` or ``max_sessions`` that is not positive.
@@ -69,6 +79,7 @@ class SessionTable:
         self.share = share
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently seen first
         self.changed: deque[str] = deque(maxlen=CHANGED_MAX)
+        self.notify: Callable[[], None] | None = None  # called (no I/O) after a placement is recorded in changed
         self.placements: dict[str, int] = dict.fromkeys(PLACEMENTS, 0)
 
     def configure(self, ttl_s: float, max_sessions: int, share: bool) -> None:
@@ -103,10 +114,11 @@ class SessionTable:
             return 0
         return n
 
-    def place(self, session: str, backend: str, hashes: Sequence[int], now: float) -> str:
-        """Record that ``session``'s turn (prompt blocks ``hashes``) was dispatched to
-        ``backend`` at ``now``: it is the session's home from now on. Returns the kind
-        of placement: ``home`` (where it already was), ``moved`` or ``new``."""
+    def place(self, session: str, backend: str, hashes: Sequence[int], now: float, queued: int = 0) -> str:
+        """Record that ``session``'s turn (prompt blocks ``hashes``, ``queued`` uncached
+        prompt tokens) was dispatched to ``backend`` at ``now``: it is the session's
+        home from now on. Returns the kind of placement: ``home`` (where it already
+        was), ``moved`` or ``new``."""
         s = self.sessions.get(session)
         if s is not None and now - s.seen > self.ttl_s:
             s = None
@@ -114,19 +126,23 @@ class SessionTable:
         tail = hashes[-1] if n else 0
         if s is None:
             kind = NEW
-            self.sessions[session] = Session(backend, n, tail, now, 1)
+            self.sessions[session] = Session(backend, n, tail, now, 1, queued)
             if len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         else:
             kind = HOME if s.home == backend else MOVED
             s.home, s.blocks, s.tail, s.seen, s.turns = backend, n, tail, now, s.turns + 1
+            s.queued, s.here = queued, True
             self.sessions.move_to_end(session)
         self.placements[kind] += 1
         if self.share:
             self.changed.append(session)
+            if self.notify is not None:
+                self.notify()
         return kind
 
-    def learn(self, session: str, home: str, blocks: int, tail: int, seen: float, turns: int) -> bool:
+    def learn(self, session: str, home: str, blocks: int, tail: int, seen: float, turns: int,
+              queued: int = 0) -> bool:
         """Another replica (or this one before a restart) placed ``session``: take its
         entry unless the one held here is as recent (``seen``, on this table's clock).
         Returns whether it was taken."""
@@ -134,11 +150,12 @@ class SessionTable:
         if s is not None and s.seen >= seen:
             return False
         if s is None:
-            self.sessions[session] = Session(home, blocks, tail, seen, turns)
+            self.sessions[session] = Session(home, blocks, tail, seen, turns, queued, False)
             if len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         else:
             s.home, s.blocks, s.tail, s.seen, s.turns = home, blocks, tail, seen, max(turns, s.turns)
+            s.queued, s.here = queued, False
             self.sessions.move_to_end(session)
         return True
 

@@ -30,7 +30,16 @@ from gateway.pipeline import director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.request_ids import REQUEST_ID, request_id
-from gateway.runtime import OWN_MIDDLEWARES, STATE, build_state, configure, connect, limiter_sync, usage_sync
+from gateway.runtime import (
+    OWN_MIDDLEWARES,
+    STATE,
+    build_state,
+    configure,
+    connect,
+    limiter_sync,
+    session_sync,
+    usage_sync,
+)
 from gateway.server import stored_responses
 from gateway.tenancy.keys import CALLER
 
@@ -107,6 +116,9 @@ def _lifecycle(backend_urls: dict[str, str]):
         assert state.health is not None
         await state.health.check_all()
         await state.store.start()  # loads the shared view before serving (bounded wait)
+        state.session_sync = session_sync(state)
+        if state.session_sync is not None:  # and the sessions' homes (bounded wait)
+            await state.session_sync.start()
         tasks = state.tasks
         tasks.append(asyncio.create_task(state.health.run()))
         if state.config_path is not None:
@@ -134,6 +146,8 @@ def _lifecycle(backend_urls: dict[str, str]):
                 for t in pending:
                     log.warning("background task %s did not stop within 5 s of its cancel", t.get_name())
             await state.store.stop()
+            if state.session_sync is not None:
+                await state.session_sync.stop()
             if state.kv_events is not None:
                 await state.kv_events.stop()
             if state.limiter_sync is not None:

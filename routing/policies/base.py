@@ -86,7 +86,9 @@ class Match:
       without evicting, share of its evicted blocks asked for again)
       (:meth:`routing.router.Router.kv_turnover`; ``None``: not known);
     - ``home``: the backend holding the request's session (``None``: no session, or a
-      new one); ``matched_blocks`` counts what its last turn placed there.
+      new one); ``matched_blocks`` counts what its last turn placed there;
+      ``home_queued``: that turn's uncached prompt tokens when another replica placed
+      it (its load there, which that replica's snapshot may still show; 0: none).
     """
 
     request: RouteRequest
@@ -96,6 +98,7 @@ class Match:
     adapter_set: tuple[str, ...] | None = None
     kv_turnover: Callable[[BackendState], tuple[float, float]] | None = None
     home: str | None = None
+    home_queued: float = 0.0
 
     @classmethod
     def of(cls, request: RouteRequest, now: float = 0.0) -> Match:

@@ -54,7 +54,8 @@ the same view do not herd onto one backend; a turn of a session whose home is am
 the ties goes home (``session_home``). A session's home counts the blocks its last turn
 placed there as cached (:mod:`routing.sessions`), so the home wins by its hit, and a
 session moves only when the home's queue costs more than recomputing its context
-elsewhere.
+elsewhere. The load the session's last turn may still show at the home in another
+replica's snapshot is not counted there (``Match.home_queued``: the turn is over).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def estimate_ttft(b: BackendState, request: RouteRequest, match: Match) -> tuple
     uncached = request.prompt_tokens - match.cached_tokens(b.name)
     work = load.queued_prefill_tokens + remote.queued_prefill_tokens + uncached  # total_queued_prefill_tokens
     running = load.running + remote.running  # total_running
+    if match.home_queued and b.name == match.home:  # the session's last turn, over, maybe still in remote load
+        work -= min(match.home_queued, remote.queued_prefill_tokens)
+        running -= min(1.0, remote.running)
     if load.engine is not None:
         now = match.now
         work += load.external_queued_tokens(now)

@@ -12,6 +12,7 @@ from routing.estimate import TokenEstimator
 from routing.policies.estimated_ttft import EstimatedTTFT
 from routing.prefix_index import PrefixIndex
 from routing.sessions import SessionTable
+from routing.store import fold_remote_loads
 
 EST = TokenEstimator()
 SYSTEM = "You are an agent with tools. " * 200  # a long shared context, many blocks
@@ -136,3 +137,17 @@ def test_cache_aware_sends_a_session_home_unless_the_load_is_imbalanced(policy):
     assert d3.reason == "imbalance" and d3.backend is not home and d3.placement == "moved"
     for h in held:
         h.release(3.0)
+
+
+def test_the_last_turns_own_load_in_another_replicas_view_is_not_held_against_its_home():
+    """Replica A placed turn one at home a and answered it; replica B's view of A's load
+    may still show it queued there. B discounts exactly that turn, not other load."""
+    one, two = turn(SYSTEM + "turn one"), turn(SYSTEM + "turn one, turn two")
+    picks = {}
+    for other_load in (0, one.prompt_tokens):  # what else A has queued at a, besides turn one
+        r = Router(Fleet([BackendSpec(n, frozenset({"m"})) for n in ("a", "b")]), EstimatedTTFT(random.Random(1)))
+        r.sessions.learn("s1", "a", len(one.block_hashes), one.block_hashes[-1], 1.0, 1, one.prompt_tokens)
+        fold_remote_loads(r.fleet, [{"a": [1, one.prompt_tokens + other_load, 0, 0, 0, 1, 0, 0, 0, 0, 0]}])
+        d = route(r, two, 1.5)
+        picks[other_load] = (d.backend.name, d.placement)
+    assert picks == {0: ("a", "home"), one.prompt_tokens: ("b", "moved")}
