@@ -77,10 +77,12 @@ async def expand(state: GatewayState, parsed: ParsedRequest, owner: str) -> Pars
     return expanded
 
 
-async def keep(state: GatewayState, ctx: RequestContext) -> None:
+def keep(state: GatewayState, ctx: RequestContext) -> None:
     """Store the answered turn ``ctx`` for its caller (unless it said ``store: false``,
-    or its answer is not a response object). A store that fails is logged: the client
-    has its answer already; a next turn naming it gets a 400."""
+    or its answer is not a response object), before the end of its answer goes out
+    (:func:`gateway.pipeline.settlement.completed` calls it), so that a next turn never
+    arrives before it. A store that fails is logged: the client has its answer; a next
+    turn naming it gets a 400."""
     parsed = ctx.parsed
     if parsed.data.get("store") is False:
         return
@@ -90,12 +92,7 @@ async def keep(state: GatewayState, ctx: RequestContext) -> None:
     record = parsed.api.record(ctx.data or parsed.data, answer)
     if parsed.session is not None:
         record["session"] = parsed.session
-    try:
-        stored = await state.responses.put(ctx.key_name, answer["id"], record)
-    except StoreUnavailable as e:
-        log.warning("request %s: response %s not stored: %s", ctx.request_id, answer["id"], e)
-        return
-    if not stored:
+    if not state.responses.put(ctx.key_name, answer["id"], record):
         log.warning("request %s: response %s not stored: its record exceeds responses.max_record_bytes",
                     ctx.request_id, answer["id"])
 

@@ -6,13 +6,12 @@ and the in-process batch consumers (:func:`collect`) call :func:`handle`, which 
 as the request's story, every step a call into a module named after it::
 
     authenticate -> parse -> (expand) -> admit -> [estimate -> plan -> [prefill leg] ->
-        route -> attempt (retry) -> relay -> settle] for the model, then its fallbacks
-        -> (keep)
+        route -> attempt (retry) -> relay -> settle (keep)] for the model, then its fallbacks
 
 - authenticate: :meth:`gateway.tenancy.keys.KeyRing.authenticate` (401);
 - parse: :func:`parse` (:mod:`~gateway.pipeline.openai_request`; 400, 404, 413, 415);
-- expand and keep, for an API whose conversations the gateway keeps (Responses):
-  :mod:`gateway.pipeline.conversation` (400, 503);
+- expand, for an API whose conversations the gateway keeps (Responses):
+  :mod:`gateway.pipeline.conversation` (400, 503; settlement keeps the answered turn);
 - admit: :class:`~gateway.pipeline.admit.Ticket` (the batch gate, the caller's limits,
   the admission queue; 429, 503), released once at the end;
 - trace: with ``tracing`` on, ``ctx.trace`` (:class:`gateway.ops.tracing.RequestTrace`)
@@ -128,8 +127,6 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
                     # route -> attempt (ctx.send: relay, settle) -> retry elsewhere
                     failure = await attempt.with_retries(state, ctx, Retrier(state.retry, t0), roles, remote, now)
                 if failure is None:  # answered (or a stream that failed after its first byte)
-                    if api.stateful:  # the turn kept for the next one
-                        await conversation.keep(state, ctx)
                     return
                 if not fallback.take(state, ctx, failure, tried, t0):
                     return await settlement.failed(state, ctx, *failure)

@@ -10,7 +10,7 @@ every data plane is a call into this module:
 | when | call | caller |
 |---|---|---|
 | the first byte goes to the client | :func:`first_byte` | the relay (from the read callback, :class:`~gateway.pipeline.relay.EarlyAnswer`, or its coroutine) |
-| the answer ended | :func:`completed`, :func:`finish` | the relay |
+| the answer ended | :func:`completed` (a Responses turn kept: :func:`gateway.pipeline.conversation.keep`), :func:`finish` | the relay |
 | an attempt failed | :func:`attempt_failed` | the retry loop (:func:`~gateway.pipeline.attempt.with_retries`), the prefill leg, the endpoint picker |
 | the client left | :func:`client_left` | the attempt, the endpoint picker |
 | the request failed for good | :func:`failed`, :func:`stream_failed` | the director, the retry loop |
@@ -42,7 +42,7 @@ from gateway.errors import (
     stream_error_body,
 )
 from gateway.ops import access_log
-from gateway.pipeline import migration
+from gateway.pipeline import conversation, migration
 from gateway.pipeline.context import RequestContext, ServedMetrics
 from gateway.pipeline.downstream import ClientGone
 from gateway.pipeline.stream_scan import StreamScan, whole_usage
@@ -132,6 +132,8 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     ctx.usage = (counted_prompt, min(cached, counted_prompt), max(completion or 0, 0))
     ctx.tokens = counted_prompt + (completion or 0)
     reservation.release(now, completion, whole)
+    if ctx.parsed.api.stateful:  # a Responses turn: kept for the next one before its end goes out
+        conversation.keep(state, ctx)
 
 
 def _charge_relayed(ctx: RequestContext) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 import orjson
 
 from gateway.store.redis_client import redis_client
+
+log = logging.getLogger("gateway.store")
 
 
 class StoreUnavailable(Exception):
@@ -44,6 +47,7 @@ class ResponseStore:
         self.max_record_bytes = max_record_bytes
         self.local: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self.writing: dict[str, asyncio.Future[None]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()  # the Redis writes under way
 
     def _key(self, owner: str, response_id: str) -> str:
         return self.prefix + hashlib.sha256(owner.encode()).hexdigest()[:24] + ":" + response_id
@@ -67,10 +71,11 @@ class ResponseStore:
                 raise StoreUnavailable(str(e) or type(e).__name__) from None
         return orjson.loads(raw) if raw else None
 
-    async def put(self, owner: str, response_id: str, record: dict[str, Any]) -> bool:
-        """Keep ``record`` as ``owner``'s response ``response_id`` for ``ttl_s``;
-        ``False`` when it is larger than ``max_record_bytes`` (not kept). Raises
-        :class:`StoreUnavailable`."""
+    def put(self, owner: str, response_id: str, record: dict[str, Any]) -> bool:
+        """Keep ``record`` as ``owner``'s response ``response_id`` for ``ttl_s``, from
+        now on for this process (a read of it waits for the Redis write under way);
+        ``False`` when it is larger than ``max_record_bytes`` (not kept). A Redis write
+        that fails is logged: the record is then not kept."""
         key = self._key(owner, response_id)
         raw = orjson.dumps(record)
         if len(raw) > self.max_record_bytes:
@@ -83,15 +88,21 @@ class ResponseStore:
             return True
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.writing[key] = done
+        task = asyncio.ensure_future(self._write(key, raw, done))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
+    async def _write(self, key: str, raw: bytes, done: asyncio.Future[None]) -> None:
+        assert self.client is not None
         try:
             await self.client.set(key, raw, ex=self.ttl_s)
-        except Exception as e:  # noqa: BLE001 - any redis-py error: the store is unavailable
-            raise StoreUnavailable(str(e) or type(e).__name__) from None
+        except Exception as e:  # noqa: BLE001 - any redis-py error: the record is not kept
+            log.warning("a stored response was not written to Redis: %s", str(e) or type(e).__name__)
         finally:
             done.set_result(None)
             if self.writing.get(key) is done:
                 del self.writing[key]
-        return True
 
     async def delete(self, owner: str, response_id: str) -> bool:
         """Forget ``owner``'s response ``response_id``; whether there was one. Raises
@@ -105,5 +116,7 @@ class ResponseStore:
             raise StoreUnavailable(str(e) or type(e).__name__) from None
 
     async def close(self) -> None:
+        if self.tasks:  # the writes under way finish first (each bounded by the client's timeout)
+            await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.client is not None:
             await self.client.aclose()
