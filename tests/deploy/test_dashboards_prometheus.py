@@ -34,6 +34,14 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy/grafana/dashboards").glob("*.json"))
+ALERTS = ROOT / "deploy/prometheus/alerts.yml"
+# an alert's expression without its threshold: what must have series for the rule to mean anything
+THRESHOLD = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.]+\s*$")
+# alerts whose metric only a condition this test does not create exports, with the reason
+ALERTS_MAY_BE_EMPTY = {
+    "turbo_gateway_admission_rejected_total": "admission refusals (the fleet is never saturated here)",
+    "turbo_gateway_kv_events_gaps_total": "KV events (no backend here publishes them)",
+}
 JOB = "turbo-gateway"
 MODEL = "sim-model"
 # Grafana's variables, as the dashboards' defaults ("All") set them
@@ -87,8 +95,9 @@ async def _prometheus(target: str) -> AsyncIterator[str]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tg-prom-") as tmp:
         cfg = Path(tmp) / "prometheus.yml"
+        shutil.copy(ALERTS, Path(tmp) / "alerts.yml")
         cfg.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": ["alerts.yml"],
             "scrape_configs": [{"job_name": JOB, "metrics_path": "/metrics", "static_configs": [
                 {"targets": [target]}]}]}))
         log = Path(tmp) / "prometheus.log"
@@ -175,6 +184,16 @@ async def test_every_dashboard_query_returns_series_from_a_real_prometheus():
                     elif not got["data"]["result"]:
                         (allowed_empty if any(m in expr for m in MAY_BE_EMPTY) else empty).append(
                             f"{dashboard}: {title}: {expr}")
+                alert_empty, alert_failed = [], []
+                for rule in _alert_rules():
+                    for expr in (rule["expr"], THRESHOLD.sub("", rule["expr"])):
+                        got = await _query(s, prom, expr)
+                        if got.get("status") != "success":
+                            alert_failed.append(f"{rule['alert']}: {expr}: {got.get('error')}")
+                    if not got["data"]["result"] and not any(m in expr for m in ALERTS_MAY_BE_EMPTY):
+                        alert_empty.append(f"{rule['alert']}: {expr}")
+                async with s.get(prom + "/api/v1/rules") as r:
+                    loaded = [rule for g in (await r.json())["data"]["groups"] for rule in g["rules"]]
                 # the checks can fail: a series no gateway exports, a query that is not PromQL
                 absent = await _query(s, prom, f'turbo_gateway_no_such_metric{{job="{JOB}"}}')
                 broken = await _query(s, prom, "sum by (le (rate(turbo_gateway_ttft_seconds_bucket[1m]))")
@@ -188,9 +207,25 @@ async def test_every_dashboard_query_returns_series_from_a_real_prometheus():
             await e.cleanup()
     assert absent["status"] == "success" and absent["data"]["result"] == [] and broken["status"] == "error"
     assert failed == [], "queries Prometheus refused:\n" + "\n".join(failed)
+    assert alert_failed == [], "alert expressions Prometheus refused:\n" + "\n".join(alert_failed)
+    assert alert_empty == [], "alert expressions with no series:\n" + "\n".join(alert_empty)
+    assert sorted(r["name"] for r in loaded) == sorted(r["alert"] for r in _alert_rules())
+    assert all(r["health"] in ("ok", "unknown") for r in loaded), loaded
     assert empty == [], "queries that returned no series:\n" + "\n".join(empty)
     trace_ids = {e["labels"]["trace_id"] for series in exemplars for e in series["exemplars"]}
     assert trace_ids and trace_ids <= {sp.trace_id for sp in receiver.spans if sp.parent == ""}
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def test_the_alert_rules_cover_what_an_operator_needs():
+    names = {r["alert"] for r in _alert_rules()}
+    assert names == {"TurboGatewayBackendDown", "TurboGatewayBreakerOpen", "TurboGatewayErrorRatio",
+                     "TurboGatewayTTFTOverSLO", "TurboGatewayAdmissionQueueFull", "TurboGatewayRedisUnreachable",
+                     "TurboGatewayKVEventGaps"}
+    assert all(THRESHOLD.search(r["expr"]) for r in _alert_rules())  # each fires on a threshold
 
 
 def test_the_dashboards_have_queries_and_the_test_knows_every_variable():
