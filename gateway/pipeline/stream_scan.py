@@ -59,10 +59,11 @@ class StreamScan:
         if self.overflow:
             return chunk
         # the usual read of a stream: one whole JSON event ("data: {...}\n\n", no other
-        # line) without usage; this is what the general scan concludes for it, at the
-        # cost of one substring search and three cheap checks
-        if not self.tail and self.events and chunk.endswith(b"}\n\n") and chunk.count(b"\n") == 2 and \
-                chunk.startswith(b"data:") and chunk.find(b'"usage"') < 0:
+        # line: its first line end is the one before the last byte) without usage; this
+        # is what the general scan concludes for it, at the cost of one substring search
+        # and three cheap checks (a read of several events fails them at its first line end)
+        if not self.tail and self.events and chunk.endswith(b"}\n\n") and chunk.find(b"\n") == len(chunk) - 2 and \
+                chunk.startswith(b"data:") and chunk.rfind(b'"usage"') < 0:
             self.events += 1
             return chunk
         return self._feed_general(chunk)
@@ -107,7 +108,9 @@ class StreamScan:
             self.drop_blank = False
             if complete.startswith((b"\n", b"\r\n")):
                 skip = complete.find(b"\n") + 1
-        if complete.find(b'"usage"') < 0:  # the usual read
+        # the usual read; searched from the end, where a stream's usage is (and which is
+        # the quicker search through JSON text when it is absent)
+        if complete.rfind(b'"usage"') < 0:
             if not self.withhold:
                 return chunk
             return complete[skip:] if skip else complete
