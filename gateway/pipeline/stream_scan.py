@@ -142,7 +142,10 @@ class StreamScan:
                 break
         if not self.withhold:
             return chunk
-        return complete[skip:cut] + complete[stop:] if stop else complete[skip:]
+        if not stop:
+            return complete[skip:]
+        lines = memoryview(complete)  # the two parts are copied once, into the result
+        return b"".join((lines[skip:cut], lines[stop:]))
 
     @property
     def content_events(self) -> int:
