@@ -268,7 +268,12 @@ async def _end(state: GatewayState, ctx: RequestContext, name: str, scan: Stream
         raise Disconnected(name, f"backend {name} ended the stream without its last event"
                                  f" ({ctx.parsed.api.name}: {_last_event(ctx)})")
     settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
-    await down.end_stream(last)  # the last bytes and the end of the chunked body in one write
+    # the last bytes and the end of the chunked body in one write; a downstream that
+    # never waits ends it without a coroutine
+    if down.may_wait:
+        await down.end_stream(last)
+    else:
+        down.end_stream_now(last)
     settlement.finish(state, ctx, 200)
 
 

@@ -116,5 +116,8 @@ class LeanDownstream:
             self._write(b"%x\r\n%b\r\n" % (len(data), data))
 
     async def end_stream(self, last: bytes = b"") -> None:
+        self.end_stream_now(last)
+
+    def end_stream_now(self, last: bytes = b"") -> None:
         self.finished = True
         self._write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last) if last else b"0\r\n\r\n")
