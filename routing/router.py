@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from routing.backend import BackendState
 from routing.fleet import Fleet, NoBackendAvailable, Reservation
 from routing.policies import Decision, Match, Policy, RouteRequest
+from routing.policies.base import NOTHING
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
 from routing.sessions import SessionTable
@@ -152,9 +153,9 @@ class Router:
             self.refresh_speeds(now)
             self.sessions.expire(now)
             self._next_expire = now + EXPIRE_EVERY_S
-        m = Match(request, now, self.index.match(request.block_hashes, now), kv_turnover=self._kv_turnover)
-        if request.token_keys:
-            m.exact_tokens = self._match_tokens(request, request.token_keys, now)
+        matched = self.index.match(request.block_hashes, now)
+        exact = self._match_tokens(request, request.token_keys, now) if request.token_keys else NOTHING
+        m = Match(request, now, matched, exact, None, self._kv_turnover)
         if request.session is not None:
             self._at_home(m, request.session, now)
         self._last_match = m

@@ -109,6 +109,9 @@ class EppDownstream:
     async def end_stream(self, last: bytes = b"") -> None:
         self.start_stream_now({}, last)
 
+    def end_stream_now(self, last: bytes = b"") -> None:
+        self.start_stream_now({}, last)
+
 
 class EppStream:
     """One ext_proc stream: one HTTP request through Envoy."""
@@ -116,8 +119,7 @@ class EppStream:
     __slots__ = ("state", "context", "headers", "subset", "duplex", "body_read", "path")
 
     def __init__(self, state: GatewayState, context: grpc.aio.ServicerContext) -> None:
-        self.state = state
-        self.context = context
+        self.state, self.context = state, context
         self.headers: CIMultiDict = CIMultiDict()
         self.subset: list[str] | None = None
         # FULL_DUPLEX_STREAMED (the protocol's mode): Envoy streams the headers and body
@@ -155,8 +157,7 @@ class EppStream:
                 return bytes(body)
 
     async def run(self) -> None:
-        """Serve the stream: the request phase, then (through :func:`hand_off`) the
-        response phase."""
+        """Serve the stream: the request phase, then (:func:`hand_off`) the response phase."""
         state = self.state
         first = await self.read()
         if first is None or first.WhichOneof("request") != "request_headers":
@@ -291,8 +292,7 @@ class EppStream:
         """Send the request on to ``endpoints[0]`` (the rest: Envoy's retry order),
         with the destination and ``set_headers`` among its headers and ``body`` as its
         body (when it had one). The caller's credentials (:data:`CALLER_CREDENTIALS`)
-        are removed unless ``set_headers`` gives the backend's own; the path is the
-        one that was matched."""
+        are removed unless ``set_headers`` gives the backend's own; the path is the one that was matched."""
         md = struct_pb2.Struct()
         md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = ",".join(endpoints)
         sets = [header_option(DESTINATION, endpoints[0])] + [header_option(k, v) for k, v in set_headers.items()]

@@ -49,7 +49,11 @@ class Ticket:
             self.kv = await gate.enter(parsed)
             self.gate = gate  # entered: left in release()
             arrival = state.loop.time()
-        self.charge = await state.admission.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight)
+        adm_queue = state.admission
+        charge = adm_queue.admit_now(parsed.model, caller.name, prompt, caller.weight)
+        if charge is None:  # it queues
+            charge = await adm_queue.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight)
+        self.charge = charge
         return arrival
 
     def release(self, state: GatewayState, ctx: RequestContext | None) -> None:

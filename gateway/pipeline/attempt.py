@@ -21,6 +21,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from msgspec.structs import replace
+
 from gateway.apis.base import Api
 from gateway.errors import REQUEST_ID_HEADER, ApiNotServed, BackendStatus, Disconnected, UpstreamError
 from gateway.pipeline import engine_errors, migration, relay, settlement
@@ -67,8 +69,8 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
     while True:
         if (roles, remote_prefill, pools) != (req.roles, req.remote_prefill, req.pools) or excluded or \
                 subset is not req.subset:
-            req = ctx.request = req._replace(roles=roles, remote_prefill=remote_prefill, pools=pools,
-                                             exclude=frozenset(excluded), subset=subset)
+            req = ctx.request = replace(req, roles=roles, remote_prefill=remote_prefill, pools=pools,
+                                        exclude=frozenset(excluded), subset=subset)
         try:
             decision, reservation = core.route(req, now)
         except NoBackendAvailable as e:

@@ -46,11 +46,16 @@ Failure = tuple[UpstreamError | None, NoBackendAvailable | None]
 
 class ServedMetrics:
     """The metric children one answered request updates, for one (model, backend,
-    pool): looked up once per request instead of once per update."""
+    pool): looked up once per (model, backend, pool) instead of once per update. Those
+    with a further label are kept per label value as they are first asked for:
+    :meth:`prefix` per routing evidence, :meth:`key_tokens` per key label."""
 
-    __slots__ = ("completion_tokens", "e2e", "ok", "pool", "pool_ok", "pool_ttft", "prompt_tokens", "ttft")
+    __slots__ = ("_key_tokens", "_metrics", "_prefix", "cached_tokens", "completion_tokens", "e2e", "model", "ok",
+                 "pool", "pool_ok", "pool_ttft", "predicted_cached_tokens", "prompt_tokens", "reported_prompt_tokens",
+                 "ttft")
 
     def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str) -> None:
+        self._metrics, self.model = m, model
         self.pool = pool
         self.ttft = m.child(m.ttft, model)
         self.pool_ttft = m.child(m.pool_ttft, pool)
@@ -59,6 +64,31 @@ class ServedMetrics:
         self.pool_ok = m.child(m.pool_requests, pool, "200")
         self.prompt_tokens = m.child(m.prompt_tokens, model)
         self.completion_tokens = m.child(m.completion_tokens, model)
+        self.cached_tokens = m.child(m.cached_tokens, model)
+        self.predicted_cached_tokens = m.child(m.predicted_cached_tokens, model)
+        self.reported_prompt_tokens = m.child(m.reported_prompt_tokens, model)
+        self._prefix: dict[str, tuple[Any, Any]] = {}
+        self._key_tokens: dict[str, tuple[Any, Any, Any]] = {}
+
+    def prefix(self, evidence: str) -> tuple[Any, Any]:
+        """The (predicted, reported) cached prompt tokens children of routing ``evidence``."""
+        c = self._prefix.get(evidence)
+        if c is None:
+            m = self._metrics
+            c = self._prefix[evidence] = (m.child(m.prefix_predicted_tokens, evidence),
+                                          m.child(m.prefix_reported_tokens, evidence))
+        return c
+
+    def key_tokens(self, key: str) -> tuple[Any, Any, Any]:
+        """The (prompt, cached prompt, completion) token children of key label ``key``
+        (:meth:`gateway.ops.metrics.GatewayMetrics.key_label`) for this model."""
+        c = self._key_tokens.get(key)
+        if c is None:
+            m, model = self._metrics, self.model
+            c = self._key_tokens[key] = (m.child(m.key_tokens, key, model, "prompt"),
+                                         m.child(m.key_tokens, key, model, "cached_prompt"),
+                                         m.child(m.key_tokens, key, model, "completion"))
+        return c
 
 
 class Continuation:

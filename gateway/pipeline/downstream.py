@@ -14,8 +14,9 @@
   chunks when ``chunked``): the client's socket, or ``None`` once it is gone;
   ``started`` tells whether any byte was committed to the client; ``may_wait`` whether
   :meth:`start_stream` can wait for a slow client (one that cannot also offers
-  ``start_stream_now``, the same call without ``await``, which the relay makes from
-  inside the backend connection's read callback).
+  ``start_stream_now`` and ``end_stream_now``, the same calls without ``await``, which
+  the relay makes from inside the backend connection's read callback, or to end a
+  stream without a coroutine).
 
 All writers raise :class:`ClientGone` when the client's connection is gone.
 """
@@ -64,6 +65,8 @@ class Downstream(Protocol):
 
     async def end_stream(self, last: bytes = b"") -> None: ...
 
+    def end_stream_now(self, last: bytes = b"") -> None: ...
+
 
 _WRITE_ERRORS = (ConnectionError, aiohttp.ClientConnectionResetError)
 
@@ -91,6 +94,9 @@ class AiohttpDownstream:
 
     def start_stream_now(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
         raise NotImplementedError("aiohttp's response is started with `await start_stream`")  # may_wait
+
+    def end_stream_now(self, last: bytes = b"") -> None:
+        raise NotImplementedError("aiohttp's response is ended with `await end_stream`")  # may_wait
 
     async def start_stream(self, headers: dict[str, str], first: bytes, end: bool = False) -> None:
         if self.started:  # the head went out already (a keep-alive commit): the body goes on
@@ -176,4 +182,7 @@ class CollectDownstream:
         self.body += data
 
     async def end_stream(self, last: bytes = b"") -> None:
+        self.end_stream_now(last)
+
+    def end_stream_now(self, last: bytes = b"") -> None:
         self.body += last

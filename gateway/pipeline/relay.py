@@ -218,57 +218,66 @@ async def stream(state: GatewayState, ctx: RequestContext, name: str, up: Upstre
     down = ctx.down
     if opened is not None:
         assert ctx.scan is not None
-        last = await _relayed(up, ctx.scan, *opened)
-        return await _end(state, ctx, name, ctx.scan, last, reservation)
-    up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
-    if ctx.keepalive is not None:  # the first event: no more comments, one being written goes first
-        task = ctx.keepalive.discard(ctx)
-        if task is not None:
-            await task  # Downstream.start_stream: raises ClientGone
-    first_at, scan, chunk = _start(state, ctx, reservation, chunk)
-    headers = stream_headers(ctx, up.headers.get("content-type", "text/event-stream"))
-    if up.complete and scan.done:  # the whole stream arrived at once: one write
-        settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
-        await down.start_stream(headers, chunk + scan.flush(), end=True)
-        settlement.finish(state, ctx, 200)
-        return
-    last = scan.flush() if up.complete else b""
-    if not up.complete:
+        scan = ctx.scan
+        relay, fut = opened
+    else:
+        up.clear_deadline()  # the relay's own timer takes over: idle and total timeouts
+        if ctx.keepalive is not None:  # the first event: no more comments, one being written goes first
+            task = ctx.keepalive.discard(ctx)
+            if task is not None:
+                await task  # Downstream.start_stream: raises ClientGone
+        first_at, scan, chunk = _start(state, ctx, reservation, chunk)
+        headers = stream_headers(ctx, up.headers.get("content-type", "text/event-stream"))
+        if up.complete and scan.done:  # the whole stream arrived at once: one write
+            settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
+            await down.start_stream(headers, chunk + scan.flush(), end=True)
+            settlement.finish(state, ctx, 200)
+            return
+        if up.complete:  # the response ended with this read, without [DONE]: _end says so
+            await down.start_stream(headers, chunk)
+            return await _end(state, ctx, name, scan, scan.flush(), reservation)
         if down.may_wait:  # the relay is not installed yet: nothing else would stop reading the backend
             up.pause_reading()
         await down.start_stream(headers, chunk)
         relay, fut = _relay(state, ctx, up, scan, first_at, deadlines)
         if down.may_wait:
             up.resume_reading()
-        last = await _relayed(up, scan, relay, fut)
-    else:  # the response ended with this read, without [DONE]: _end says so
-        await down.start_stream(headers, chunk)
+    try:
+        await fut  # the relay ended
+    finally:
+        relay.stop()
+    last = scan.feed(up.take()) + scan.flush()  # the last bytes, and those withheld until the end
+    if scan.done and not down.may_wait:  # the usual end, without a coroutine
+        return _ended(state, ctx, scan, last, reservation)
     return await _end(state, ctx, name, scan, last, reservation)
 
 
-async def _relayed(up: Upstream, scan: StreamScan, relay: StreamRelay, fut: asyncio.Future[None]) -> bytes:
-    """Wait for the relay to end and return the response's last bytes (and those
-    withheld until its end), scanned, not yet sent."""
-    try:
-        await fut
-    finally:
-        relay.stop()
-    return scan.feed(up.take()) + scan.flush()
+def _ended(state: GatewayState, ctx: RequestContext, scan: StreamScan, last: bytes,
+           reservation: Reservation) -> None:
+    """The backend ended a relayed stream with ``data: [DONE]`` (``last``: its last
+    bytes, not yet sent) and the client's downstream never waits: settle and end the
+    client's stream now, the last bytes and the end of the chunked body in one write."""
+    settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
+    ctx.down.end_stream_now(last)
+    settlement.finish(state, ctx, 200)
 
 
 async def _end(state: GatewayState, ctx: RequestContext, name: str, scan: StreamScan, last: bytes,
                reservation: Reservation) -> None:
     """The backend ended a relayed stream (``last``: its last bytes, not yet sent):
-    settle and end the client's stream, or raise :class:`Disconnected` when it ended
-    without ``data: [DONE]``."""
+    settle and end the client's stream (the last bytes and the end of the chunked body
+    in one write; :func:`_ended` when the downstream never waits), or raise
+    :class:`Disconnected` when it ended without ``data: [DONE]``."""
     down = ctx.down
     if not scan.done:
         if last:
             await down.write(last)
         raise Disconnected(name, f"backend {name} ended the stream without its last event"
                                  f" ({ctx.parsed.api.name}: {_last_event(ctx)})")
+    if not down.may_wait:
+        return _ended(state, ctx, scan, last, reservation)
     settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
-    await down.end_stream(last)  # the last bytes and the end of the chunked body in one write
+    await down.end_stream(last)  # aiohttp's: it may wait for the client
     settlement.finish(state, ctx, 200)
 
 

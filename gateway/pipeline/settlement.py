@@ -98,7 +98,6 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     else ``events``, the streamed content events), teach the decision core and release
     the reservation. ``whole``: a non-streamed answer, whose timing says nothing about
     the backend's TTFT or ITL."""
-    m = state.metrics
     model = ctx.model
     s = ctx.served or served(state, ctx)
     completion: int | None = events or None
@@ -113,14 +112,14 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
             completion = ct
         if reported_cached is not None:
             cached = reported_cached
-            m.child(m.cached_tokens, model).inc(cached)
+            s.cached_tokens.inc(cached)
             if ctx.decision is not None:
                 predicted = ctx.decision.detail.get("matched_tokens", 0)
-                m.child(m.predicted_cached_tokens, model).inc(predicted)
-                m.child(m.reported_prompt_tokens, model).inc(prompt or 0)
-                evidence = ctx.decision.evidence
-                m.child(m.prefix_predicted_tokens, evidence).inc(predicted)
-                m.child(m.prefix_reported_tokens, evidence).inc(cached)
+                s.predicted_cached_tokens.inc(predicted)
+                s.reported_prompt_tokens.inc(prompt or 0)
+                prefix_predicted, prefix_reported = s.prefix(ctx.decision.evidence)
+                prefix_predicted.inc(predicted)
+                prefix_reported.inc(cached)
     if completion:
         s.completion_tokens.inc(completion)
     est = ctx.estimate
@@ -259,9 +258,16 @@ def account(state: GatewayState, ctx: RequestContext, status: int) -> None:
     if ctx.usage is not None:
         m = state.metrics
         key = m.key_label(ctx.key_name)  # auth.metrics_key_labels: hashed by default
-        m.child(m.key_tokens, key, model, "prompt").inc(prompt)
-        m.child(m.key_tokens, key, model, "cached_prompt").inc(cached)
-        m.child(m.key_tokens, key, model, "completion").inc(completion)
+        s = ctx.served
+        if s is not None and s.model == model:
+            prompt_c, cached_c, completion_c = s.key_tokens(key)
+        else:  # charged before any answer (the client left, the stream broke)
+            prompt_c, cached_c, completion_c = (m.child(m.key_tokens, key, model, "prompt"),
+                                                m.child(m.key_tokens, key, model, "cached_prompt"),
+                                                m.child(m.key_tokens, key, model, "completion"))
+        prompt_c.inc(prompt)
+        cached_c.inc(cached)
+        completion_c.inc(completion)
 
 
 def client_left(state: GatewayState, ctx: RequestContext, backend: str) -> None:

@@ -59,10 +59,11 @@ class StreamScan:
         if self.overflow:
             return chunk
         # the usual read of a stream: one whole JSON event ("data: {...}\n\n", no other
-        # line) without usage; this is what the general scan concludes for it, at the
-        # cost of one substring search and three cheap checks
-        if not self.tail and self.events and chunk.endswith(b"}\n\n") and chunk.count(b"\n") == 2 and \
-                chunk.startswith(b"data:") and chunk.find(b'"usage"') < 0:
+        # line: its first line end is the one before the last byte) without usage; this
+        # is what the general scan concludes for it, at the cost of one substring search
+        # and three cheap checks (a read of several events fails them at its first line end)
+        if not self.tail and self.events and chunk.endswith(b"}\n\n") and chunk.find(b"\n") == len(chunk) - 2 and \
+                chunk.startswith(b"data:") and chunk.rfind(b'"usage"') < 0:
             self.events += 1
             return chunk
         return self._feed_general(chunk)
@@ -107,39 +108,47 @@ class StreamScan:
             self.drop_blank = False
             if complete.startswith((b"\n", b"\r\n")):
                 skip = complete.find(b"\n") + 1
-        if complete.find(b'"usage"') < 0:  # the usual read
+        # the usual read; searched from the end, where a stream's usage is (and which is
+        # the quicker search through JSON text when it is absent)
+        i = complete.rfind(b'"usage"')
+        if i < 0:
             if not self.withhold:
                 return chunk
             return complete[skip:] if skip else complete
-        return self._usage(chunk, complete, skip)
+        return self._usage(chunk, complete, skip, i)
 
-    def _usage(self, chunk: bytes, complete: bytes, skip: int) -> bytes:
+    def _usage(self, chunk: bytes, complete: bytes, skip: int, i: int) -> bytes:
         """Read the last ``usage`` object of the lines ``complete`` (of which the read
-        ``chunk`` is the end); returns what :meth:`feed` returns: withholding,
-        ``complete`` without its first ``skip`` bytes and the usage-only event."""
-        end = len(complete)
+        ``chunk`` is the end; ``i``: where its last ``"usage"`` is); returns what
+        :meth:`feed` returns: withholding, ``complete`` without its first ``skip``
+        bytes and the usage-only event."""
         cut = stop = 0
-        while (i := complete.rfind(b'"usage"', 0, end)) >= 0:  # the last line with a usage object
-            start = end = complete.rfind(b"\n", 0, i) + 1
-            if not complete.startswith(b"data:", start):
-                continue
+        while i >= 0:  # the last line with a usage object
+            start = complete.rfind(b"\n", 0, i) + 1
             line_end = complete.find(b"\n", i) + 1  # complete ends with a line end
-            try:
-                obj = orjson.loads(complete[start + 5:line_end])
-            except orjson.JSONDecodeError:
-                continue
+            obj = None
+            if complete[start:start + 5] == b"data:":
+                try:
+                    obj = orjson.loads(complete[start + 5:line_end])
+                except orjson.JSONDecodeError:
+                    pass
             if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
                 self.usage = obj["usage"]
                 if self.withhold and not obj.get("choices"):  # the usage-only event: not the client's
                     cut, stop = start, line_end
                     if stop == len(complete):  # its blank line comes with the next read
                         self.drop_blank = True
-                    elif complete.startswith(b"\n", stop) or complete.startswith(b"\r\n", stop):
-                        stop = complete.find(b"\n", stop) + 1
+                    else:
+                        after = complete[stop:stop + 2]
+                        stop += 1 if after[:1] == b"\n" else 2 if after == b"\r\n" else 0
                 break
+            i = complete.rfind(b'"usage"', 0, start)
         if not self.withhold:
             return chunk
-        return complete[skip:cut] + complete[stop:] if stop else complete[skip:]
+        if not stop:
+            return complete[skip:]
+        lines = memoryview(complete)  # the two parts are copied once, into the result
+        return b"".join((lines[skip:cut], lines[stop:]))
 
     @property
     def content_events(self) -> int:

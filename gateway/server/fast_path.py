@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 _HOT = {CHAT.path: CHAT, COMPLETIONS.path: COMPLETIONS}  # the APIs it serves; any other goes to aiohttp
 _PREFIXES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
 # the header fields after the request line: each a token (RFC 9110, 5.6.2), a colon and
-# a value, CRLF between them (control characters, bare CR and LF are refused before)
-_FIELDS = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*(?:\r\n|\Z))*")
+# a value, CRLF between them (control characters, bare CR and LF are refused before, so
+# ``.`` stops at the line's end: one CR, then LF)
+_FIELDS = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:.*(?:\r\n|\Z))*")
 _MAX_HEAD_BYTES = 16 * 1024  # a longer head goes to aiohttp, which applies its own limits
 # what aiohttp's parser refuses with a 400 is handed to it: its limits (max_field_size,
 # max_headers), its singleton headers, field values with control characters
@@ -44,7 +45,7 @@ _MAX_LINE_BYTES = 8190
 _MAX_HEADERS = 128
 _SINGLETONS = {"authorization", "content-length", "content-location", "content-range", "content-type",
                "etag", "host", "max-forwards", "server", "transfer-encoding", "user-agent"}
-_CONTROL = bytes([*range(9), 11, 12, *range(14, 32), 127])  # all but TAB, and CR LF (checked as pairs)
+_CONTROL = bytes([*range(9), *range(10, 32), 127])  # all but TAB (CR and LF are allowed as pairs)
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')  # starts with a literal: re scans for it at C speed
 _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pauses
 # headers whose requests aiohttp serves: codings and protocol switches it implements, and a
@@ -202,8 +203,8 @@ class DataPlaneProtocol(asyncio.Protocol):
         if end > _MAX_HEAD_BYTES:
             return self._hand_over()
         head = bytes(buf[:end])
-        crlf = head.count(b"\r\n")  # control characters, a bare CR or LF: aiohttp's 400
-        if len(head.translate(None, _CONTROL)) != len(head) or head.count(b"\r") != crlf or head.count(b"\n") != crlf:
+        # control characters, a bare CR or LF: aiohttp's 400 (each CRLF holds one CR and one LF)
+        if len(head.translate(None, _CONTROL)) != len(head) - 2 * head.count(b"\r\n"):
             return self._hand_over()
         text = head.decode("latin-1")  # one decode; header names and values are latin-1 strings from here
         lines = text.split("\r\n")

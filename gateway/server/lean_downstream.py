@@ -103,11 +103,12 @@ class LeanDownstream:
                 tail += b"Connection: close\r\n"
             self.started = True
             data = response_head(200, headers, tail)
-        if first:
-            data += b"%x\r\n%b\r\n" % (len(first), first)
         if end:
-            data += b"0\r\n\r\n"
             self.finished = True
+        if first:  # one copy of the (possibly large) first bytes, framed as a chunk
+            data = b"%b%x\r\n%b\r\n%b" % (data, len(first), first, b"0\r\n\r\n" if end else b"")
+        elif end:
+            data += b"0\r\n\r\n"
         self._write(data)
 
     async def write(self, data: bytes) -> None:
@@ -115,5 +116,8 @@ class LeanDownstream:
             self._write(b"%x\r\n%b\r\n" % (len(data), data))
 
     async def end_stream(self, last: bytes = b"") -> None:
+        self.end_stream_now(last)
+
+    def end_stream_now(self, last: bytes = b"") -> None:
         self.finished = True
-        self._write((b"%x\r\n%b\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
+        self._write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last) if last else b"0\r\n\r\n")

@@ -165,20 +165,29 @@ class AdmissionControl:
     def _routable(self, model: str, now: float) -> bool:
         return any(not b.draining and b.healthy and b.ready_at(now) <= now for b in self.fleet.by_model.get(model, ()))
 
+    def admit_now(self, model: str, key: str, prompt_tokens: float = 0.0, weight: float = 1.0) -> Charge | None:
+        """The :class:`Charge` of a request that may be routed at once (as :meth:`admit`
+        gives it), or ``None`` when it would have to queue: the usual case answered
+        without a coroutine."""
+        if self.cfg.max_in_flight_per_backend is None:
+            return NO_CHARGE
+        now = asyncio.get_running_loop().time()
+        # no routable backend at all: let the router answer (503 with its own Retry-After)
+        if not self._routable(model, now) or (self.waiting == 0 and self.free(model, now) > 0):
+            return self._charge(key, prompt_tokens, weight)
+        return None
+
     async def admit(self, model: str, key: str, priority: int, prompt_tokens: float = 0.0,
                     weight: float = 1.0) -> Charge:
         """Return when the request may be routed, with its :class:`Charge` on ``key``'s
         counter (``prompt_tokens``: its estimated prompt; ``weight``: the key's share;
         :meth:`Charge.settle` it when the request ends). Raise :class:`ClientError` 503
         when the queue is full or its deadline passed."""
+        charge = self.admit_now(model, key, prompt_tokens, weight)
+        if charge is not None:
+            return charge
         cfg = self.cfg
-        if cfg.max_in_flight_per_backend is None:
-            return NO_CHARGE
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        # no routable backend at all: let the router answer (503 with its own Retry-After)
-        if not self._routable(model, now) or (self.waiting == 0 and self.free(model, now) > 0):
-            return self._charge(key, prompt_tokens, weight)
         if self.sizes.get(priority, 0) >= cfg.queue_size:
             self.rejected["queue_full"] += 1
             raise ClientError(503, "The fleet is saturated and the admission queue is full; retry later.",

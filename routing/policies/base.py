@@ -7,16 +7,22 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import Protocol
+
+import msgspec
 
 from routing.backend import BackendState
 
 
-class RouteRequest(NamedTuple):
+class RouteRequest(msgspec.Struct, frozen=True, gc=False):
     """What a policy may know about a request: immutable, built once by the decision
     core (:meth:`routing.core.DecisionCore.request`) and given a new scope with
-    ``_replace`` when an attempt changes it. What the router finds for it at one
-    moment (prefix matches, the time) is a :class:`Match`, not part of it.
+    :func:`msgspec.structs.replace` when an attempt changes it. What the router finds
+    for it at one moment (prefix matches, the time) is a :class:`Match`, not part of it.
+    A frozen msgspec struct: setting a field raises ``AttributeError``, and its fields
+    are read as fast as slots (the router and the policies read them many times per
+    request); ``gc=False``: it holds no reference back to itself, so the cyclic
+    garbage collector need not track it.
 
     - ``model``: the requested model name.
     - ``exclude``: backend names that must not be chosen (they already failed it).
