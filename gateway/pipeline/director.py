@@ -54,6 +54,7 @@ from gateway.pipeline.context import RequestContext, Send
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
 from gateway.pipeline.keepalive import close_comment
 from gateway.pipeline.openai_request import (
+    LARGE_BODY_BYTES,
     ParsedRequest,
     check_json_content_type,
     off_loop,
@@ -169,7 +170,10 @@ async def parse(state: GatewayState, api: Api, headers: Mapping[str, str],
         check_json_content_type(headers.get("Content-Type"))
     if not isinstance(body, bytes):
         body = await body()
-    parsed = await off_loop(len(body), parse_body, api, body, caller.held_back, state.keyring.strip)
+    if len(body) < LARGE_BODY_BYTES:  # the usual request: parsed at once, no coroutine to await
+        parsed = parse_body(api, body, caller.held_back, state.keyring.strip)
+    else:
+        parsed = await off_loop(len(body), parse_body, api, body, caller.held_back, state.keyring.strip)
     check_model(state, parsed.model)
     parsed.session = session_of(state.cfg.sessions, api, parsed.data, headers, caller.name)
     return parsed

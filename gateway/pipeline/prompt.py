@@ -16,10 +16,11 @@ from gateway.errors import REQUEST_ID_HEADER, BackendStatus
 from gateway.pipeline import settlement
 from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.engine_errors import context_length_exceeded
-from gateway.pipeline.openai_request import off_loop, prompt_token_ids
+from gateway.pipeline.openai_request import LARGE_BODY_BYTES, off_loop, prompt_token_ids
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayState
+    from routing.core import Tokenization
 
 
 async def estimate(state: GatewayState, ctx: RequestContext) -> Failure | None:
@@ -27,10 +28,20 @@ async def estimate(state: GatewayState, ctx: RequestContext) -> Failure | None:
     ``ctx.request``. Returns the context-length failure (an OpenAI 400, as an engine
     would answer it) when an exact count shows that it fits no backend, else ``None``."""
     parsed = ctx.parsed
-    token_ids = await token_ids_of(state, ctx)
-    ctx.estimate, req = await off_loop(len(parsed.body), state.core.request, ctx.model, parsed.prompt_text,
-                                       parsed.max_tokens, parsed.cache_salt, parsed.stream, token_ids, ctx.subset,
-                                       parsed.session)
+    tz = tokenization(state, ctx)
+    token_ids: Sequence[int] | None
+    if tz is None or isinstance(tz, list):
+        token_ids = tz
+    else:
+        if tz.offload:  # a long encoding: in the loop's default executor (tokenizers releases the GIL)
+            await state.loop.run_in_executor(None, tz.encode)
+        token_ids = tz.token_ids()
+    args = (ctx.model, parsed.prompt_text, parsed.max_tokens, parsed.cache_salt, parsed.stream, token_ids, ctx.subset,
+            parsed.session)
+    if len(parsed.body) < LARGE_BODY_BYTES:  # the usual request: estimated at once, no coroutine to await
+        ctx.estimate, req = state.core.request(*args)
+    else:
+        ctx.estimate, req = await off_loop(len(parsed.body), state.core.request, *args)
     ctx.request = req
     if token_ids is not None:  # an exact count: a prompt that fits on no backend is refused unsent
         limit = state.core.context_exceeded(ctx.model, len(token_ids), parsed.max_tokens)
@@ -40,11 +51,12 @@ async def estimate(state: GatewayState, ctx: RequestContext) -> Failure | None:
     return None
 
 
-async def token_ids_of(state: GatewayState, ctx: RequestContext) -> Sequence[int] | None:
-    """The prompt's token ids by ``ctx.model``'s own tokenizer, or ``None`` (no
-    tokenizer, or a prompt it cannot reproduce). A long encoding runs in the loop's
-    default executor (``tokenizers`` releases the GIL), so other requests go on
-    meanwhile; the prefix cache makes a conversation's next turn short. The prompt
+def tokenization(state: GatewayState, ctx: RequestContext) -> Tokenization | list[int] | None:
+    """The tokenization of ``ctx``'s prompt by ``ctx.model``'s own tokenizer (its
+    encoding still to do: :meth:`~routing.core.Tokenization.encode`, off the event loop
+    when it is long, so other requests go on meanwhile; the prefix cache makes a
+    conversation's next turn short), the prompt's token ids when it came as ids, or
+    ``None`` (no tokenizer, or a prompt it cannot reproduce). The prompt
     is the API adapter's view of the request (a Responses or Messages request as the
     chat it renders); an API whose view is not what the engine tokenizes (rerank,
     score) is not tokenized. Without a tokenizer, a completions prompt given as token
@@ -56,9 +68,7 @@ async def token_ids_of(state: GatewayState, ctx: RequestContext) -> Sequence[int
         if ctx.parsed.endpoint == "completions" and state.core.wants_token_ids(ctx.model):
             return prompt_token_ids(data)
         return None
-    if tz.offload:
-        await state.loop.run_in_executor(None, tz.encode)
-    return tz.token_ids()
+    return tz
 
 
 def counted_here(state: GatewayState, ctx: RequestContext) -> bool:

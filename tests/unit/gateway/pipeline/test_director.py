@@ -218,10 +218,10 @@ async def test_a_prompt_too_long_for_every_backend_is_refused_unsent(monkeypatch
 
     state, settled = _state(_two_backends())
 
-    async def exact(state, ctx):  # an exact count, as the model's tokenizer gives it
+    def exact(state, ctx):  # an exact count, as the model's tokenizer gives it
         return [1] * 5000
 
-    monkeypatch.setattr(prompt, "token_ids_of", exact)
+    monkeypatch.setattr(prompt, "tokenization", exact)
     monkeypatch.setattr(state.core, "context_exceeded", lambda model, n, max_tokens: 4096)
     script = Script()
     down = await _serve(state, script)
