@@ -121,6 +121,18 @@ def _other_api_body(opts: ClientOptions, session: Session, turn: int, history: l
 _RESPONSES_USAGE = ("input", "output")
 
 
+def _text_chunk(rec: RequestRecord, st: float, last: float | None) -> float:
+    """A text chunk arrived now (the request was sent at ``st``, the previous chunk at
+    ``last``): its TTFT or inter-token gap goes to ``rec``. Returns now."""
+    now = time.perf_counter()
+    if last is None:
+        rec.ttft_s = now - st
+    else:
+        rec.itl_s.append(now - last)
+    rec.chunks += 1
+    return now
+
+
 def _response_text(obj: dict[str, Any]) -> str:
     return "".join(c.get("text") or "" for item in obj.get("output") or () if isinstance(item, dict)
                    for c in item.get("content") or () if isinstance(c, dict))
@@ -155,13 +167,7 @@ async def _read_other(resp: aiohttp.ClientResponse, opts: ClientOptions, rec: Re
             rec.error, rec.error_detail = "stream_error", str(obj)[:500]
             return
         if kind == "response.output_text.delta":
-            now = time.perf_counter()
-            if last is None:
-                rec.ttft_s = now - st
-            else:
-                rec.itl_s.append(now - last)
-            last = now
-            rec.chunks += 1
+            last = _text_chunk(rec, st, last)
             if keep_text:
                 parts.append(obj.get("delta") or "")
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
@@ -252,13 +258,7 @@ async def send(http: aiohttp.ClientSession, base_url: str, opts: ClientOptions, 
                         return
                     text = _chunk_text(obj)
                     if text:
-                        now = time.perf_counter()
-                        if last is None:
-                            rec.ttft_s = now - st
-                        else:
-                            rec.itl_s.append(now - last)
-                        last = now
-                        rec.chunks += 1
+                        last = _text_chunk(rec, st, last)
                         if keep_text:
                             text_parts.append(text)
                     if obj.get("usage"):

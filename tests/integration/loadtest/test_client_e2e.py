@@ -19,7 +19,7 @@ from loadtest.runner import LoadSpec, Target, run_load
 from loadtest.sim.server import SimBackendConfig, start_backends
 from loadtest.workloads import make_workload
 from loadtest.zero import make_app
-from tests.support.servers import ScriptedBackend, gateway_config, running_gateway, sse_chunk
+from tests.support.servers import ScriptedBackend, gateway_config, running_gateway, serving, sse_chunk
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SHARED = {"num_groups": 2, "prompts_per_group": 3, "system_prompt_len": 64, "question_len": 8, "output_len": 6}
@@ -147,16 +147,8 @@ async def test_error_kinds_are_recorded():
     assert rec.error == "connect"
 
 
-@asynccontextmanager
-async def zero_backend():
-    runner = web.AppRunner(make_app(4), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+def zero_backend():
+    return serving(make_app(4))
 
 
 async def test_bounds_in_count_and_time_and_multi_turn_history():
