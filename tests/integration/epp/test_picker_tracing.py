@@ -79,6 +79,10 @@ def _envoy_traces(receiver: OtlpReceiver) -> Any:
             "typed_config": {"@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
                              "service_name": "envoy-under-test",
                              "http_service": {"http_uri": {"uri": receiver.url, "cluster": "otlp", "timeout": "5s"}}}}}
+        # each finished span is exported at once rather than on a 5 s timer in batches of 5
+        # (Envoy's runtime keys), so that a loaded machine's test does not wait on a batch
+        boot["layered_runtime"] = {"layers": [{"name": "static", "static_layer": {
+            "tracing.opentelemetry.min_flush_spans": 1, "tracing.opentelemetry.flush_interval_ms": 200}}]}
         boot["static_resources"]["clusters"].append({
             "name": "otlp", "type": "STATIC", "connect_timeout": "1s",
             "load_assignment": {"cluster_name": "otlp", "endpoints": [{"lb_endpoints": [{"endpoint": {
@@ -97,7 +101,7 @@ async def test_when_envoy_traces_its_ext_proc_span_is_the_pickers_parent():
             def envoy_exported() -> bool:
                 return any(s.resource.get("service.name") == "envoy-under-test" for s in receiver.spans)
 
-            await wait_until(envoy_exported, timeout_s=30)  # Envoy flushes its spans every few seconds
+            await wait_until(envoy_exported, timeout_s=30)
     root = _picker_root(receiver)
     envoy_spans = {s.span_id: s for s in receiver.spans if s.resource.get("service.name") == "envoy-under-test"}
     assert all(s.trace_id == TRACE_ID for s in envoy_spans.values())
