@@ -94,6 +94,10 @@ def _from_protobuf(body: bytes) -> dict[str, Any]:
 
     req = MessageToDict(ExportTraceServiceRequest.FromString(body), use_integers_for_enums=True)
     for rs in req.get("resourceSpans", []):
+        # field 2 of ResourceSpans is `scope_spans`; the older OTLP schema that xds-protos
+        # installs as opentelemetry.proto names the same field `instrumentation_library_spans`
+        if "instrumentationLibrarySpans" in rs:
+            rs["scopeSpans"] = rs.pop("instrumentationLibrarySpans")
         for ss in rs.get("scopeSpans", []):
             for s in ss.get("spans", []):
                 for key in ("traceId", "spanId", "parentSpanId"):
