@@ -279,3 +279,13 @@ async def test_a_stream_cut_mid_answer_is_not_continued_behind_envoy():
     finally:
         for b in backends:
             await b.cleanup()
+
+
+async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_behind_envoy():
+    """The picker routes from the same engine signals as the gateway's own data plane:
+    a backend whose metrics answered "idle" once and then hung is uncertain, not idle,
+    and takes no more than its share (tests/integration/routing/test_learning.py)."""
+    from tests.integration.routing.test_learning import hung_metrics_share
+
+    slow, served = await hung_metrics_share(picker_stack)
+    assert slow <= 150 // 3, served

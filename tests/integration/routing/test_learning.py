@@ -5,16 +5,18 @@ header and the metrics, and a cold gateway reads its engines' prefill rates."""
 from __future__ import annotations
 
 
-async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_whole_answers():
+async def hung_metrics_share(stack) -> tuple[int, dict[str, int]]:
     """Real sockets: three backends answering whole (non-streamed) completions, one 5x
     slower whose /metrics answered "idle" once and then stopped answering; the others
-    report one request waiting. It must not take more than its fair share."""
+    report one request waiting. 150 requests, 3 at a time, through the data plane that
+    ``stack(cfg)`` starts (an async context manager yielding an object with ``url``).
+    Returns the slow backend's count and every backend's."""
     import asyncio
 
     import aiohttp
     from aiohttp import web
 
-    from tests.support.servers import completion_body, gateway_config, running_gateway
+    from tests.support.servers import completion_body, gateway_config
 
     hang = asyncio.Event()
     SERVED = web.AppKey("served", dict)
@@ -57,7 +59,7 @@ async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_w
             urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
         cfg = gateway_config([{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()],
                              routing={"policy": "estimated_ttft", "scrape_interval_s": 0.1})
-        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+        async with stack(cfg) as gw, aiohttp.ClientSession() as s:
             await asyncio.sleep(0.05)  # the first scrape: every backend's first sample
             sem = asyncio.Semaphore(3)
 
@@ -70,12 +72,18 @@ async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_w
                         await r.read()
 
             await asyncio.gather(*(one(i) for i in range(150)))
-        slow = apps["slow"][SERVED]["n"]
-        assert slow <= 150 // 3, {n: a[SERVED]["n"] for n, a in apps.items()}
+        return apps["slow"][SERVED]["n"], {n: a[SERVED]["n"] for n, a in apps.items()}
     finally:
         hang.set()
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_of_whole_answers():
+    from tests.support.servers import running_gateway
+
+    slow, served = await hung_metrics_share(running_gateway)
+    assert slow <= 150 // 3, served
 
 
 async def test_stale_engine_metrics_show_in_the_route_header_and_the_metrics():
