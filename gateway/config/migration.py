@@ -22,6 +22,10 @@ class Migration(Strict):
     max_per_request: int = Field(
         1, ge=0, le=10, description="Continuations one stream may have (each one also counts as an attempt "
         "under `retries.max_attempts` and `retries.budget_s`); 0: none.")
+    max_kept_bytes: int = Field(
+        8 * 1024 * 1024, ge=0, description="Bytes of one stream kept while it is open, to read the text relayed "
+        "if its backend fails (about 250 bytes per token of a chat stream). A stream that reads more is not "
+        "continued (it ends with the error event) and its bytes are let go; 0: no stream is continued.")
     models: dict[str, int] = Field(
         {}, description="Per model (the `model` name clients send): its own `max_per_request` (0: never "
         "continue that model's streams).")

@@ -23,7 +23,8 @@ Eligible: a streamed request of an API that says it can be continued
 (:meth:`~gateway.apis.base.Api.continuable`), on the gateway's own data plane, not a
 disaggregated one, with ``migration`` allowing its model a continuation. Only an eligible
 stream's bytes are kept (its scan's ``kept``: a list of the reads, no copy), and only
-while it is open (a 10,000-token answer keeps about 2.5 MB); at a failure
+while it is open (a 10,000-token answer keeps about 2.5 MB), up to
+``migration.max_kept_bytes`` (:class:`KeptReads`); at a failure
 they are read for the text relayed (:meth:`~gateway.apis.base.Api.relayed_text`), and a
 stream is not continued when half an event reached the client, when what was relayed is
 not plain text (a tool call, reasoning) or no token of ``max_tokens`` is left.
@@ -52,6 +53,53 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.pipeline")
 
 
+# the bytes a streamed token's event is assumed to take at most, to bound a stream's bytes by
+# its max_tokens (a chat chunk of vLLM or llama.cpp takes about 250)
+EVENT_BYTES_MAX = 1024
+
+
+class KeptReads(list[bytes]):
+    """The reads of a stream kept for its continuation, counted against ``room``
+    (bytes): past it they are let go and no more are kept (``room`` stays negative),
+    so the stream is no longer continued. Used where a stream's ``max_tokens`` does
+    not bound its bytes within ``migration.max_kept_bytes`` (:func:`kept_for`); the
+    others keep a plain list, whose ``append`` costs nothing more per read."""
+
+    __slots__ = ("room",)
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def append(self, chunk: bytes) -> None:
+        if self.room < 0:
+            return
+        self.room -= len(chunk)
+        if self.room < 0:
+            self.clear()
+        else:
+            list.append(self, chunk)
+
+
+def kept_for(state: GatewayState, ctx: RequestContext) -> list[bytes] | None:
+    """The list that keeps the reads of a stream that may be continued: a plain one
+    when the stream's ``max_tokens`` bounds its bytes within ``migration.max_kept_bytes``
+    (at :data:`EVENT_BYTES_MAX` a token), else a :class:`KeptReads` that counts them;
+    ``None`` when nothing may be kept (``max_kept_bytes`` 0)."""
+    room = state.cfg.migration.max_kept_bytes
+    if room <= 0:
+        return None
+    max_tokens = ctx.parsed.max_tokens
+    if max_tokens is not None and max_tokens * EVENT_BYTES_MAX <= room:
+        return []
+    return KeptReads(room)
+
+
+def overflowed(kept: list[bytes]) -> bool:
+    """Whether ``kept`` let its reads go (:class:`KeptReads` past its room)."""
+    return isinstance(kept, KeptReads) and kept.room < 0
+
+
 class SpliceScan(StreamScan):
     """The scan of a continuation: its own bytes scanned for its own usage and end and
     kept for a further continuation, as an eligible stream's are; the bytes relayed are
@@ -60,9 +108,9 @@ class SpliceScan(StreamScan):
 
     __slots__ = ("api", "drop_blank_line", "head", "pending", "prefix", "prompt_tokens", "tokens")
 
-    def __init__(self, withhold: bool, api: Api, m: Continuation, prefix: bytes) -> None:
+    def __init__(self, withhold: bool, api: Api, m: Continuation, prefix: bytes, kept: list[bytes] | None) -> None:
         super().__init__(withhold)
-        self.kept = []
+        self.kept = kept
         self.api, self.head, self.prompt_tokens, self.tokens = api, m.head, m.prompt_tokens, m.tokens
         self.prefix = prefix
         self.pending = b""
@@ -118,7 +166,7 @@ def scan_for(state: GatewayState, ctx: RequestContext) -> StreamScan:
     scan = plain_scan_for(parsed.api, not parsed.include_usage)
     if state.cfg.migration.limit(ctx.model) and parsed.api.continuable(ctx.data or parsed.data) and \
             (ctx.request is None or not ctx.request.remote_prefill):
-        scan.kept = []
+        scan.kept = kept_for(state, ctx)
     return scan
 
 
@@ -132,7 +180,7 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     if m is not None and m.continuing:
         return True
     scan = ctx.scan
-    if scan is None or scan.kept is None:
+    if scan is None or scan.kept is None or overflowed(scan.kept):
         return False
     if scan.tail and not scan.withhold and not isinstance(scan, SpliceScan):  # half an event reached the client
         return False
@@ -196,7 +244,7 @@ def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> Spl
         name, started, _ = ctx.attempts[-1]
         ctx.attempts[-1] = (name, started, "continuation")
     comment = b": migrated from %s to %s\n\n" % (m.source.encode(), ctx.backend.encode())
-    return SpliceScan(not ctx.parsed.include_usage, ctx.parsed.api, m, comment)
+    return SpliceScan(not ctx.parsed.include_usage, ctx.parsed.api, m, comment, kept_for(state, ctx))
 
 
 def _relayed(api: Api, kept: list[bytes]) -> tuple[str, int, dict[str, Any], dict[str, Any] | None] | None:

@@ -228,3 +228,20 @@ async def test_a_stream_whose_only_backend_died_ends_with_the_error_event():
         assert gw.metric("turbo_gateway_upstream_errors_total", backend="a", reason="disconnected") == 1
         requests, _, _, completion, errors, _ = ledger(gw)
         assert (requests, errors) == (1, 1) and completion >= 2
+
+
+@pytest.mark.parametrize("room, continued", [(500, False), (20_000, True)])
+async def test_a_stream_is_continued_only_while_its_bytes_fit_max_kept_bytes(room, continued):
+    """``max_tokens`` (24) does not bound the stream within ``room`` at 1 KiB a token, so
+    its reads are counted: the cut comes after about 1.2 kB, past 500 bytes (let go: the
+    error event) and within 20,000 (continued)."""
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, migration={"max_kept_bytes": room}) as (gw, urls):
+        if continued:
+            expected, _, _ = await sdk_chat(urls["b"])
+            text, _, usage = await sdk_chat(gw.url)
+            assert text == expected and usage.completion_tokens == N
+        else:
+            with pytest.raises(openai.APIError, match="closed the connection mid-response"):
+                await sdk_chat(gw.url)
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == int(continued)
+        assert gw.metric("turbo_gateway_stream_errors_total", backend="a", reason="disconnected") == int(not continued)
