@@ -103,6 +103,77 @@ class Messages(Api):
             prompt = it + (cached or 0) + (created if isinstance(created, int) and created > 0 else 0)
         return prompt, cached, ot if isinstance(ot, int) else None
 
+    def continuable(self, data: dict[str, Any]) -> bool:
+        """A continuation is the request with the text relayed as the start of the
+        answer, a last assistant message the engine continues (Anthropic's prefill): not
+        when the answer must be a tool call (``tool_choice`` ``any`` or a named tool), nor
+        when the client's own start of the answer is content blocks (joined by the
+        engine's template, the text would not follow on); thinking or a tool call in
+        the answer stops it at the failure (:meth:`relayed_text`)."""
+        tc = data.get("tool_choice")
+        if isinstance(tc, dict) and tc.get("type") in ("any", "tool"):
+            return False
+        messages = data["messages"]
+        last = messages[-1]
+        return not (last.get("role") == "assistant" and not isinstance(last.get("content"), str))
+
+    def relayed_text(self, event: dict[str, Any]) -> str | None:
+        kind = event.get("type")
+        if kind in ("message_start", "ping"):
+            return ""
+        if kind == "content_block_start":
+            block = event.get("content_block")
+            if event.get("index") != 0 or not isinstance(block, dict) or block.get("type") != "text":
+                return None
+            text = block.get("text", "")
+            return text if isinstance(text, str) else None
+        if kind == "content_block_delta":
+            delta = event.get("delta")
+            if event.get("index") != 0 or not isinstance(delta, dict) or delta.get("type") != "text_delta":
+                return None
+            text = delta.get("text")
+            return text if isinstance(text, str) else None
+        return None  # the block's or the message's end, an error, anything else
+
+    def continuation(self, data: dict[str, Any], text: str, tokens: int) -> dict[str, Any] | None:
+        left = data["max_tokens"] - tokens
+        if left < 1:
+            return None
+        messages = list(data["messages"])
+        last = messages[-1]
+        if last.get("role") == "assistant":  # the client's own start of the answer, continued
+            messages[-1] = {**last, "content": last["content"] + text}
+        else:
+            messages.append({"role": "assistant", "content": text})
+        return {**data, "messages": messages, "max_tokens": left}
+
+    def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
+                tokens: int) -> dict[str, Any] | None:
+        """The continuation's ``message_start`` and the start of its first text block
+        are dropped (the client has them: the first leg's message id and model); its
+        ``message_delta`` usage counts the whole answer's output and, where it says
+        them, the first leg's input tokens."""
+        kind = event.get("type")
+        if kind == "message_start" or (kind == "content_block_start" and event.get("index") == 0):
+            return None
+        usage = event.get("usage")
+        if kind == "message_delta" and isinstance(usage, dict):
+            usage = dict(usage)
+            out = usage.get("output_tokens")
+            if isinstance(out, int):
+                usage["output_tokens"] = out + tokens
+            it = usage.get("input_tokens")
+            if isinstance(it, int):
+                read = usage.get("cache_read_input_tokens")
+                read = read if isinstance(read, int) else 0
+                prompt = prompt_tokens if prompt_tokens is not None else max(it + read - tokens, 0)
+                cached = min(read, prompt)
+                if "cache_read_input_tokens" in usage:
+                    usage["cache_read_input_tokens"] = cached
+                usage["input_tokens"] = prompt - cached
+            return {**event, "usage": usage}
+        return event
+
     def error_body(self, status: int, body: bytes) -> bytes:
         message, _ = error_message(body)
         if not message:

@@ -43,7 +43,7 @@ import orjson
 
 from gateway.errors import UpstreamError
 from gateway.pipeline.context import Continuation, RequestContext
-from gateway.pipeline.stream_scan import StreamScan
+from gateway.pipeline.stream_scan import StreamScan, TypedEventScan
 from gateway.pipeline.stream_scan import scan_for as plain_scan_for
 
 if TYPE_CHECKING:
@@ -100,24 +100,32 @@ def overflowed(kept: list[bytes]) -> bool:
     return isinstance(kept, KeptReads) and kept.room < 0
 
 
-class SpliceScan(StreamScan):
-    """The scan of a continuation: its own bytes scanned for its own usage and end and
-    kept for a further continuation, as an eligible stream's are; the bytes relayed are
-    its events rewritten into the client's stream (:meth:`Api.spliced`), whole lines
-    only, after ``prefix`` (the migration's comment)."""
+class Splice:
+    """What the scan of a continuation adds to its API's scan (:class:`SpliceScan`,
+    :class:`TypedSpliceScan`): its own bytes are scanned by the API's scan for its own
+    usage and end and kept for a further continuation, as an eligible stream's are;
+    the bytes relayed are its events rewritten into the client's stream
+    (:meth:`Api.spliced`), whole lines only, after ``prefix`` (the migration's
+    comment). An event the API drops goes with its ``event:`` line and blank line.
+    (Not slotted: a continuation's scan is rare.)"""
 
-    __slots__ = ("api", "drop_blank_line", "head", "pending", "prefix", "prompt_tokens", "tokens")
+    api: Api
+    head: dict[str, Any]
+    prompt_tokens: int | None
+    tokens: int
+    prefix: bytes
+    pending: bytes
+    held: bytes
+    drop_blank_line: bool
 
-    def __init__(self, withhold: bool, api: Api, m: Continuation, prefix: bytes, kept: list[bytes] | None) -> None:
-        super().__init__(withhold)
-        self.kept = kept
+    def _start(self, api: Api, m: Continuation, prefix: bytes) -> None:
         self.api, self.head, self.prompt_tokens, self.tokens = api, m.head, m.prompt_tokens, m.tokens
         self.prefix = prefix
-        self.pending = b""
+        self.pending = self.held = b""
         self.drop_blank_line = False
 
     def feed(self, chunk: bytes) -> bytes:
-        out = StreamScan.feed(self, chunk)
+        out = super().feed(chunk)  # type: ignore[misc]
         if self.pending:
             out = self.pending + out
         nl = out.rfind(b"\n") + 1
@@ -125,7 +133,7 @@ class SpliceScan(StreamScan):
         return self._rewritten(out[:nl]) if nl else b""
 
     def flush(self) -> bytes:
-        StreamScan.flush(self)  # a partial last line is dropped: it cannot be rewritten
+        super().flush()  # type: ignore[misc]  # a partial last line is dropped: it cannot be rewritten
         self.pending = b""
         return b""
 
@@ -136,6 +144,9 @@ class SpliceScan(StreamScan):
                 self.drop_blank_line = False
                 if not line.strip():
                     continue
+            if line.startswith(b"event:"):  # a typed event's name: goes out with its data, or not at all
+                self.held = line
+                continue
             if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                 try:
                     event = orjson.loads(line[5:])
@@ -145,13 +156,35 @@ class SpliceScan(StreamScan):
                     event = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens)
                     if event is None:
                         self.drop_blank_line = True
+                        self.held = b""
                         continue
                     line = b"data: " + orjson.dumps(event) + b"\n"
+            if self.held:
+                out.append(self.held)
+                self.held = b""
             out.append(line)
         data = b"".join(out)
         if data and self.prefix:
             data, self.prefix = self.prefix + data, b""
         return data
+
+
+class SpliceScan(Splice, StreamScan):
+    """The scan of a continuation of a stream that ends with ``data: [DONE]``."""
+
+    def __init__(self, withhold: bool, api: Api, m: Continuation, prefix: bytes, kept: list[bytes] | None) -> None:
+        StreamScan.__init__(self, withhold)
+        self.kept = kept
+        self._start(api, m, prefix)
+
+
+class TypedSpliceScan(Splice, TypedEventScan):
+    """The scan of a continuation of a stream of typed events (Messages)."""
+
+    def __init__(self, api: Api, m: Continuation, prefix: bytes, kept: list[bytes] | None) -> None:
+        TypedEventScan.__init__(self, api)
+        self.kept = kept
+        self._start(api, m, prefix)
 
 
 def scan_for(state: GatewayState, ctx: RequestContext) -> StreamScan:
@@ -182,7 +215,7 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     scan = ctx.scan
     if scan is None or scan.kept is None or overflowed(scan.kept):
         return False
-    if scan.tail and not scan.withhold and not isinstance(scan, SpliceScan):  # half an event reached the client
+    if scan.tail and not scan.withhold and not isinstance(scan, Splice):  # half an event reached the client
         return False
     if m is None:
         m = ctx.migration = Continuation(state.cfg.migration.limit(ctx.model))
@@ -232,7 +265,7 @@ def settle(ctx: RequestContext) -> None:
     ctx.tokens = prompt + completion
 
 
-def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> SpliceScan:
+def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> StreamScan:
     """A continuation's first bytes arrived from ``ctx.backend``: count the migration,
     log it, mark its attempt, and return its scan."""
     m.continuing = False
@@ -244,7 +277,10 @@ def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> Spl
         name, started, _ = ctx.attempts[-1]
         ctx.attempts[-1] = (name, started, "continuation")
     comment = b": migrated from %s to %s\n\n" % (m.source.encode(), ctx.backend.encode())
-    return SpliceScan(not ctx.parsed.include_usage, ctx.parsed.api, m, comment, kept_for(state, ctx))
+    api = ctx.parsed.api
+    if api.end_events:
+        return TypedSpliceScan(api, m, comment, kept_for(state, ctx))
+    return SpliceScan(not ctx.parsed.include_usage, api, m, comment, kept_for(state, ctx))
 
 
 def _relayed(api: Api, kept: list[bytes]) -> tuple[str, int, dict[str, Any], dict[str, Any] | None] | None:

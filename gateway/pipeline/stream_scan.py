@@ -199,6 +199,8 @@ class TypedEventScan(StreamScan):
         self.ends = tuple(m for e in api.end_events for m in _type_markers(e))
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.kept is not None:  # a stream that may be continued elsewhere (gateway.pipeline.migration)
+            self.kept.append(chunk)
         if self.overflow:
             return chunk
         nl = chunk.rfind(b"\n")

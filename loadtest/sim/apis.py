@@ -26,7 +26,8 @@ path a request takes (body, model, faults, engine, abort on disconnect) is the o
 * :data:`MESSAGES`, ``POST /v1/messages`` (Anthropic Messages as llama.cpp and SGLang
   serve it): ``system`` (a string or text blocks), ``messages`` (string or block
   content: text, tool_use, tool_result, image), ``tools``, ``max_tokens`` (required),
-  ``stream``. The answer: ``{"id": "msg_...", "type": "message", "role": "assistant",
+  ``stream``; a last message of the assistant is continued (Anthropic's prefill, as
+  llama.cpp continues it). The answer: ``{"id": "msg_...", "type": "message", "role": "assistant",
   "model", "content": [{"type": "text", "text"}], "stop_reason": "end_turn" |
   "max_tokens", "stop_sequence": null, "usage"}``; ``usage.input_tokens`` counts the
   prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those read.
@@ -66,7 +67,7 @@ from aiohttp import web
 
 from loadtest.sim import tokenizer
 from loadtest.sim.engine import RequestOutput
-from loadtest.sim.prompt import BadRequest, check_token_ids, content_text, dumps, render_chat
+from loadtest.sim.prompt import BadRequest, check_token_ids, content_text, dumps, read_prompt, render_chat
 
 Result = tuple[list[int], RequestOutput]  # (every token id generated, the last output)
 
@@ -79,6 +80,7 @@ class Job(NamedTuple):
     prompts: list[list[int]]  # token ids, one engine request each (one for a generation API)
     max_tokens: int | None  # output budget; None: the server's default
     stream: bool
+    text: str | None = None  # the prompt's text, from which the output follows (None: from its ids)
 
 
 class Events:
@@ -364,17 +366,26 @@ class Messages(Api):
 
     id_prefix = "msg_"
 
-    def prompt(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> list[int]:
-        return tok.tokenize(render_chat(messages_chat(data), data.get("tools")), add_special_tokens=False)
+    def prompt(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> tuple[list[int], str]:
+        """The prompt's token ids and text. A last message of the assistant is the start
+        of the answer, which the model continues (Anthropic's prefill; llama.cpp's
+        default): rendered open-ended, as a chat's ``continue_final_message``."""
+        msgs = messages_chat(data)
+        open_ended = msgs[-1]["role"] == "assistant"
+        chat = {"messages": msgs, "tools": data.get("tools"), "add_generation_prompt": not open_ended,
+                "continue_final_message": open_ended}
+        ids, text = read_prompt(chat, True, tok)
+        assert text is not None  # a chat's prompt is text
+        return ids, text
 
     def parse(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> Job:
-        ids = self.prompt(data, tok)
+        ids, text = self.prompt(data, tok)
         if data.get("max_tokens") is None:
             raise BadRequest("max_tokens: Field required", "max_tokens")
-        return Job(data["model"], data, [ids], optional_positive_int(data, "max_tokens"), stream_flag(data))
+        return Job(data["model"], data, [ids], optional_positive_int(data, "max_tokens"), stream_flag(data), text)
 
     def count_tokens(self, data: dict[str, Any], tok: tokenizer.Tokenizer) -> dict[str, Any]:
-        return {"input_tokens": len(self.prompt(data, tok))}
+        return {"input_tokens": len(self.prompt(data, tok)[0])}
 
     def whole(self, job: Job, rid: str, created: int, results: list[Result], tok: tokenizer.Tokenizer) -> dict:
         toks, last = results[0]

@@ -856,6 +856,8 @@ class SimBackend:
                     if api.pooling:
                         rs = self._submit(rid, ids, 1, data, prefill_only=True, **lora)
                     else:
+                        if job.text is not None:  # the output follows from the prompt's text (Engine.add_request)
+                            lora = {**lora, "context": zlib.crc32(job.text.encode())}
                         rs = self._submit(rid, ids, self._max_tokens(job.max_tokens, ids), data, **lora)
                     streams.append(held.enter_context(rs))
             except BadRequest as e:

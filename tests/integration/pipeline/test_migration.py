@@ -245,3 +245,48 @@ async def test_a_stream_is_continued_only_while_its_bytes_fit_max_kept_bytes(roo
                 await sdk_chat(gw.url)
         assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == int(continued)
         assert gw.metric("turbo_gateway_stream_errors_total", backend="a", reason="disconnected") == int(not continued)
+
+
+async def sdk_messages(url: str) -> tuple[str, list[Any], Any]:
+    """One streamed Anthropic Messages answer through the anthropic SDK: its text, its
+    events and its final message."""
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+    try:
+        async with client.messages.stream(model="m", max_tokens=N, system=MESSAGES[0]["content"],
+                                          messages=[MESSAGES[1]], extra_body={"ignore_eos": True}) as stream:
+            got = [e async for e in stream]
+            final = await stream.get_final_message()
+    finally:
+        await client.close()
+    return "".join(b.text for b in final.content if b.type == "text"), got, final
+
+
+async def test_a_messages_stream_cut_mid_answer_is_continued_into_one_answer():
+    """Anthropic Messages: the continuation is the request with the text relayed as a
+    last assistant message (prefill), its message_start and first block start dropped,
+    its message_delta counting the whole answer."""
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}) as (gw, urls):
+        expected, _, ref = await sdk_messages(urls["b"])  # uninterrupted, straight from an engine
+        text, got, final = await sdk_messages(gw.url)
+        assert text == expected and len(expected.split()) == N
+        kinds = [e.type for e in got]
+        assert kinds.count("message_start") == 1 and kinds.count("content_block_start") == 1
+        assert kinds.count("message_stop") == 1 and kinds[-1] == "message_stop"
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == N
+        assert final.usage.input_tokens == ref.usage.input_tokens
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 1
+        requests, prompt, _, completion, errors, _ = ledger(gw)
+        assert (requests, completion, errors) == (1, N, 0)
+        assert prompt > ref.usage.input_tokens  # both legs' prompts
+
+
+async def test_a_messages_stream_that_must_call_a_tool_keeps_the_error_event():
+    body = {"model": "m", "max_tokens": N, "stream": True, "ignore_eos": True, "messages": [MESSAGES[1]],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}}
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}) as (gw, _):
+        got = await raw(gw.url, "/v1/messages", body)
+        assert b"message_stop" not in got and b": migrated" not in got
+        assert b"event: error" in got
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 0
