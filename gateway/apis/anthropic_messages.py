@@ -148,14 +148,20 @@ class Messages(Api):
         return {**data, "messages": messages, "max_tokens": left}
 
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
-                tokens: int) -> dict[str, Any] | None:
+                tokens: int, echo: str = "") -> dict[str, Any] | None:
         """The continuation's ``message_start`` and the start of its first text block
         are dropped (the client has them: the first leg's message id and model); its
         ``message_delta`` usage counts the whole answer's output and, where it says
-        them, the first leg's input tokens."""
+        them, the first leg's input tokens. A first text that begins with the text
+        relayed (``echo``: the engine answered the assistant prefill with it, as
+        llama.cpp does) has it left out, so the client does not get it twice."""
         kind = event.get("type")
         if kind == "message_start" or (kind == "content_block_start" and event.get("index") == 0):
             return None
+        if echo and kind == "content_block_delta":
+            delta = event.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("text"), str) and delta["text"].startswith(echo):
+                return {**event, "delta": {**delta, "text": delta["text"][len(echo):]}}
         usage = event.get("usage")
         if kind == "message_delta" and isinstance(usage, dict):
             usage = dict(usage)

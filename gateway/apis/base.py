@@ -177,11 +177,15 @@ class Api:
         return None
 
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
-                tokens: int) -> dict[str, Any] | None:
+                tokens: int, echo: str = "") -> dict[str, Any] | None:
         """A continuation's stream ``event`` rewritten as an event of the client's
         stream, whose first event's identity fields were ``head`` and which had relayed
         ``tokens`` tokens before; its usage says ``prompt_tokens`` (``None``: the
         continuation's prompt less ``tokens``) and the whole answer's completion tokens.
+        ``echo``: until the continuation's first text, the text relayed before it, which
+        an engine may send again at the start of its answer (llama.cpp's Messages does:
+        it answers a last assistant message with that message's text first), to be
+        left out when the event's text begins with it.
         ``None``: the event is dropped (a second start of the answer)."""
         return event
 

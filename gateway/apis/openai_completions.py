@@ -167,7 +167,7 @@ class ChatCompletions(Api):
         return out
 
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
-                tokens: int) -> dict[str, Any] | None:
+                tokens: int, echo: str = "") -> dict[str, Any] | None:
         return _spliced(event, head, prompt_tokens, tokens, True)
 
 
@@ -200,5 +200,5 @@ class Completions(Api):
         return out
 
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
-                tokens: int) -> dict[str, Any] | None:
+                tokens: int, echo: str = "") -> dict[str, Any] | None:
         return _spliced(event, head, prompt_tokens, tokens, False)

@@ -114,12 +114,14 @@ class Splice:
     prompt_tokens: int | None
     tokens: int
     prefix: bytes
+    echo: str
     pending: bytes
     held: bytes
     drop_blank_line: bool
 
     def _start(self, api: Api, m: Continuation, prefix: bytes) -> None:
         self.api, self.head, self.prompt_tokens, self.tokens = api, m.head, m.prompt_tokens, m.tokens
+        self.echo = m.text  # the text relayed before, which the engine may send again (Api.spliced)
         self.prefix = prefix
         self.pending = self.held = b""
         self.drop_blank_line = False
@@ -153,7 +155,10 @@ class Splice:
                 except orjson.JSONDecodeError:
                     event = None
                 if isinstance(event, dict):
-                    event = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens)
+                    echo = self.echo
+                    if echo and self.api.relayed_text(event):  # the continuation's first text
+                        self.echo = ""
+                    event = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens, echo)
                     if event is None:
                         self.drop_blank_line = True
                         self.held = b""

@@ -605,3 +605,40 @@ def test_a_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_messages_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
+    """The same through the Anthropic Messages API and the anthropic SDK: the
+    continuation sends the text relayed as a last assistant message, which llama.cpp
+    continues (its default assistant prefill), and the client gets one message equal to
+    an uninterrupted greedy run's, its output tokens the whole answer's."""
+    model = engines.tiny_model()
+    greedy = {**ONE_CHUNK_PER_TOKEN, "temperature": 0}
+    max_tokens = 400
+    servers = [engines.LlamaServer(BIN, model, workdir, name=f"kill-msg-{i}", parallel=1) for i in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        with engines.GatewayProcess({s.name: s.url for s in servers}, workdir, name="gw-kill-msg").start() as gw:
+            client = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=60)
+            request = {"model": MODEL, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "tell me a long story"}], "extra_body": greedy}
+            reference = "".join(e.delta.text for e in client.messages.create(stream=True, **request)
+                                if e.type == "content_block_delta")
+            stream = client.messages.create(stream=True, **request)
+            victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
+            events = []
+            for e in stream:
+                events.append(e)
+                if len(events) == 12:
+                    victim.proc.kill()  # SIGKILL: the engine dies with the stream open
+            text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+            assert text == reference and len(text) > 0
+            kinds = [e.type for e in events]
+            assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
+            delta = next(e for e in events if e.type == "message_delta")
+            assert delta.usage.output_tokens == max_tokens and delta.delta.stop_reason == "max_tokens"
+            assert gw.metric("turbo_gateway_stream_migrations_total", model=MODEL, reason="disconnected") == 1
+    finally:
+        for s in servers:
+            s.stop()
