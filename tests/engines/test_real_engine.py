@@ -20,12 +20,14 @@ cache, or set ``LLAMA_SERVER_BIN``); without it the whole module skips.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -568,6 +570,21 @@ def test_a_responses_chain_is_kept_by_the_gateway_for_an_engine_that_keeps_none(
 
 # ---- (e) a stream survives its engine: SIGKILL mid-stream, continued on the other ---
 
+@contextlib.contextmanager
+def killable_pair(workdir: Path, name: str) -> Iterator[tuple[list[engines.LlamaServer], engines.GatewayProcess]]:
+    """Two fresh llama-servers of their own (the test kills one) behind a gateway."""
+    model = engines.tiny_model()
+    servers = [engines.LlamaServer(BIN, model, workdir, name=f"{name}-{i}", parallel=1) for i in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        with engines.GatewayProcess({s.name: s.url for s in servers}, workdir, name=f"gw-{name}").start() as gw:
+            yield servers, gw
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def test_a_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
     """Two fresh llama-servers (this test kills one) behind a gateway: a greedy stream
     (temperature 0; ASCII only, so that one event is one token) whose engine gets
@@ -575,36 +592,28 @@ def test_a_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
     (``continue_final_message``; llama.cpp continues a last assistant message by
     itself), and the openai SDK receives one answer equal to an uninterrupted run's,
     with its usage."""
-    model = engines.tiny_model()
     greedy = {**ONE_CHUNK_PER_TOKEN, "temperature": 0}
     max_tokens = 400
-    servers = [engines.LlamaServer(BIN, model, workdir, name=f"kill-{i}", parallel=1) for i in range(2)]
-    try:
-        for s in servers:
-            s.start()
-        with engines.GatewayProcess({s.name: s.url for s in servers}, workdir, name="gw-kill").start() as gw:
-            client = sdk(gw)
-            reference = "".join(
-                c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                    model=MODEL, messages=chat("tell me a long story"), max_tokens=max_tokens, stream=True,
-                    extra_body=greedy) if c.choices)
-            stream = client.chat.completions.create(
+    with killable_pair(workdir, "kill") as (servers, gw):
+        client = sdk(gw)
+        reference = "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(
                 model=MODEL, messages=chat("tell me a long story"), max_tokens=max_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_body=greedy)
-            victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
-            chunks = []
-            for c in stream:
-                chunks.append(c)
-                if len(chunks) == 10:
-                    victim.proc.kill()  # SIGKILL: the engine dies with the stream open
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            assert text == reference and len({c.id for c in chunks}) == 1
-            assert chunks[-1].usage.completion_tokens == max_tokens
-            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-            assert gw.metric("turbo_gateway_stream_migrations_total", model=MODEL, reason="disconnected") == 1
-    finally:
-        for s in servers:
-            s.stop()
+                extra_body=greedy) if c.choices)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=chat("tell me a long story"), max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body=greedy)
+        victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
+        chunks = []
+        for c in stream:
+            chunks.append(c)
+            if len(chunks) == 10:
+                victim.proc.kill()  # SIGKILL: the engine dies with the stream open
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == reference and len({c.id for c in chunks}) == 1
+        assert chunks[-1].usage.completion_tokens == max_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert gw.metric("turbo_gateway_stream_migrations_total", model=MODEL, reason="disconnected") == 1
 
 
 def test_a_messages_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
@@ -612,33 +621,25 @@ def test_a_messages_stream_whose_engine_is_killed_is_continued_on_the_other(work
     continuation sends the text relayed as a last assistant message, which llama.cpp
     continues (its default assistant prefill), and the client gets one message equal to
     an uninterrupted greedy run's, its output tokens the whole answer's."""
-    model = engines.tiny_model()
     greedy = {**ONE_CHUNK_PER_TOKEN, "temperature": 0}
     max_tokens = 400
-    servers = [engines.LlamaServer(BIN, model, workdir, name=f"kill-msg-{i}", parallel=1) for i in range(2)]
-    try:
-        for s in servers:
-            s.start()
-        with engines.GatewayProcess({s.name: s.url for s in servers}, workdir, name="gw-kill-msg").start() as gw:
-            client = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=60)
-            request = {"model": MODEL, "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": "tell me a long story"}], "extra_body": greedy}
-            reference = "".join(e.delta.text for e in client.messages.create(stream=True, **request)
-                                if e.type == "content_block_delta")
-            stream = client.messages.create(stream=True, **request)
-            victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
-            events = []
-            for e in stream:
-                events.append(e)
-                if len(events) == 12:
-                    victim.proc.kill()  # SIGKILL: the engine dies with the stream open
-            text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
-            assert text == reference and len(text) > 0
-            kinds = [e.type for e in events]
-            assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
-            delta = next(e for e in events if e.type == "message_delta")
-            assert delta.usage.output_tokens == max_tokens and delta.delta.stop_reason == "max_tokens"
-            assert gw.metric("turbo_gateway_stream_migrations_total", model=MODEL, reason="disconnected") == 1
-    finally:
-        for s in servers:
-            s.stop()
+    with killable_pair(workdir, "kill-msg") as (servers, gw):
+        client = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=60)
+        request = {"model": MODEL, "max_tokens": max_tokens,
+                   "messages": [{"role": "user", "content": "tell me a long story"}], "extra_body": greedy}
+        reference = "".join(e.delta.text for e in client.messages.create(stream=True, **request)
+                            if e.type == "content_block_delta")
+        stream = client.messages.create(stream=True, **request)
+        victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
+        events = []
+        for e in stream:
+            events.append(e)
+            if len(events) == 12:
+                victim.proc.kill()  # SIGKILL: the engine dies with the stream open
+        text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+        assert text == reference and len(text) > 0
+        kinds = [e.type for e in events]
+        assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
+        delta = next(e for e in events if e.type == "message_delta")
+        assert delta.usage.output_tokens == max_tokens and delta.delta.stop_reason == "max_tokens"
+        assert gw.metric("turbo_gateway_stream_migrations_total", model=MODEL, reason="disconnected") == 1
