@@ -33,8 +33,10 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   to the picker with its ``Retry-After`` (the router's upstream log, gRPC access log
   service: :mod:`gateway.epp.access_log`); ``timeouts.connect_s``,
   ``timeouts.total_s`` (the route timeout) and ``timeouts.idle_s`` (the stream's idle
-  timeout), ``timeouts.ttft_s`` (the per-try timeout: Envoy stops it once the answer's
-  head went on, so it bounds the time to the response head), global values only;
+  timeout, which Envoy also runs before the first token: no shorter than ``ttft_s``, so
+  a first token within ``ttft_s`` is never cut, and a stall after it is cut at the
+  longer of the two), ``timeouts.ttft_s`` (the per-try timeout: Envoy stops it once the
+  answer's head went on, so it bounds the time to the response head), global values only;
 - the picker's message timeout covers the admission queue's wait
   (``admission.queue_timeout_s``): a request may wait there before it is handed off;
 - Envoy's own failures (a timeout, no endpoint that answers) answered as the gateway
@@ -185,7 +187,9 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
         # client: it is a time to the response head, retried (``reset``) on the next endpoint
         route["retry_policy"]["per_try_timeout"] = _seconds(t.ttft_s)
     if t.idle_s is not None:
-        route["idle_timeout"] = _seconds(t.idle_s)
+        # Envoy's route idle timer runs from the request's start, before the first token
+        # too, where the gateway's own data plane waits up to ttft_s: never cut sooner
+        route["idle_timeout"] = _seconds(t.idle_s if t.ttft_s is None else max(t.idle_s, t.ttft_s))
     # the picker follows the response only of a completion (its status, served endpoint,
     # first token and usage settle it): any other request is picked in its request phase,
     # so on other paths Envoy skips the response phase (no response messages, no answers)

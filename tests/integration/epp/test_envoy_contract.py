@@ -29,6 +29,7 @@ from tests.support.servers import (
     gateway_config,
     raw_backend,
     running_gateway,
+    sse_chunk,
     wait_until,
 )
 
@@ -289,3 +290,73 @@ async def test_a_slow_backend_with_hung_metrics_gets_no_more_than_its_share_behi
 
     slow, served = await hung_metrics_share(picker_stack)
     assert slow <= 150 // 3, served
+
+
+async def test_a_first_token_slower_than_the_idle_timeout_but_within_ttft_is_not_cut():
+    """Before the first token, ``timeouts.ttft_s`` bounds the wait, not ``idle_s``
+    (an inter-token stall): a backend that sends its head at once and its first token
+    after 2.5 s, with ``idle_s`` 1 and ``ttft_s`` 6, is answered whole on both data
+    planes. Envoy's route idle timer runs from the request's start, so the rendered
+    route's idle timeout is never shorter than ``ttft_s``."""
+
+    async def slow_first_token(backend, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # the head at once, as engines send it
+        await asyncio.sleep(2.5)  # a long prefill
+        for i in range(3):
+            await resp.write(sse_chunk(i, f"t{i} "))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    a = ScriptedBackend(handler=slow_first_token)
+    async with a.running():
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}], timeouts={"idle_s": 1.0, "ttft_s": 6.0})
+        async with running_gateway(cfg) as gw, picker_stack(cfg) as stack:
+            for url in (gw.url, stack.url):
+                client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-any", max_retries=0)
+                stream = await client.chat.completions.create(model="m", messages=CHAT, stream=True)
+                text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+                assert text == "t0 t1 t2 ", url
+        assert len(a.bodies) == 2  # one attempt each: nothing was cut and retried
+
+
+async def test_a_stream_that_stalls_after_its_first_token_is_cut_on_both_data_planes():
+    """A stream that stalls after its first token is cut, not held: on the gateway's own
+    data plane at ``idle_s`` with an error event, behind Envoy at the longer of
+    ``idle_s`` and ``ttft_s`` (the route's idle timeout), the client's stream ending
+    without ``[DONE]``. Each read is bounded far beyond both, so that a stream that is
+    never cut fails the test instead of hanging it."""
+    release = asyncio.Event()
+
+    async def stall(backend, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse_chunk(0, "t0 "))
+        await release.wait()  # stalls until the test ends
+        return resp
+
+    a = ScriptedBackend(handler=stall)
+    async with a.running():
+        cfg = gateway_config([{"name": "a", "url": a.url, "models": ["m"]}], timeouts={"idle_s": 1.0, "ttft_s": 2.0})
+        try:
+            async with running_gateway(cfg) as gw, picker_stack(cfg) as stack, aiohttp.ClientSession() as s:
+                for url in (gw.url, stack.url):
+                    got = bytearray()
+
+                    async def read(url: str = url, got: bytearray = got) -> None:
+                        body = {"model": "m", "messages": CHAT, "stream": True}
+                        async with s.post(url + "/v1/chat/completions", json=body) as r:
+                            assert r.status == 200
+                            async for part in r.content.iter_any():
+                                got += part
+
+                    if url == gw.url:  # an error event ends the stream
+                        await asyncio.wait_for(read(), 30)
+                        assert b'"idle_timeout"' in got
+                    else:  # Envoy resets the stream it relays
+                        with pytest.raises(aiohttp.ClientPayloadError):
+                            await asyncio.wait_for(read(), 30)
+                    assert b"t0 " in got and b"[DONE]" not in got, (url, bytes(got))
+        finally:
+            release.set()
