@@ -539,7 +539,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                                prompt_bytes=est.size_bytes, block_hashes=est.hashes, prompt_tokens=est.prompt_tokens,
                                output_tokens=est.output_tokens, tokens_per_block=tpb,
                                token_ids=tokens if precise else None,
-                               token_keys=core.token_keys("m", tokens) if precise else None)
+                               token_keys=core.token_keys("m", tokens) if precise else None, session=r.session)
             if router_inputs is not None:
                 router_inputs.append(("route", text, tokens, r.output_tokens, tuple(sorted(req.exclude)), t))
             decision, res = core.route(req, t)

@@ -164,6 +164,12 @@ class Admission(Strict):
         "tokens", description="Which key goes next within a priority: `tokens`, the key that was served the "
         "fewest weighted tokens (the Virtual Token Counter of Sheng et al., OSDI 2024), so a key of long "
         "prompts cannot take the fleet from a key of short ones; `round_robin`, one request per key in turn.")
+    session_fairness: Literal["off", "las"] = Field(
+        "off", description="Which of a key's waiting requests goes next: `off`, arrival order; `las`, the one "
+        "whose session (docs/sessions.md) has attained the least service, uncached prompt and output tokens "
+        "weighted as below (least attained service per program, Autellix, Luo et al. 2025), a request without "
+        "a session counting as a new one and one that has waited half of `queue_timeout_s` going first. Off by "
+        "default: on the agentic benchmark it did not shorten sessions (docs/results/agentic.md).")
     prompt_token_weight: float = Field(
         1.0, ge=0, description="What one prompt token costs a key under `fairness: tokens` (the paper's "
         "w_p; 1 as in its evaluation).")

@@ -28,7 +28,7 @@ class Ticket:
         self.gate: Any = None  # gateway.batch.batch_gate.BatchGate, once entered
         self.kv = 0.0  # the KV tokens the gate counts for it
         self.permit: Any = None  # gateway.tenancy.limits.Permit
-        self.charge: Any = None  # gateway.tenancy.admission.Charge
+        self.charge: Any = None  # gateway.tenancy.fair_queue.Charge
 
     async def admit(self, state: GatewayState, caller: Caller, parsed: ParsedRequest, batch: bool,
                     in_process: bool, arrival: float) -> float:
@@ -40,9 +40,10 @@ class Ticket:
         line's TTFT starts once the gate let it in."""
         key = caller.key
         adm = state.cfg.admission
-        by_tokens = adm.max_in_flight_per_backend is not None and adm.fairness == "tokens"
+        charged = adm.max_in_flight_per_backend is not None and (
+            adm.fairness == "tokens" or (adm.session_fairness == "las" and parsed.session is not None))
         token_limit = key is not None and key.tokens_per_minute is not None
-        prompt = state.core.prompt_tokens(parsed.model, parsed.prompt_text) if by_tokens or token_limit else 0
+        prompt = state.core.prompt_tokens(parsed.model, parsed.prompt_text) if charged or token_limit else 0
         self.permit = state.limiter.acquire(key, prompt + (parsed.max_tokens or 0) if token_limit else 0.0)
         gate = state.batch_gate
         if gate is not None and (batch or in_process):
@@ -50,9 +51,11 @@ class Ticket:
             self.gate = gate  # entered: left in release()
             arrival = state.loop.time()
         adm_queue = state.admission
-        charge = adm_queue.admit_now(parsed.model, caller.name, prompt, caller.weight)
+        session = parsed.session
+        charge = adm_queue.admit_now(parsed.model, caller.name, prompt, caller.weight, session)
         if charge is None:  # it queues
-            charge = await adm_queue.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight)
+            charge = await adm_queue.admit(parsed.model, caller.name, caller.priority, prompt, caller.weight,
+                                           session)
         self.charge = charge
         return arrival
 
@@ -61,8 +64,8 @@ class Ticket:
         it never got that far) was answered with."""
         dispatched = ctx is not None and bool(ctx.attempts)
         if self.charge is not None:
-            prompt_used, _, completion = (ctx.usage if ctx is not None else None) or (None, None, None)
-            self.charge.settle(prompt_used, completion, dispatched=dispatched)
+            prompt_used, cached, completion = (ctx.usage if ctx is not None else None) or (None, None, None)
+            self.charge.settle(prompt_used, completion, dispatched=dispatched, cached_tokens=cached)
         if self.permit is not None:
             self.permit.release(ctx.tokens if ctx is not None else None, dispatched=dispatched)
             state.admission.pump()

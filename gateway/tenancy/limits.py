@@ -41,7 +41,7 @@ from gateway.store.background_sync import BackgroundSync
 from gateway.store.redis_client import close_client, redis_client, replica_id
 
 if TYPE_CHECKING:
-    from gateway.tenancy.admission import TokenCounters
+    from gateway.tenancy.fair_queue import TokenCounters
 
 log = logging.getLogger("gateway.tenancy.limits")
 
@@ -200,7 +200,7 @@ class Limiter:
 class LimiterSync(BackgroundSync):
     """Shares a :class:`Limiter`'s counters through Redis in the background (see the
     module docstring), and the admission queue's per-key service ``counters``
-    (:class:`gateway.tenancy.admission.TokenCounters`, weighted tokens: each replica adds its
+    (:class:`gateway.tenancy.fair_queue.TokenCounters`, weighted tokens: each replica adds its
     charges to one hash, ``HINCRBYFLOAT``, and reads back the totals), a round every
     ``interval_s`` bounded by four ``timeout_s``. Never raises into the request path."""
 

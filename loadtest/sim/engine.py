@@ -14,7 +14,8 @@ Interface
                        remote_prefill_tokens=0,     # do_remote_prefill: KV arrives by transfer
                        output_tokens=None,          # emit EOS after this many tokens ("stop")
                        seed=None,                   # output-token seed (default: none)
-                       context=None)                # CRC-32 of the prompt text (default: of its ids)
+                       context=None,                # CRC-32 of the prompt text (default: of its ids)
+                       session=None)                # the session it is a turn of (a tag, see below)
     engine.abort(req_id)                            # frees its KV blocks at once
     dt, outputs = engine.step(now)                  # one engine step starting at `now`
     engine.has_work() -> bool
@@ -85,6 +86,13 @@ https://docs.vllm.ai/en/latest/design/prefix_caching/)
 * Counters follow vLLM: ``prefix_cache_queries`` += tokens of the request at each
   lookup, ``prefix_cache_hits`` += tokens found; ``kv_cache_usage`` = fraction of
   blocks referenced by requests (cached-but-free blocks count as free).
+* Sessions (the emulator's own, no vLLM counterpart): a request may carry a
+  ``session`` tag. When it finishes (or is preempted or aborted) its blocks are
+  tagged with its session; a cached block evicted while its session has no request
+  in this engine (the session is between turns here, e.g. in a tool call) counts in
+  ``kv_evictions_idle_session``, and ``on_idle_eviction(session)`` is called when set
+  (a caller that knows whether the session will come back counts the evictions of
+  sessions that do).
 
 Disaggregated prefill/decode (emulates vLLM's NixlConnector flow)
 -----------------------------------------------------------------
@@ -111,7 +119,7 @@ import itertools
 import time
 import zlib
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from loadtest.sim import tokenizer
@@ -215,6 +223,8 @@ class KVCache:
         )
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_evictions = 0  # cached blocks whose hash was dropped on reuse
+        self.owner: list[str | None] = [None] * num_blocks  # the session that last released the block
+        self.on_evict: Callable[[str], None] | None = None  # called with the owner of an evicted block
         self.events: list[KVStored | KVRemoved | KVCleared] | None = [] if record_events else None
 
     @property
@@ -252,10 +262,11 @@ class KVCache:
         if n > len(free):
             return None
         out = []
-        ref, bh, cached = self.ref_cnt, self.block_hash, self.cached
+        ref, bh, cached, owner = self.ref_cnt, self.block_hash, self.cached, self.owner
         for _ in range(n):
             b, _ = free.popitem(last=False)
             h = bh[b]
+            o = owner[b]
             if h is not None:
                 if cached.get(h) == b:
                     del cached[h]
@@ -263,18 +274,25 @@ class KVCache:
                         self.events.append(KVRemoved(h))
                 bh[b] = None
                 self.num_evictions += 1
+                if o is not None and self.on_evict is not None:
+                    self.on_evict(o)
+            if o is not None:
+                owner[b] = None
             ref[b] = 1
             out.append(b)
         return out
 
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference on each block; unreferenced ones become free.
+    def release(self, blocks: list[int], owner: str | None = None) -> None:
+        """Drop one reference on each block; unreferenced ones become free. ``owner``:
+        the session of the request releasing them (tags the blocks, see the module
+        docstring).
 
         Blocks are released last-first, so a request's tail is evicted before its
         prefix; blocks with no hash go to the head (reused first).
         """
-        ref, free, bh = self.ref_cnt, self.free, self.block_hash
+        ref, free, bh, tags = self.ref_cnt, self.free, self.block_hash, self.owner
         for b in reversed(blocks):
+            tags[b] = owner
             ref[b] -= 1
             if ref[b] == 0:
                 free[b] = None
@@ -307,12 +325,13 @@ class Request:
         "num_output", "num_computed", "blocks", "hashes", "num_registered", "status",
         "num_cached_tokens", "prefill_only", "remote_prefill_tokens", "kv_ready_at",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "lora",
-        "lora_id",
+        "lora_id", "session",
     )
 
     def __init__(self, req_id, prompt, max_tokens, arrival_time, prefill_only,
-                 remote_prefill_tokens, output_tokens, seed, lora=None, lora_id=None, context=0):
+                 remote_prefill_tokens, output_tokens, seed, lora=None, lora_id=None, context=0, session=None):
         self.req_id = req_id
+        self.session = session
         self.lora = lora
         self.lora_id = lora_id
         self.token_ids = list(prompt)  # prompt + generated, grows
@@ -384,6 +403,12 @@ class Engine:
         self.num_steps = 0  # non-idle steps
         self.busy_s_total = 0.0  # sum of step dt (caller's clock)
         self.prefill_tokens_computed_total = 0  # prefill compute actually spent (tokens)
+        # Sessions (module docstring): requests in the engine per session, and cached
+        # blocks evicted while their session had none.
+        self.live_sessions: collections.Counter[str] = collections.Counter()
+        self.kv_evictions_idle_session = 0
+        self.on_idle_eviction: Callable[[str], None] | None = None
+        self.kv.on_evict = self._evicted
         # Latency samples in the caller's clock; drained by pop_samples().
         self._samples: dict[str, list[float]] = {
             "ttft_s": [], "itl_s": [], "e2e_s": [], "queue_s": [], "prefill_s": [],
@@ -438,11 +463,13 @@ class Engine:
         lora: str | None = None,
         lora_id: int | None = None,
         context: int | None = None,
+        session: str | None = None,
     ) -> None:
         """Queue a request (see module docstring for the flags; ``lora``: the adapter
         it runs with, LoRA must be on; ``lora_id``: that adapter's id on the server,
-        vLLM's ``lora_int_id``, reported in KV events). Its KV blocks are its adapter's
-        own (:func:`lora_extra_key`). Units: tokens, seconds.
+        vLLM's ``lora_int_id``, reported in KV events; ``session``: the session it is a
+        turn of, module docstring). Its KV blocks are its adapter's own
+        (:func:`lora_extra_key`). Units: tokens, seconds.
 
         The output is greedy and a function of the text before each token: token ``k``
         is ``tok.output_token_id(seed, c_k)`` where ``c_k`` is the CRC-32 of the prompt's
@@ -476,8 +503,10 @@ class Engine:
         if lora is not None and self.max_loras is None:
             raise ValueError("LoRA is not enabled on this engine")
         req = Request(req_id, prompt_token_ids, max_tokens, arrival_time, prefill_only,
-                      max(0, int(remote_prefill_tokens)), output_tokens, seed, lora, lora_id, context)
+                      max(0, int(remote_prefill_tokens)), output_tokens, seed, lora, lora_id, context, session)
         self.requests[req_id] = req
+        if session is not None:
+            self.live_sessions[session] += 1
         self.waiting.append(req)
 
     def abort(self, req_id: str) -> None:
@@ -491,9 +520,10 @@ class Engine:
             self.waiting.remove(req)
         elif req.status == TRANSFERRING:
             self.transferring.remove(req)
-        self.kv.release(req.blocks)
+        self.kv.release(req.blocks, req.session)
         req.blocks = []
         req.status = FINISHED
+        self._left(req)
         self.num_aborted += 1
         self.request_success["abort"] += 1
 
@@ -563,6 +593,7 @@ class Engine:
             "generation_tokens": self.generation_tokens_total,
             "request_success": dict(self.request_success),
             "kv_evictions": self.kv.num_evictions,
+            "kv_evictions_idle_session": self.kv_evictions_idle_session,
             "kv_transfer_tokens": self.kv_transfer_tokens_total,
             "num_steps": self.num_steps,
             "busy_s": self.busy_s_total,
@@ -881,8 +912,25 @@ class Engine:
                     start = None
         req.num_registered = n_full
 
+    def _evicted(self, session: str) -> None:
+        """A cached block last released by ``session`` was evicted."""
+        if not self.live_sessions.get(session):
+            self.kv_evictions_idle_session += 1
+            if self.on_idle_eviction is not None:
+                self.on_idle_eviction(session)
+
+    def _left(self, req: Request) -> None:
+        """``req`` is no longer in the engine (finished or aborted)."""
+        s = req.session
+        if s is not None:
+            n = self.live_sessions[s] - 1
+            if n > 0:
+                self.live_sessions[s] = n
+            else:
+                del self.live_sessions[s]
+
     def _preempt(self, req: Request) -> None:
-        self.kv.release(req.blocks)
+        self.kv.release(req.blocks, req.session)
         req.blocks = []
         req.num_computed = 0
         req.num_registered = 0
@@ -891,10 +939,11 @@ class Engine:
         self.num_preemptions += 1
 
     def _finish(self, req: Request, reason: str, t_end: float) -> None:
-        self.kv.release(req.blocks)
+        self.kv.release(req.blocks, req.session)
         req.blocks = []
         req.status = FINISHED
         self.requests.pop(req.req_id, None)
+        self._left(req)
         self.request_success[reason] += 1
         s = self._samples
         s["e2e_s"].append(t_end - req.arrival_time)

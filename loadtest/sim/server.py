@@ -225,6 +225,9 @@ class _EngineCollector:
         yield counter("sim:kv_transfer_tokens", "Prompt tokens received over the KV-transfer link.",
                       e.kv_transfer_tokens_total)
         yield counter("sim:kv_evictions", "Cached KV blocks evicted (hash dropped on reuse).", e.kv.num_evictions)
+        yield counter("sim:kv_evictions_idle_session",
+                      "Cached KV blocks evicted while the session that last used them (prompt_cache_key) had no "
+                      "request in the engine.", e.kv_evictions_idle_session)
         yield counter("sim:engine_busy_seconds", "Sum of engine step durations (wall seconds).", e.busy_s_total)
         st = b.runner.overrun.summary()
         yield gauge("sim:step_overrun_p99_seconds",
@@ -743,13 +746,18 @@ class SimBackend:
         """Put one prompt (token ids) into the engine as part of request ``rid``; ``kw``
         as :meth:`Engine.add_request` takes it, to which the body's ``seed`` and, unless
         ``prefill_only``, the spec's ``eos_after`` are added. Close the stream (or read
-        it to the end): closing it early aborts the request. Raises :class:`BadRequest`
+        it to the end): closing it early aborts the request. The body's
+        ``prompt_cache_key`` tags it with its session (``sim:kv_evictions_idle_session``).
+        Raises :class:`BadRequest`
         when the engine refuses it (context length, KV blocks)."""
         if not kw.get("prefill_only"):
             kw.setdefault("output_tokens", self._output_tokens(data, ids))
         seed = data.get("seed")
         if isinstance(seed, int) and not isinstance(seed, bool):
             kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF
+        session = data.get("prompt_cache_key")
+        if isinstance(session, str) and session:
+            kw["session"] = session
         try:
             return self.runner.submit(f"{rid}-{next(self._ids)}", ids, max_tokens, **kw)
         except ValueError as e:

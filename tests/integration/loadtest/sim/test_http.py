@@ -217,6 +217,31 @@ async def test_repeated_prompt_reports_cached_tokens():
         assert value(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 2 * first["prompt_tokens"]
 
 
+async def test_a_session_between_turns_losing_its_blocks_is_counted():
+    """A request's ``prompt_cache_key`` tags its blocks with its session: evicted once
+    the session has nothing in the engine, they count in
+    ``sim:kv_evictions_idle_session``; blocks of a request without one count only in
+    ``sim:kv_evictions``."""
+    async with backends({"name": "a", "profile_overrides": {"num_gpu_blocks": 24}}) as (s, b):
+        turn = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 1,
+                "prompt_cache_key": "agent-1"}
+        other = {"model": MODEL, "messages": [{"role": "user", "content": "Other words here. " * 60}],
+                 "max_tokens": 1}
+
+        async def evictions() -> tuple[float, float]:
+            m = await metrics(s, b.url)
+            return (value(m, "sim:kv_evictions", "sim:kv_evictions_total"),
+                    value(m, "sim:kv_evictions_idle_session", "sim:kv_evictions_idle_session_total"))
+
+        assert (await post(s, b.url, "/v1/chat/completions", turn))[0] == 200
+        assert (await post(s, b.url, "/v1/chat/completions", other))[0] == 200  # evicts the waiting turn's blocks
+        total, idle = await evictions()
+        assert idle == total > 0
+        assert (await post(s, b.url, "/v1/chat/completions", turn))[0] == 200  # back: evicts other's blocks
+        total2, idle2 = await evictions()
+        assert total2 > total and idle2 == idle
+
+
 async def test_metrics_carry_vllm_names_and_types():
     async with backends({"name": "a", "profile": "h100-llama3-8b", "speed": 20.0}) as (s, b):
         for _ in range(2):

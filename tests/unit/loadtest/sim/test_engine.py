@@ -404,3 +404,37 @@ async def test_async_runner_abort_on_cancel_frees_blocks():
         await gen.__anext__()
         await gen.aclose()
         assert "y" not in engine.requests and engine.kv_cache_usage == 0.0
+
+
+def test_evictions_of_a_session_between_turns_are_counted_apart():
+    """A session's blocks evicted while it has no request in the engine count as idle
+    evictions (and reach the hook); those of a session with a turn queued do not, nor
+    those of requests that name no session."""
+    e = Engine(tiny(num_gpu_blocks=7))
+    seen: list[str] = []
+    e.on_idle_eviction = seen.append
+    e.add_request("s1-t1", prompt(48, 1000), 1, arrival_time=0.0, session="s1")
+    run_to_completion(e)  # s1 between turns: its 3 cached blocks wait
+    e.add_request("x", prompt(111, 5000), 1, arrival_time=0.0)  # all 7 blocks: every cached one goes
+    run_to_completion(e)
+    assert e.kv_evictions_idle_session == 3 and seen == ["s1"] * 3
+    assert e.kv.num_evictions == 3
+    # now s2's blocks are evicted while s2's next turn waits in the queue: not idle
+    e = Engine(tiny(num_gpu_blocks=7))
+    e.on_idle_eviction = seen.append
+    e.add_request("s2-t1", prompt(48, 1000), 1, arrival_time=0.0, session="s2")
+    run_to_completion(e)
+    e.add_request("big", prompt(111, 5000), 1, arrival_time=0.0)
+    e.add_request("s2-t2", prompt(64, 1000), 1, arrival_time=0.0, session="s2")
+    run_to_completion(e)
+    assert e.kv.num_evictions > 0 and e.kv_evictions_idle_session == 0
+    assert e.stats()["kv_evictions_idle_session"] == 0
+    # blocks released by a request without a session lose their session's tag
+    e = Engine(tiny(num_gpu_blocks=7))
+    e.add_request("s3-t1", prompt(48, 1000), 1, arrival_time=0.0, session="s3")
+    run_to_completion(e)
+    e.add_request("same-prefix", prompt(64, 1000), 1, arrival_time=0.0)  # hits s3's 3 blocks, adds one
+    run_to_completion(e)
+    e.add_request("big", prompt(111, 5000), 1, arrival_time=0.0)
+    run_to_completion(e)
+    assert e.kv.num_evictions == 4 and e.kv_evictions_idle_session == 0
