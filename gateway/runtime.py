@@ -65,7 +65,8 @@ class GatewayState:
     keyring: KeyRing = field(init=False)
     admin_digest: bytes | None = field(init=False)
     clients: dict[str, BackendClient] = field(default_factory=dict)  # by backend name, made by connect()
-    served_metrics: dict[tuple[str, str], Any] = field(default_factory=dict)  # gateway.pipeline.settlement's cache
+    # gateway.pipeline.settlement's cache, by (model, backend, API)
+    served_metrics: dict[tuple[str, str | None, str], Any] = field(default_factory=dict)
     health: HealthChecker | None = None
     scraper: MetricsScraper | None = None
     limiter_sync: LimiterSync | None = None
