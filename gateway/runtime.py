@@ -78,6 +78,8 @@ class GatewayState:
     batch_gate: Any = None  # gateway.batch.batch_gate.BatchGate when batch is enabled
     tracer: Tracer | None = None  # OpenTelemetry traces, with tracing.enabled (started by the app)
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses (gateway.store.responses)
+    # the background responses this process runs, by (owner, response id) (gateway.pipeline.background)
+    background: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     api_support: ApiSupport = field(default_factory=ApiSupport)  # which backend serves which API (gateway.apis.support)
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read

@@ -15,6 +15,7 @@ import orjson
 
 from gateway.apis.base import Api, Fields, missing, optional_int, read_model, read_stream
 
+_GATEWAY_FIELDS = ("previous_response_id", "conversation")  # state the gateway keeps: never sent to an engine
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text"}
 
 
@@ -88,12 +89,13 @@ class Responses(Api):
         return view
 
     def expand(self, data: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
-        """``data`` whose ``previous_response_id`` named the turn ``record``: its input
-        is that turn's input, that turn's output items, then its own input; the
-        ``instructions`` stay its own (the API does not carry them over)."""
+        """``data`` whose ``previous_response_id`` named the turn ``record`` (or whose
+        ``conversation`` holds the items ``record["input"]``): its input is that turn's
+        input, that turn's output items, then its own input; the ``instructions`` stay
+        its own (the API does not carry them over)."""
         response = record.get("response")
         output = response.get("output") if isinstance(response, dict) else None
-        out = {k: v for k, v in data.items() if k != "previous_response_id"}
+        out = {k: v for k, v in data.items() if k not in _GATEWAY_FIELDS}
         out["input"] = [*record.get("input", ()), *(output if isinstance(output, list) else ()), *input_items(data)]
         return out
 
