@@ -139,6 +139,8 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
                     failure = await attempt.with_retries(state, ctx, Retrier(state.retry, t0), roles, remote, now)
                 if failure is None:  # answered (or a stream that failed after its first byte)
                     return
+                if api.counts_tokens and prompt.estimated_here(state, ctx, failure):  # no backend counts it
+                    return
                 if not fallback.take(state, ctx, failure, tried, t0):
                     return await settlement.failed(state, ctx, *failure)
         finally:

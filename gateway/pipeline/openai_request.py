@@ -171,6 +171,8 @@ def parse_request(api: Api, body: bytes, data: dict[str, Any], held: frozenset[s
     """
     if held and not held.isdisjoint(data):
         body, data = hold_back(body, data, held, strip)
+    if api.variants:  # an API whose requests come in more than one form (tokenize: a prompt, or messages)
+        api = api.variant(data)
     model, stream, include_usage, max_tokens = api.read(data)
     salt = data.get("cache_salt")
     return ParsedRequest(api, body, data, model, stream, include_usage, max_tokens,

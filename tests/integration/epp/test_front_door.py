@@ -32,7 +32,7 @@ CREDS = {"x-api-key": KEY, "Cookie": "session=caller", "Proxy-Authorization": "B
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 # paths engines answer (generation, admin) that the gateway does not serve
 ENGINE_PATHS = ["/invocations", "/v1/audio/transcriptions", "/completion", "/chat/completions", "/generate",
-                "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize",
+                "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pooling",
                 "/v1/completions/x"]
 # spellings of a completion path that an engine decodes to the path itself
 SPELLINGS = ["/v1/chat%2Fcompletions", "//v1//chat/completions", "/v1/chat/completions/", "/v1/./chat/completions",
@@ -168,6 +168,7 @@ def test_the_rendered_envoy_config_routes_only_what_the_gateway_serves():
     to_pool = [r["match"]["safe_regex"]["regex"] for r in routes if "route" in r]
     served = [re.escape(p) + "/?" for p in BY_PATH]  # every API the gateway routes (gateway/apis/registry.py)
     assert r"/v1/chat/completions/?" in served and r"/v1/messages/?" in served
+    assert r"/tokenize/?" in served and r"/v1/responses/input_tokens/?" in served
     # then what the picker answers itself (and the stored responses and conversations under their paths)
     assert to_pool == [*served, r"/health/?", r"/ready/?", r"/v1/models/?", r"/v1/conversations/?", r"/version/?",
                        r"/v1/models/.+", r"/v1/responses/.+", r"/v1/conversations/.+"]
