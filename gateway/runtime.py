@@ -65,7 +65,8 @@ class GatewayState:
     keyring: KeyRing = field(init=False)
     admin_digest: bytes | None = field(init=False)
     clients: dict[str, BackendClient] = field(default_factory=dict)  # by backend name, made by connect()
-    served_metrics: dict[tuple[str, str], Any] = field(default_factory=dict)  # gateway.pipeline.settlement's cache
+    # gateway.pipeline.settlement's cache, by (model, backend, API)
+    served_metrics: dict[tuple[str, str | None, str], Any] = field(default_factory=dict)
     health: HealthChecker | None = None
     scraper: MetricsScraper | None = None
     limiter_sync: LimiterSync | None = None
@@ -77,6 +78,8 @@ class GatewayState:
     batch_gate: Any = None  # gateway.batch.batch_gate.BatchGate when batch is enabled
     tracer: Tracer | None = None  # OpenTelemetry traces, with tracing.enabled (started by the app)
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses (gateway.store.responses)
+    # the background responses this process runs, by (owner, response id) (gateway.pipeline.background)
+    background: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     api_support: ApiSupport = field(default_factory=ApiSupport)  # which backend serves which API (gateway.apis.support)
     config_path: str | None = None  # the file to reload, when started from one
     config_digest: bytes | None = None  # SHA-256 of that file as last read

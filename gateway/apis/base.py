@@ -15,6 +15,9 @@ each API is an :class:`Api` whose few methods say how its requests and answers r
 - :meth:`Api.usage_in` and :meth:`Api.counts`: where an answer (whole, or one event of
   a stream) reports its usage, and the (prompt, cached prompt, completion) tokens it
   reports;
+- :meth:`Api.token_count_answer` and :meth:`Api.tokenizer_answer`: the answer of an API
+  that the gateway computes from the prompt's tokens (count_tokens, input_tokens,
+  tokenize, detokenize) without an engine;
 - :meth:`Api.error_body` and :meth:`Api.error_event`: an error in the shape that API's
   clients parse, whole or as the last event of a stream;
 - :meth:`Api.continuable`, :meth:`Api.relayed_text`, :meth:`Api.continuation` and
@@ -31,11 +34,15 @@ ends and which of its events carries one output token. The registry
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
 from gateway.errors import ClientError
+
+if TYPE_CHECKING:
+    from routing.core import ModelTokenizer
 
 
 class Fields(NamedTuple):
@@ -100,7 +107,8 @@ class Api:
     generates = True  # False: no output tokens (embeddings, rerank): cost is prefill only
     disaggregates = False  # may be split into a prefill leg and a decode leg
     stateful = False  # its conversations are kept by the gateway (gateway.pipeline.conversation)
-    counts_tokens = False  # its answer is the prompt's token count (:meth:`token_count_answer`)
+    counts_tokens = False  # its answer is computed from the prompt's tokens (:meth:`tokenizer_answer`)
+    variants = False  # its requests come in more than one form, each its own adapter (:meth:`variant`)
     end_events: frozenset[bytes] = frozenset()  # SSE event names that end its stream; empty: ``data: [DONE]``
     delta_event = b""  # the SSE event name of one output token; empty: every ``data:`` event
     session_field: str | None = None  # the request field naming a session (gateway.pipeline.session)
@@ -140,11 +148,26 @@ class Api:
         ``answer`` object, for the next turn's :meth:`expand`."""
         raise NotImplementedError
 
+    def variant(self, data: dict[str, Any]) -> Api:
+        """The adapter of request ``data``'s form, for an API with :attr:`variants`
+        (``/tokenize``: a prompt, or chat messages rendered by the chat template)."""
+        return self
+
     def token_count_answer(self, prompt_tokens: int) -> bytes | None:
-        """The whole answer to a request whose prompt the model's own tokenizer counted
-        as ``prompt_tokens``, when that count is all the API answers (the gateway then
-        answers without an engine); ``None``: an engine answers."""
+        """The whole answer to a request whose prompt counts ``prompt_tokens`` (by the
+        model's own tokenizer, or the gateway's estimate when no backend serves the
+        API), when that count is all the API answers (the gateway then answers without
+        an engine); ``None``: an engine answers."""
         return None
+
+    def tokenizer_answer(self, token_ids: Sequence[int], tokenizer: ModelTokenizer, data: dict[str, Any],
+                         max_model_len: int | None) -> bytes | None:
+        """The whole answer to request ``data`` whose prompt the model's ``tokenizer``
+        made ``token_ids`` (``max_model_len``: the model's context, ``None`` unknown),
+        when the gateway answers it without an engine (:attr:`counts_tokens`); ``None``:
+        an engine answers. By default the count's answer (:meth:`token_count_answer`).
+        Raises :class:`ClientError` 400."""
+        return self.token_count_answer(len(token_ids))
 
     def error_body(self, status: int, body: bytes) -> bytes:
         """``body``, an OpenAI error body answered with ``status``, in this API's shape."""

@@ -15,6 +15,7 @@ import orjson
 
 from gateway.apis.base import Api, Fields, missing, optional_int, read_model, read_stream
 
+_GATEWAY_FIELDS = ("previous_response_id", "conversation")  # state the gateway keeps: never sent to an engine
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text"}
 
 
@@ -70,7 +71,8 @@ class Responses(Api):
     name, path, operation = "responses", "/v1/responses", "chat"
     prompt_param = "input"
     stateful = True
-    session_field, user_field = "prompt_cache_key", "user"
+    session_field: str | None = "prompt_cache_key"
+    user_field: str | None = "user"
     end_events = frozenset((b"response.completed", b"response.incomplete", b"response.failed"))
     delta_event = b"response.output_text.delta"
 
@@ -88,12 +90,13 @@ class Responses(Api):
         return view
 
     def expand(self, data: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
-        """``data`` whose ``previous_response_id`` named the turn ``record``: its input
-        is that turn's input, that turn's output items, then its own input; the
-        ``instructions`` stay its own (the API does not carry them over)."""
+        """``data`` whose ``previous_response_id`` named the turn ``record`` (or whose
+        ``conversation`` holds the items ``record["input"]``): its input is that turn's
+        input, that turn's output items, then its own input; the ``instructions`` stay
+        its own (the API does not carry them over)."""
         response = record.get("response")
         output = response.get("output") if isinstance(response, dict) else None
-        out = {k: v for k, v in data.items() if k != "previous_response_id"}
+        out = {k: v for k, v in data.items() if k not in _GATEWAY_FIELDS}
         out["input"] = [*record.get("input", ()), *(output if isinstance(output, list) else ()), *input_items(data)]
         return out
 
@@ -113,3 +116,30 @@ class Responses(Api):
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return (it if isinstance(it, int) else None, max(cached, 0) if isinstance(cached, int) else None,
                 ot if isinstance(ot, int) else None)
+
+
+class InputTokens(Responses):
+    """``POST /v1/responses/input_tokens``: a Responses request (``input`` optional,
+    nothing generated; ``previous_response_id`` and ``conversation`` expanded by the
+    gateway as for a turn) whose answer is ``{"object": "response.input_tokens",
+    "input_tokens": N}``: the gateway's own when the model's tokenizer is configured
+    (the chat template renders the input as the engine does), else a backend's that
+    serves the path, else the gateway's estimate."""
+
+    name, path, operation = "input_tokens", "/v1/responses/input_tokens", "count_tokens"
+    generates = False
+    counts_tokens = True
+    session_field: str | None = None
+    user_field: str | None = None
+    end_events = frozenset()
+    delta_event = b""
+
+    def read(self, data: dict[str, Any]) -> Fields:
+        model = read_model(data)
+        inp = data.get("input")
+        if inp is not None and not isinstance(inp, (str, list)):
+            raise missing("input", data, "a string or an array of input items")
+        return Fields(model, False, True, 0)
+
+    def token_count_answer(self, prompt_tokens: int) -> bytes | None:
+        return orjson.dumps({"object": "response.input_tokens", "input_tokens": prompt_tokens})

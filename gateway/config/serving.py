@@ -43,8 +43,9 @@ class EndpointPicker(Strict):
         2, ge=0, le=16, description="Endpoints listed after the chosen one, soonest estimated TTFT first, "
         "for Envoy to retry on when the chosen one fails before answering.")
     pass_through_paths: list[str] = Field(
-        [], description="Paths besides the ones the picker serves (the completions, `GET /v1/models`, "
-        "`/health`, `/ready`) that Envoy may pass on to a backend, e.g. `/tokenize`: each request is still "
+        [], description="Paths besides the ones the picker serves (every API of docs/apis/, `GET /v1/models`, "
+        "the stored responses and conversations, `/health`, `/ready`) that Envoy may pass on to a backend, e.g. "
+        "`/version`: each request is still "
         "authenticated, counted against its key's request rate and held to `limits.engine_fields`, and "
         "goes to the ready backend with the fewest requests in flight with the backend's own key. Every "
         "other path is refused with 404 `unknown_route`. Paths are matched after normalisation "

@@ -153,16 +153,18 @@ class Usage(Strict):
 
 
 class StoredResponses(Strict):
-    """The Responses API's stored responses (``store``, the API's default), kept by the
-    gateway for the whole fleet rather than by the engine that made each one
-    (:mod:`gateway.store.responses`): in Redis at ``state.url`` when it is set (every
-    replica sees them, and they outlive any backend), else in this process."""
+    """The Responses API's stored responses (``store``, the API's default) and
+    conversations, kept by the gateway for the whole fleet rather than by the engine that
+    made each one (:mod:`gateway.store.responses`): in Redis at ``state.url`` when it is
+    set (every replica sees them, and they outlive any backend), else in this process."""
 
     ttl_s: int = Field(
         30 * 24 * 3600, gt=0, description="How long a stored response (its output and input items) is kept "
-        "for `previous_response_id` and `GET /v1/responses/{id}`; OpenAI keeps them 30 days.")
+        "for `previous_response_id` and `GET /v1/responses/{id}`, and a conversation after its last change; "
+        "OpenAI keeps responses 30 days.")
     max_record_bytes: int = Field(
         8 * 1024 * 1024, gt=0, description="A response whose record (input items and output) is larger is "
-        "not stored; a later turn naming it gets a 400.")
+        "not stored (a later turn naming it gets a 400); a conversation item larger is refused (400).")
     max_in_process: int = Field(
-        10000, gt=0, description="Without `state.url`: the most recent responses kept in this process.")
+        10000, gt=0, description="Without `state.url`: the most recent responses and conversations kept in "
+        "this process.")

@@ -190,8 +190,9 @@ class Backend(Strict):
         "later becomes routable there without a reload; one unloaded stops being routed there.")
     pool: str = Field("mixed", description="The name of a pool from `pools`.")
     apis: list[str] | None = Field(
-        None, description="The APIs this backend serves, by name (`chat`, `completions`, `responses`, `messages`, "
-        "`count_tokens`, `embeddings`, `rerank`, `score`); unset: every one, until it answers an API's path "
+        None, description="The APIs this backend serves, by name (`chat`, `completions`, `responses`, "
+        "`input_tokens`, `messages`, `count_tokens`, `embeddings`, `rerank`, `score`, `tokenize`, `detokenize`); "
+        "unset: every one, until it answers an API's path "
         "with a 404 that is not about the model, or with llama.cpp's 501 for an API it was not started for "
         "(it is then not sent that API again, its breaker untouched).")
     weight: float = Field(

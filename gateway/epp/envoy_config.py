@@ -16,7 +16,8 @@ What it sets up, as the Gateway API Inference Extension documents for Envoy:
   (``allow_mode_override``, which Envoy ignores when the filter's own mode is
   ``FULL_DUPLEX_STREAMED``): an error answer's body, buffered, to classify it;
 - routes for what the gateway serves and nothing else: the completions, ``/health``,
-  ``/ready`` and ``/v1/models`` (answered by the picker), ``listen.epp.pass_through_paths``;
+  ``/ready``, ``/v1/models`` and the stored responses and conversations (answered by
+  the picker), ``listen.epp.pass_through_paths``;
   any other path is Envoy's own 404 with an OpenAI error body, the picker not asked. The
   path is normalised first (``normalize_path``, ``merge_slashes``, escaped slashes
   decoded), as the picker normalises it (:mod:`gateway.paths`);
@@ -61,6 +62,7 @@ from gateway.epp.access_log import LOG_NAME as ATTEMPTS_LOG
 from gateway.epp.access_log import RETRY_AFTER
 from gateway.epp.ext_proc import (
     ANSWERED_PATHS,
+    ANSWERED_PREFIXES,
     COMPLETION_PATHS,
     DESTINATION,
     LB_NAMESPACE,
@@ -210,7 +212,7 @@ def render(cfg: GatewayConfig, listen: str = "127.0.0.1:10000", epp: str | None 
         "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute", "overrides": {"processing_mode": mode}}}
     routes = [served(path, completions) for path in COMPLETION_PATHS]
     routes += [served(path, others) for path in (*ANSWERED_PATHS, *pe.pass_through_paths)]
-    routes.append(served("/v1/models", others, prefix=True))
+    routes += [served(path, others, prefix=True) for path in ANSWERED_PREFIXES]
     routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": _NOT_FOUND}},
                    "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
                        "@type": f"{_T}.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}},

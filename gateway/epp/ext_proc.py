@@ -24,7 +24,9 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 MAX_RETRIES = "x-envoy-max-retries"  # the request's retries, set by the picker (Envoy's router reads it)
 UPSTREAM_ADDRESS = "upstream.address"  # the ext_proc response attribute naming the endpoint that answered
 COMPLETION_PATHS = BY_PATH  # the APIs the picker routes (gateway/apis/registry.py): canonical path -> adapter
-ANSWERED_PATHS = ("/health", "/ready", "/v1/models")  # answered by the picker itself (and /v1/models/{id})
+ANSWERED_PATHS = ("/health", "/ready", "/v1/models", "/v1/conversations")  # answered by the picker itself
+# and every path under these: /v1/models/{id}, the stored routes (gateway.server.stored_routes)
+ANSWERED_PREFIXES = ("/v1/models", "/v1/responses", "/v1/conversations")
 # headers that carry the caller's credentials: never passed on to a backend
 CALLER_CREDENTIALS = ("authorization", "x-api-key", "cookie", "proxy-authorization")
 

@@ -30,9 +30,8 @@ A subset hint (filter metadata ``envoy.lb.subset_hint`` /
 ``x-gateway-destination-endpoint-subset``, a list of ``ip:port``) limits the choice to
 those endpoints. Traces (:mod:`gateway.ops.tracing`): the parent is the span of Envoy's
 ext_proc call when Envoy traces (its gRPC metadata), else the caller's ``traceparent``;
-the backend gets the attempt's. The streams' gRPC server is :mod:`gateway.epp.grpc_server`.
-
-The protocol's names and message helpers are :mod:`gateway.epp.ext_proc`; what the
+the backend gets the attempt's. The streams' gRPC server is :mod:`gateway.epp.grpc_server`;
+the protocol's names and message helpers are :mod:`gateway.epp.ext_proc`; what the
 response phase's messages teach, and its settlement, :mod:`gateway.epp.response_phase`.
 """
 
@@ -70,6 +69,7 @@ from gateway.pipeline import director, settlement
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.openai_request import hold_back, model_card, models_list
 from gateway.request_ids import request_id, upstream_id
+from gateway.server import stored_routes
 from routing.core import Reservation
 
 if TYPE_CHECKING:
@@ -84,9 +84,7 @@ class EppDownstream:
     ``ImmediateResponse``; after it, Envoy relays the backend's answer itself."""
 
     __slots__ = ("stream", "answer", "started")
-    chunked = False
-    may_wait = False
-    keepalive = False
+    chunked = may_wait = keepalive = False
     transport = None
 
     def __init__(self, stream: EppStream) -> None:
@@ -203,13 +201,13 @@ class EppStream:
         return frozenset(c.state.name for c in self.state.clients.values() if c.endpoint in wanted)
 
     async def _other(self, first: Any, rid: str, method: str, path: str) -> None:
-        """A request that is not a completion: ``GET /health`` and ``/ready`` and the
-        model list are answered here, as the gateway's own data plane answers them;
-        a path of ``listen.epp.pass_through_paths`` is authenticated (and its JSON
-        body held to ``limits.engine_fields``), then goes to the ready backend with
-        the fewest requests in flight, nothing reserved; a completion path not POSTed
-        is a 405; any other path is refused (404); under ``/v1/`` a 401 comes first
-        without a valid key; a refused request's body is not read."""
+        """Not a completion: ``GET /health``, ``/ready``, the model list and the stored
+        routes (:mod:`gateway.server.stored_routes`) are answered here, as the gateway's
+        own data plane answers them; a path of ``listen.epp.pass_through_paths`` is
+        authenticated (its JSON body held to ``limits.engine_fields``), then goes to the
+        ready backend with the fewest requests in flight, nothing reserved; a completion
+        path not POSTed is a 405; any other is refused (404); under ``/v1/`` a 401 comes
+        first without a valid key; a refused request's body is not read."""
         state = self.state
         try:
             if method == "GET" and path in ("/health", "/ready"):
@@ -219,24 +217,25 @@ class EppStream:
                 return await self._models(path[len("/v1/models/"):], rid)
             if path in COMPLETION_PATHS:  # not a POST: as the gateway's own stacks answer it
                 raise ClientError(405, f"Method {method} is not allowed on {path}.", headers={"Allow": "POST"})
-            if path not in state.cfg.listen.epp.pass_through_paths:
+            route = stored_routes.find(method, path)  # (405: a stored route's path, another method)
+            if route is None and path not in state.cfg.listen.epp.pass_through_paths:
                 raise ClientError(404, f"Unknown route {method} {path}: this gateway does not serve it behind "
                                        "Envoy (listen.epp.pass_through_paths lists the paths it passes on).",
                                   code="unknown_route")
             if caller is None:
                 caller = state.keyring.authenticate(self.headers)
-            permit = state.limiter.acquire(caller.key, 0.0)  # counts against the key's request rate
-            permit.release(dispatched=True)
-            body = b""
-            if not first.request_headers.end_of_stream:
-                body = await self.read_body(state.cfg.limits.max_body_bytes)
-                if caller.held_back and body.lstrip()[:1] == b"{":
-                    try:
-                        data = orjson.loads(body)
-                    except orjson.JSONDecodeError:
-                        data = None
-                    if isinstance(data, dict):
-                        body, _ = hold_back(body, data, caller.held_back, state.keyring.strip)
+            state.limiter.acquire(caller.key, 0.0).release(dispatched=True)  # counts against the key's request rate
+            body = b"" if first.request_headers.end_of_stream else await self.read_body(state.cfg.limits.max_body_bytes)
+            if route is not None:  # what the gateway keeps (stored responses, conversations): from the store
+                answer = await stored_routes.call(state, route, caller.name, self.headers.get(":path", ""), body)
+                return await self.immediate(200, answer, {"Content-Type": "application/json"}, rid)
+            if caller.held_back and body.lstrip()[:1] == b"{":
+                try:
+                    data = orjson.loads(body)
+                except orjson.JSONDecodeError:
+                    data = None
+                if isinstance(data, dict):
+                    body, _ = hold_back(body, data, caller.held_back, state.keyring.strip)
         except ClientError as e:
             return await self.immediate(*e.answer(rid), rid)
         log.info("endpoint picker: pass-through %s %s for key %s (request %s)", method, path, caller.name, rid)

@@ -181,22 +181,22 @@ class GatewayMetrics:
                                     "final HTTP status", ["api", "status"], registry=r)
         self.ttft = Histogram("turbo_gateway_ttft_seconds",
                               "Time from request arrival to the first response byte sent to the client",
-                              ["model"], buckets=TTFT_BUCKETS_S, registry=r)
+                              ["model", "api"], buckets=TTFT_BUCKETS_S, registry=r)
         self.itl = Histogram("turbo_gateway_itl_seconds",
                              "Gap between consecutive streamed chunks (inter-token latency)",
-                             ["model"], buckets=ITL_BUCKETS_S, registry=r)
+                             ["model", "api"], buckets=ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("turbo_gateway_e2e_seconds", "Request arrival to last byte sent",
-                             ["model"], buckets=E2E_BUCKETS_S, registry=r)
+                             ["model", "api"], buckets=E2E_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("turbo_gateway_prompt_tokens", "Prompt tokens reported by backends (usage)",
-                                     ["model"], registry=r)
+                                     ["model", "api"], registry=r)
         self.completion_tokens = Counter("turbo_gateway_completion_tokens",
                                          "Completion tokens reported by backends (usage), or streamed events when "
                                          "usage is absent",
-                                         ["model"], registry=r)
+                                         ["model", "api"], registry=r)
         self.cached_tokens = Counter("turbo_gateway_cached_prompt_tokens",
                                      "Prompt tokens the backends served from their prefix cache "
                                      "(usage.prompt_tokens_details.cached_tokens)",
-                                     ["model"], registry=r)
+                                     ["model", "api"], registry=r)
         self.predicted_cached_tokens = Counter(
             "turbo_gateway_predicted_cached_tokens",
             "Prompt tokens the gateway's prefix index predicted cached on the chosen backend "

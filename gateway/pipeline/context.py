@@ -46,7 +46,7 @@ Failure = tuple[UpstreamError | None, NoBackendAvailable | None]
 
 class ServedMetrics:
     """The metric children one answered request updates, for one (model, backend,
-    pool): looked up once per (model, backend, pool) instead of once per update. Those
+    pool, API): looked up once per (model, backend, pool, API) instead of once per update. Those
     with a further label are kept per label value as they are first asked for:
     :meth:`prefix` per routing evidence, :meth:`key_tokens` per key label."""
 
@@ -54,17 +54,17 @@ class ServedMetrics:
                  "pool", "pool_ok", "pool_ttft", "predicted_cached_tokens", "prompt_tokens", "reported_prompt_tokens",
                  "ttft")
 
-    def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str) -> None:
+    def __init__(self, m: GatewayMetrics, model: str, backend: str, pool: str, api: str) -> None:
         self._metrics, self.model = m, model
         self.pool = pool
-        self.ttft = m.child(m.ttft, model)
+        self.ttft = m.child(m.ttft, model, api)
         self.pool_ttft = m.child(m.pool_ttft, pool)
-        self.e2e = m.child(m.e2e, model)
+        self.e2e = m.child(m.e2e, model, api)
         self.ok = m.child(m.requests, model, backend, "200")
         self.pool_ok = m.child(m.pool_requests, pool, "200")
-        self.prompt_tokens = m.child(m.prompt_tokens, model)
-        self.completion_tokens = m.child(m.completion_tokens, model)
-        self.cached_tokens = m.child(m.cached_tokens, model)
+        self.prompt_tokens = m.child(m.prompt_tokens, model, api)
+        self.completion_tokens = m.child(m.completion_tokens, model, api)
+        self.cached_tokens = m.child(m.cached_tokens, model, api)
         self.predicted_cached_tokens = m.child(m.predicted_cached_tokens, model)
         self.reported_prompt_tokens = m.child(m.reported_prompt_tokens, model)
         self._prefix: dict[str, tuple[Any, Any]] = {}

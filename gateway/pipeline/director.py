@@ -11,7 +11,9 @@ as the request's story, every step a call into a module named after it::
 - authenticate: :meth:`gateway.tenancy.keys.KeyRing.authenticate` (401);
 - parse: :func:`parse` (:mod:`~gateway.pipeline.openai_request`; 400, 404, 413, 415);
 - expand, for an API whose conversations the gateway keeps (Responses):
-  :mod:`gateway.pipeline.conversation` (400, 503; settlement keeps the answered turn);
+  :mod:`gateway.pipeline.conversation` (400, 404, 503; settlement keeps the answered
+  turn); a background response is answered ``queued`` here and run by
+  :mod:`gateway.pipeline.background`;
 - admit: :class:`~gateway.pipeline.admit.Ticket` (the batch gate, the caller's limits,
   the admission queue; 429, 503), released once at the end;
 - trace: with ``tracing`` on, ``ctx.trace`` (:class:`gateway.ops.tracing.RequestTrace`)
@@ -46,9 +48,9 @@ from typing import TYPE_CHECKING
 import orjson
 
 from gateway.apis.base import Api, reshape
-from gateway.errors import ClientError, internal_error_answer
+from gateway.errors import REQUEST_ID_HEADER, ClientError, internal_error_answer
 from gateway.ops import access_log
-from gateway.pipeline import attempt, conversation, fallback, prefill, prompt, settlement
+from gateway.pipeline import attempt, background, conversation, fallback, prefill, prompt, settlement
 from gateway.pipeline.admit import Ticket
 from gateway.pipeline.context import RequestContext, Send
 from gateway.pipeline.downstream import ClientGone, CollectDownstream, Downstream
@@ -76,7 +78,7 @@ PRIORITY_HEADER = "x-turbo-priority"  # "batch": a batch line, admitted by the b
 async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
                  body: bytes | Callable[[], Awaitable[bytes]], down: Downstream, arrival: float, request_id: str, *,
                  send: Send = attempt.run, subset: frozenset[str] | None = None, caller: Caller | None = None,
-                 batch_owner: str | None = None) -> None:
+                 batch_owner: str | None = None, session: str | None = None) -> None:
     """Serve one request of ``api`` (its adapter, :mod:`gateway.apis`) whose head was
     read: ``headers`` (case-insensitive mapping), ``body`` the body bytes or a
     coroutine function reading them (raising :class:`ClientError` 400/413), arrived at
@@ -85,8 +87,10 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
     on a backend in ``subset`` (names; ``None``: any). ``caller``: who the stack found
     the request is from when it authenticated it on the head already; ``batch_owner``:
     an in-process batch line's owner (no socket: under that key's limits and admission,
-    then the batch gate, its usage counted under that name). The answer, or the OpenAI
-    error in ``api``'s shape, goes to ``down``. Raises ``CancelledError`` when the client left."""
+    then the batch gate, its usage counted under that name); ``session``: the session
+    it is a turn of, named already (a background response's run). The answer, or the
+    OpenAI error in ``api``'s shape, goes to ``down``. Raises ``CancelledError`` when the
+    client left."""
     ticket, ctx, in_process = Ticket(), None, batch_owner is not None
     trace = state.tracer.request(api, headers, request_id) if state.tracer is not None else None
     try:
@@ -94,8 +98,14 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
             caller = state.keyring.authenticate(headers) if batch_owner is None else state.keyring.named(batch_owner)
         parsed = await parse(state, api, headers, body, caller, in_process)  # 400, 404, 413, 415
         key_name = caller.name if batch_owner is None else batch_owner
+        if session is not None:
+            parsed.session = session
         if api.stateful:  # a Responses turn: its previous turns, from the fleet's store (400, 503)
             parsed = await conversation.expand(state, parsed, key_name)
+            if parsed.data.get("background"):  # run by the gateway: queued now, polled later (400)
+                background.check(parsed, in_process)
+                return down.respond(200, background.start(state, parsed, key_name, request_id, handle),
+                                    {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id})
         # the batch class: the gateway's own lines, or a key granted it (auth.keys[].batch_priority)
         batch = state.batch_gate is not None and headers.get(PRIORITY_HEADER) == "batch" and caller.batch_priority
         admitting = ticket.admit(state, caller, parsed, batch, in_process, arrival)  # 429, 503
@@ -128,6 +138,8 @@ async def handle(state: GatewayState, api: Api, headers: Mapping[str, str],
                     # route -> attempt (ctx.send: relay, settle) -> retry elsewhere
                     failure = await attempt.with_retries(state, ctx, Retrier(state.retry, t0), roles, remote, now)
                 if failure is None:  # answered (or a stream that failed after its first byte)
+                    return
+                if api.counts_tokens and prompt.estimated_here(state, ctx, failure):  # no backend counts it
                     return
                 if not fallback.take(state, ctx, failure, tried, t0):
                     return await settlement.failed(state, ctx, *failure)

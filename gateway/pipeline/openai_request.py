@@ -39,7 +39,9 @@ class ParsedRequest:
     ``cache_salt`` is vLLM's per-tenant prefix-cache salt when the caller sent one.
     ``max_tokens`` is the output-token cap (0: an API that generates nothing).
     ``session`` is the session it is a turn of, scoped by the caller's key
-    (:mod:`gateway.pipeline.session`; ``None``: none).
+    (:mod:`gateway.pipeline.session`; ``None``: none). ``conversation``: for a turn of
+    a conversation the gateway keeps (:mod:`gateway.pipeline.conversation`), its id
+    and how many of its items were put before the turn's own input.
     """
 
     api: Api
@@ -52,6 +54,7 @@ class ParsedRequest:
     prompt_text: str
     cache_salt: str | None = None
     session: str | None = None
+    conversation: tuple[str, int] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -168,6 +171,8 @@ def parse_request(api: Api, body: bytes, data: dict[str, Any], held: frozenset[s
     """
     if held and not held.isdisjoint(data):
         body, data = hold_back(body, data, held, strip)
+    if api.variants:  # an API whose requests come in more than one form (tokenize: a prompt, or messages)
+        api = api.variant(data)
     model, stream, include_usage, max_tokens = api.read(data)
     salt = data.get("cache_salt")
     return ParsedRequest(api, body, data, model, stream, include_usage, max_tokens,

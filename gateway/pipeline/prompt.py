@@ -4,7 +4,9 @@
 configured (else the decision core estimates it from its bytes), asks the decision core
 for the prompt's estimate and routing input (``ctx.estimate``, ``ctx.request``) and
 refuses, unsent, a prompt whose exact token count fits no backend of the model;
-:func:`counted_here` answers a request whose answer is that count (count_tokens).
+:func:`counted_here` answers a request whose answer is that count (count_tokens,
+input_tokens, tokenize), and :func:`estimated_here` with the estimate when no backend
+serves its API.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gateway.errors import REQUEST_ID_HEADER, BackendStatus
+from gateway.errors import REQUEST_ID_HEADER, ApiNotServed, BackendStatus
 from gateway.pipeline import settlement
 from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.engine_errors import context_length_exceeded
@@ -45,7 +47,7 @@ async def estimate(state: GatewayState, ctx: RequestContext) -> Failure | None:
     ctx.request = req
     if token_ids is not None:  # an exact count: a prompt that fits on no backend is refused unsent
         limit = state.core.context_exceeded(ctx.model, len(token_ids), parsed.max_tokens)
-        if limit is not None:
+        if limit is not None and not parsed.api.counts_tokens:  # a count of it is still answered
             answer = context_length_exceeded(limit, len(token_ids), parsed.max_tokens, parsed.endpoint)
             return BackendStatus("", answer[0], answer[1], "application/json", openai=answer), None
     return None
@@ -72,15 +74,39 @@ def tokenization(state: GatewayState, ctx: RequestContext) -> Tokenization | lis
 
 
 def counted_here(state: GatewayState, ctx: RequestContext) -> bool:
-    """Answer ``ctx`` from its prompt's exact token count when that count is its whole
-    answer (:meth:`gateway.apis.base.Api.token_count_answer`: Anthropic's count_tokens)
-    and the model's tokenizer gave it; whether it did. No engine is asked."""
-    req = ctx.request
-    if req is None or req.token_ids is None:
+    """Answer ``ctx`` from its prompt's token ids when the API's answer is computed from
+    them (:meth:`gateway.apis.base.Api.tokenizer_answer`: Anthropic's count_tokens,
+    input_tokens, tokenize, detokenize) and the model's own tokenizer gave them;
+    whether it did. No engine is asked. Raises :class:`~gateway.errors.ClientError`
+    400 (a token id out of the vocabulary)."""
+    req, model = ctx.request, ctx.model
+    tokenizer = state.core.tokenizers.get(model)
+    if req is None or req.token_ids is None or tokenizer is None:
         return False
-    body = ctx.parsed.api.token_count_answer(len(req.token_ids))
+    body = ctx.parsed.api.tokenizer_answer(req.token_ids, tokenizer, ctx.data or ctx.parsed.data,
+                                           state.core.fleet.describe(model).max_model_len)
     if body is None:
         return False
     settlement.finish(state, ctx, 200)
     ctx.down.respond(200, body, {"Content-Type": "application/json", REQUEST_ID_HEADER: ctx.request_id})
+    return True
+
+
+ESTIMATED_HEADER = "x-turbo-token-count"  # "estimated": a token count the gateway estimated, no tokenizer exact
+
+
+def estimated_here(state: GatewayState, ctx: RequestContext, failure: Failure) -> bool:
+    """Answer ``ctx``, a request whose answer is its prompt's token count, with the
+    gateway's estimate of it when no backend of its model serves its API
+    (``failure``: :class:`~gateway.errors.ApiNotServed`); whether it did. The answer
+    says ``x-turbo-token-count: estimated``."""
+    est, (err, _) = ctx.estimate, failure
+    if est is None or not isinstance(err, ApiNotServed):
+        return False
+    body = ctx.parsed.api.token_count_answer(est.prompt_tokens)
+    if body is None:
+        return False
+    settlement.finish(state, ctx, 200)
+    ctx.down.respond(200, body, {"Content-Type": "application/json", REQUEST_ID_HEADER: ctx.request_id,
+                                 ESTIMATED_HEADER: "estimated"})
     return True

@@ -155,7 +155,7 @@ def _first_token(state: GatewayState, ctx: RequestContext, reservation: Reservat
 def _relay(state: GatewayState, ctx: RequestContext, up: Upstream, scan: StreamScan, first_at: float,
            deadlines: Deadlines) -> tuple[StreamRelay, asyncio.Future[None]]:
     m = state.metrics
-    relay = StreamRelay(state.loop, up, ctx.down, scan, m.child(m.itl, ctx.model), first_at,
+    relay = StreamRelay(state.loop, up, ctx.down, scan, m.child(m.itl, ctx.model, ctx.parsed.api.name), first_at,
                         deadlines)
     return relay, relay.run()
 

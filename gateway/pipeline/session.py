@@ -5,7 +5,8 @@ names the session, the first that a request carries:
 
 1. a Responses turn's ``previous_response_id``: the session of the turn it continues,
    kept in that turn's stored record (:mod:`gateway.pipeline.conversation`; a stored
-   turn that named none starts one);
+   turn that named none starts one); or its ``conversation``: that conversation's
+   session (:func:`of_conversation`);
 2. the API's own session field (:attr:`gateway.apis.base.Api.session_field`: OpenAI's
    ``prompt_cache_key``);
 3. the ``sessions.header`` request header (``x-session-id`` by default);
@@ -39,6 +40,12 @@ def started(key_name: str) -> str:
     """A new session id for the key called ``key_name`` (a stored conversation's first
     turn that no other field named)."""
     return scoped(key_name, "conversation:" + secrets.token_hex(16))
+
+
+def of_conversation(key_name: str, conversation_id: str) -> str:
+    """The session of the conversation ``conversation_id`` of the key called
+    ``key_name``: every turn of it, on any replica, is one session."""
+    return scoped(key_name, "conversation-id:" + conversation_id)
 
 
 def field(data: dict[str, Any], path: str) -> str | None:

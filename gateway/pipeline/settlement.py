@@ -61,14 +61,15 @@ def _pool(state: GatewayState, ctx: RequestContext) -> str:
 
 
 def served(state: GatewayState, ctx: RequestContext) -> ServedMetrics:
-    """The metric children of the backend that answered ``ctx`` (cached per model and
-    backend, made anew when a reload moved the backend to another pool)."""
-    key = (ctx.model, ctx.backend)
+    """The metric children of the backend that answered ``ctx`` (cached per model,
+    backend and API, made anew when a reload moved the backend to another pool)."""
+    api = ctx.parsed.api.name
+    key = (ctx.model, ctx.backend, api)
     pool = _pool(state, ctx)
     cache = state.served_metrics
     s = cache.get(key)
     if s is None or s.pool != pool:
-        s = cache[key] = ServedMetrics(state.metrics, ctx.model, ctx.backend or "none", pool)
+        s = cache[key] = ServedMetrics(state.metrics, ctx.model, ctx.backend or "none", pool, api)
     ctx.served = s
     return s
 

@@ -26,7 +26,7 @@ from gateway.ops.admin import auth_middleware, setup_admin
 from gateway.ops.config_reload import watch_config
 from gateway.ops.demo_fleet import DemoFleet, DemoFleetError, simulated_kv_sources
 from gateway.paths import CANONICAL_PATH, canonical_routing
-from gateway.pipeline import director
+from gateway.pipeline import background, director
 from gateway.pipeline.downstream import AiohttpDownstream, ClientGone
 from gateway.pipeline.openai_request import model_card, models_list, read_body
 from gateway.request_ids import REQUEST_ID, request_id
@@ -40,7 +40,7 @@ from gateway.runtime import (
     session_sync,
     usage_sync,
 )
-from gateway.server import stored_responses
+from gateway.server import stored_routes
 from gateway.tenancy.keys import CALLER
 
 log = logging.getLogger("gateway")
@@ -78,7 +78,7 @@ def create_app(cfg: GatewayConfig, backend_urls: dict[str, str] | None = None,
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
-    stored_responses.setup(app)
+    stored_routes.setup(app)
     setup_admin(app)
     setup_batch(app, cfg)
     return app
@@ -163,6 +163,7 @@ def _lifecycle(backend_urls: dict[str, str]):
             if state.tracer is not None:  # the spans still buffered are exported
                 await state.tracer.shutdown()
                 state.tracer = None
+            await background.stop(state)  # its runs marked failed before the store closes
             await state.responses.close()
 
     return ctx

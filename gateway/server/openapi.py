@@ -1,11 +1,14 @@
 """The OpenAPI 3.1 document of the gateway's own HTTP API, served at ``GET /openapi.json``
 (:mod:`gateway.ops.admin` routes it): every API the gateway routes (chat and
-completions, Responses, Anthropic Messages, embeddings, rerank, score: the paths of
-:mod:`gateway.apis.registry`), models, usage, health, metrics and the admin endpoints,
+completions, Responses, Anthropic Messages, embeddings, rerank, score, tokenize: the
+paths of :mod:`gateway.apis.registry`), the stored responses and conversations
+(:mod:`gateway.server.stored_routes`), models, usage, health, metrics and the admin endpoints,
 with their error answers; and the same document without the admin endpoints, for a
 gateway without an admin key. Schemas list only the fields the gateway reads or
 answers with; every other field passes through. It is data, kept apart from the
-handlers it describes so that they read as code.
+handlers it describes so that they read as code. It is one document, over 400 lines
+because every route and schema is spelled out in it: split, it would no longer read as
+the one API it describes.
 """
 
 from __future__ import annotations
@@ -61,6 +64,17 @@ _INT = {"type": "integer"}
 _STRINGS = {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}
 _POOL_USAGE = {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}}
 _RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_CONVERSATION_ID = {"name": "conversation_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_ITEM_ID = {"name": "item_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_PAGE = [{"name": n, "in": "query", "required": False, "schema": sch} for n, sch in (
+    ("order", {"enum": ["asc", "desc"]}), ("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+    ("after", {"type": "string"}))]
+_STORE_ERRORS = {"404": _err("no such object of the caller's"), "503": _err("the store did not answer")}
+_CONVERSATION = {"200": {"description": "the conversation", "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/Conversation"}}}}, **_STORE_ERRORS}
+_ITEMS = {"200": {"description": "a list of items (`data`, `first_id`, `last_id`, `has_more`)"}, **_STORE_ERRORS}
+_CONVERSATION_REF = {"oneOf": [{"type": "string"}, {"type": "object", "required": ["id"],
+                                                    "properties": {"id": {"type": "string"}}}]}
 _ANTHROPIC_KEY: list[dict[str, list[str]]] = [{"bearer": []}, {"apiKey": []}]
 
 _BATCH_STATUSES = ["validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired",
@@ -137,7 +151,41 @@ OPENAPI = {
                                    "before `input`")},
                                "store": {"type": ["boolean", "null"], "description": "false: the gateway keeps "
                                                                                      "nothing of this turn"},
-                               "background": {"const": False, "description": "not served (400)"}}},
+                               "conversation": {**_CONVERSATION_REF, "description": (
+                                   "a conversation of the caller's, kept by the gateway: its items go before "
+                                   "`input`, the turn's input and output are appended to it")},
+                               "background": {"type": ["boolean", "null"], "description": (
+                                   "true: answered `queued` at once and run by the gateway; poll "
+                                   "`GET /v1/responses/{id}` (not with `stream` or `store: false`)")}}},
+            "InputTokensRequest": {
+                "type": "object", "required": ["model"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _OBJ}]},
+                               "instructions": {"type": ["string", "null"]}, "tools": {"type": "array"},
+                               "previous_response_id": {"type": ["string", "null"]},
+                               "conversation": _CONVERSATION_REF}},
+            "InputTokens": {"type": "object", "required": ["object", "input_tokens"], "properties": {
+                "object": {"const": "response.input_tokens"}, "input_tokens": _INT}},
+            "TokenizeRequest": {
+                "type": "object", "required": ["model"], "additionalProperties": True,
+                "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}, {"required": ["content"]}],
+                "properties": {"model": {"type": "string", "minLength": 1}, "prompt": {"type": "string"},
+                               "messages": {"type": "array", "minItems": 1, "items": _OBJ},
+                               "content": {"type": "string", "description": "llama.cpp's shape: forwarded"},
+                               "add_special_tokens": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"},
+                               "return_token_strs": {"type": ["boolean", "null"]}}},
+            "Tokens": {"type": "object", "required": ["tokens"], "additionalProperties": True, "properties": {
+                "count": _INT, "max_model_len": {"type": ["integer", "null"]},
+                "tokens": {"type": "array", "items": _INT},
+                "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}},
+            "DetokenizeRequest": {
+                "type": "object", "required": ["model", "tokens"], "additionalProperties": True,
+                "properties": {"model": {"type": "string", "minLength": 1},
+                               "tokens": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}},
+            "Detokenized": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            "Conversation": {"type": "object", "required": ["id", "object", "created_at"], "properties": {
+                "id": {"type": "string"}, "object": {"const": "conversation"}, "created_at": _INT,
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}},
             "Response": {
                 "type": "object", "required": ["id", "object", "status"], "additionalProperties": True,
                 "properties": {"id": {"type": "string"}, "object": {"const": "response"},
@@ -260,15 +308,53 @@ OPENAPI = {
                                      "404": _err("no such response of the caller's"),
                                      "503": _err("the store did not answer")}}},
         "/v1/responses/{response_id}/input_items": {"get": {
-            "operationId": "listResponseInputItems",
-            "parameters": [_RESPONSE_ID] + [{"name": n, "in": "query", "required": False, "schema": sch} for n, sch in (
-                ("order", {"enum": ["asc", "desc"]}), ("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
-                ("after", {"type": "string"}))],
+            "operationId": "listResponseInputItems", "parameters": [_RESPONSE_ID, *_PAGE],
             "responses": {"200": {"description": "the items it answered, previous turns included (a list)"},
                           "404": _err("no such response of the caller's"), "503": _err("the store did not answer")}}},
         "/v1/responses/{response_id}/cancel": {"post": {
             "operationId": "cancelResponse", "parameters": [_RESPONSE_ID],
-            "responses": {"400": _err("only background responses can be cancelled; the gateway runs none")}}},
+            "responses": {"200": {"description": "a background response, `cancelled` (or as it is when it ended)",
+                                  "content": {"application/json": {"schema": {
+                                      "$ref": "#/components/schemas/Response"}}}},
+                          "400": _err("not a background response"), **_STORE_ERRORS}}},
+        "/v1/responses/input_tokens": _api("countResponseInputTokens", "InputTokensRequest", "InputTokens",
+                                           "The input tokens of a Responses request (`previous_response_id` and "
+                                           "`conversation` expanded): from the model's tokenizer when configured, "
+                                           "else a backend's answer, else the gateway's estimate "
+                                           "(`x-turbo-token-count: estimated`).", streams=False),
+        "/v1/conversations": {"post": {
+            "operationId": "createConversation", "requestBody": {"required": False, "content": {"application/json": {
+                "schema": {"type": "object", "properties": {"items": {"type": "array", "maxItems": 20, "items": _OBJ},
+                                                            "metadata": _OBJ}}}}},
+            "responses": {**_CONVERSATION, "400": _err("a bad item or metadata")}}},
+        "/v1/conversations/{conversation_id}": {
+            "get": {"operationId": "getConversation", "parameters": [_CONVERSATION_ID], "responses": _CONVERSATION},
+            "post": {"operationId": "updateConversation", "parameters": [_CONVERSATION_ID],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                         "type": "object", "required": ["metadata"], "properties": {"metadata": _OBJ}}}}},
+                     "responses": {**_CONVERSATION, "400": _err("bad metadata")}},
+            "delete": {"operationId": "deleteConversation", "parameters": [_CONVERSATION_ID], "responses": {
+                "200": {"description": '`{"id", "object": "conversation.deleted", "deleted": true}`'},
+                **_STORE_ERRORS}}},
+        "/v1/conversations/{conversation_id}/items": {
+            "get": {"operationId": "listConversationItems", "parameters": [_CONVERSATION_ID, *_PAGE],
+                    "responses": _ITEMS},
+            "post": {"operationId": "createConversationItems", "parameters": [_CONVERSATION_ID],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                         "type": "object", "required": ["items"], "properties": {
+                             "items": {"type": "array", "minItems": 1, "maxItems": 20, "items": _OBJ}}}}}},
+                     "responses": {**_ITEMS, "400": _err("a bad item")}}},
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": {"operationId": "getConversationItem", "parameters": [_CONVERSATION_ID, _ITEM_ID],
+                    "responses": {"200": {"description": "the item"}, **_STORE_ERRORS}},
+            "delete": {"operationId": "deleteConversationItem", "parameters": [_CONVERSATION_ID, _ITEM_ID],
+                       "responses": _CONVERSATION}},
+        "/tokenize": _api("tokenize", "TokenizeRequest", "Tokens",
+                          "vLLM's tokenize (a `prompt`, or chat `messages` rendered by the chat template): from the "
+                          "model's tokenizer when configured, else a backend's answer.", streams=False),
+        "/detokenize": _api("detokenize", "DetokenizeRequest", "Detokenized",
+                            "vLLM's detokenize: from the model's tokenizer when configured, else a backend's answer.",
+                            streams=False),
         "/v1/messages": _api("createMessage", "MessagesRequest", "Message",
                              "Anthropic's Messages API; errors in Anthropic's shape. A stream's usage is "
                              "`message_start`'s and `message_delta`'s.", _ANTHROPIC_ERRORS, _ANTHROPIC_KEY),

@@ -148,9 +148,11 @@ class RunningGateway:
                 load.decode_tokens_remaining) == (0, 0, 0, 0.0, 0.0, 0.0)
 
     def metric(self, name: str, **labels: str) -> float:
-        """A sample's value from the gateway's Prometheus registry (0 when absent)."""
-        v = self.state.metrics.registry.get_sample_value(name, labels)
-        return v or 0.0
+        """The sum of the samples called ``name`` in the gateway's Prometheus registry
+        whose labels include ``labels`` (a label not given is summed over, as
+        ``sum without`` it; 0 when none)."""
+        return sum(s.value for family in self.state.metrics.registry.collect() for s in family.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 AIOHTTP_MARK = "x-test-served-by-aiohttp"

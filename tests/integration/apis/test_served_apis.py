@@ -172,6 +172,12 @@ async def test_embeddings_rerank_and_score_are_priced_as_prefill_only():
     assert served(gw) == 1 + 1 + 3 + 1
     assert [gw.metric("turbo_gateway_api_requests_total", api=a, status="200")
             for a in ("embeddings", "chat", "rerank", "score")] == [1, 1, 3, 1]
+    # latency and tokens by API: the pooling APIs' prompts apart from chat's
+    assert [gw.metric("turbo_gateway_e2e_seconds_count", model=MODEL, api=a)
+            for a in ("embeddings", "chat", "rerank", "score")] == [1, 1, 3, 1]
+    assert gw.metric("turbo_gateway_prompt_tokens_total", api="embeddings") == e.usage.prompt_tokens
+    assert gw.metric("turbo_gateway_completion_tokens_total", api="embeddings") == 0
+    assert gw.metric("turbo_gateway_completion_tokens_total", api="chat") == chat.parse().usage.completion_tokens
     assert gw.idle("a") and gw.idle("b")
 
 
@@ -282,5 +288,5 @@ async def test_a_typed_event_streams_first_token_is_its_first_output_delta():
         release.set()
         rest = await r.read()
         assert rest.count(b"response.output_text.delta\n") == 2 and b"response.completed" in rest
-        assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL) == 1
-        assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL) == 2
+        assert gw.metric("turbo_gateway_ttft_seconds_count", model=MODEL, api="responses") == 1
+        assert gw.metric("turbo_gateway_completion_tokens_total", model=MODEL, api="responses") == 2

@@ -943,7 +943,7 @@ async def test_a_batch_lines_ttft_does_not_count_its_wait_at_the_gate(redis, tmp
                 assert r.status == 200
                 await r.read()
                 answered_at = loop.time()
-            ttft = gw.state.metrics.child(gw.state.metrics.ttft, "demo-model")
+            ttft = gw.state.metrics.child(gw.state.metrics.ttft, "demo-model", "chat")
             # the TTFT counts from the gate's release (the loop's clock, ms resolution), not from arrival
             assert sum(ttft.counts) == 1 and ttft.sum <= answered_at - released_at + 0.002
 

@@ -32,7 +32,7 @@ CREDS = {"x-api-key": KEY, "Cookie": "session=caller", "Proxy-Authorization": "B
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 # paths engines answer (generation, admin) that the gateway does not serve
 ENGINE_PATHS = ["/invocations", "/v1/audio/transcriptions", "/completion", "/chat/completions", "/generate",
-                "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize",
+                "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pooling",
                 "/v1/completions/x"]
 # spellings of a completion path that an engine decodes to the path itself
 SPELLINGS = ["/v1/chat%2Fcompletions", "//v1//chat/completions", "/v1/chat/completions/", "/v1/./chat/completions",
@@ -161,14 +161,17 @@ async def test_on_the_gateways_own_data_plane_every_path_goes_through_the_front_
 
 def test_the_rendered_envoy_config_routes_only_what_the_gateway_serves():
     cfg = gateway_config([{"name": "a", "url": "http://127.0.0.1:18001", "models": ["m"]}],
-                         listen={"epp": {"pass_through_paths": ["/tokenize"]}})
+                         listen={"epp": {"pass_through_paths": ["/version"]}})
     boot = render(cfg)
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     to_pool = [r["match"]["safe_regex"]["regex"] for r in routes if "route" in r]
     served = [re.escape(p) + "/?" for p in BY_PATH]  # every API the gateway routes (gateway/apis/registry.py)
     assert r"/v1/chat/completions/?" in served and r"/v1/messages/?" in served
-    assert to_pool == [*served, r"/health/?", r"/ready/?", r"/v1/models/?", r"/tokenize/?", r"/v1/models/.+"]
+    assert r"/tokenize/?" in served and r"/v1/responses/input_tokens/?" in served
+    # then what the picker answers itself (and the stored responses and conversations under their paths)
+    assert to_pool == [*served, r"/health/?", r"/ready/?", r"/v1/models/?", r"/v1/conversations/?", r"/version/?",
+                       r"/v1/models/.+", r"/v1/responses/.+", r"/v1/conversations/.+"]
     last = routes[-1]
     assert last["match"] == {"prefix": "/"} and last["direct_response"]["status"] == 404
     assert hcm["normalize_path"] and hcm["merge_slashes"]

@@ -79,7 +79,7 @@ async def test_a_sampled_request_is_the_exemplar_of_its_latency_buckets(stream):
     assert ttft <= exemplars["turbo_gateway_e2e_seconds"][0][1]
     # the classic format, by default: the same histograms, no exemplar
     assert plain_type == "text/plain; version=0.0.4; charset=utf-8"
-    assert 'turbo_gateway_ttft_seconds_count{model="m"} 2.0' in plain and TRACE_ID not in plain
+    assert 'turbo_gateway_ttft_seconds_count{api="chat",model="m"} 2.0' in plain and TRACE_ID not in plain
 
 
 async def test_without_tracing_the_openmetrics_exposition_has_no_exemplar():

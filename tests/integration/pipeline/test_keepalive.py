@@ -91,8 +91,8 @@ async def test_keepalive_comments_carry_a_slow_first_token_through_an_idle_cutti
                 assert events[-1] == b"data: [DONE]" and len(events) == 4  # every event, after the comments
                 # the comments are not tokens: usage-less streams count events, and TTFT is the first event's
                 m = gw.state.metrics
-                assert m.child(m.completion_tokens, "m").value == 3
-                assert m.child(m.ttft, "m").sum >= THINK_S
+                assert m.child(m.completion_tokens, "m", "chat").value == 3
+                assert m.child(m.ttft, "m", "chat").sum >= THINK_S
 
                 client = openai.AsyncOpenAI(base_url=front + "/v1", api_key="unused")
                 stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)

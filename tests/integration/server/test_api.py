@@ -234,7 +234,7 @@ async def test_not_ready_says_why_and_lists_no_backend_as_healthy():
 
 # one value for each field an API requires, valid for every API
 _REQUIRED_SAMPLES = {"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "x", "input": "x",
-                     "max_tokens": 4, "query": "q", "documents": ["d"], "text_1": "a", "text_2": "b"}
+                     "max_tokens": 4, "query": "q", "documents": ["d"], "text_1": "a", "text_2": "b", "tokens": [1, 2]}
 
 
 async def test_openapi_lists_every_routed_api_as_its_adapter_reads_it():
@@ -264,10 +264,12 @@ async def test_openapi_lists_every_routed_api_as_its_adapter_reads_it():
         error = resolved(answers["400"]["content"])
         assert ("AnthropicError" if api.name in ("messages", "count_tokens") else "Error") == \
             next(n for n, v in schemas.items() if v is error), path
-        minimal = {f: _REQUIRED_SAMPLES[f] for f in request["required"]}
+        # the fields required (of a request with alternative forms, /tokenize's: those of its first)
+        required = request["required"] + (request["anyOf"][0]["required"] if "anyOf" in request else [])
+        minimal = {f: _REQUIRED_SAMPLES[f] for f in required}
         jsonschema.validate(minimal, request)
         api.read(minimal)
-        for field in request["required"]:
+        for field in required:
             with pytest.raises(ClientError) as e:
                 api.read({k: v for k, v in minimal.items() if k != field})
             assert e.value.param == field, (path, field)
@@ -275,6 +277,11 @@ async def test_openapi_lists_every_routed_api_as_its_adapter_reads_it():
     assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
     assert set(doc["paths"]["/v1/responses/{response_id}/input_items"]) == {"get"}
     assert set(doc["paths"]["/v1/responses/{response_id}/cancel"]) == {"post"}
+    # and the conversations (gateway/server/conversations.py): every stored route is documented
+    from gateway.server.stored_routes import ROUTES
+    for method, pattern, _ in ROUTES:
+        documented = pattern.replace("{id}", "{response_id}" if "/responses/" in pattern else "{conversation_id}")
+        assert method.lower() in doc["paths"][documented], (method, pattern)
     ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
     assert len(ids) == len(set(ids))
     for schema in schemas.values():

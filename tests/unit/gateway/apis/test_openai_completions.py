@@ -24,10 +24,13 @@ def test_the_registry_serves_each_path_once_and_aliases_as_their_api():
             assert BY_PATH[alias] is api
     assert set(BY_PATH) >= {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                             "/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank",
-                            "/v1/score"}
+                            "/v1/score", "/v1/responses/input_tokens", "/tokenize", "/detokenize"}
     # only the two completion APIs are split into prefill and decode legs
     assert {a.name for a in APIS if a.disaggregates} == {"chat", "completions"}
-    assert {a.name for a in APIS if not a.generates} == {"count_tokens", "embeddings", "rerank", "score"}
+    assert {a.name for a in APIS if not a.generates} == {
+        "count_tokens", "input_tokens", "embeddings", "rerank", "score", "tokenize", "detokenize"}
+    # the APIs whose answer the gateway computes from the prompt's tokens (with the model's tokenizer)
+    assert {a.name for a in APIS if a.counts_tokens} == {"count_tokens", "input_tokens", "tokenize", "detokenize"}
 
 
 def test_chat_reads_model_stream_usage_request_and_the_output_cap():
