@@ -1,6 +1,6 @@
 """Sessions in the router's decisions (:class:`SessionRouting`, a part of
 :class:`routing.router.Router`): where a session's turn is counted as cached, where it
-is placed, what the engines' reported hits teach, and what the
+is placed and why it moved, what the engines' reported hits teach, and what the
 sessions waiting at a backend are worth to it: the KV they probably still hold there
 and how much of it is likely asked for again (:meth:`routing.router.Router.kv_turnover`).
 
@@ -38,7 +38,7 @@ from routing.backend import BackendState
 from routing.gaps import N_BINS, GapEstimator, RetentionFit
 from routing.policies import Decision, Match, RouteRequest
 from routing.prefix_index import PrefixIndex
-from routing.sessions import SessionTable, Waiting
+from routing.sessions import CHEAPER, NO_HIT, UNAVAILABLE, SessionTable, Waiting
 
 HELD_ALWAYS: tuple[float, ...] = (1.0,) * N_BINS  # a retention without observations, or precisely known
 
@@ -127,13 +127,20 @@ class SessionRouting:
     def learn_cached(self, decision: Decision, prompt_tokens: int, cached_tokens: int) -> None:
         """The engine that served ``decision`` reported ``cached_tokens`` of the
         request's ``prompt_tokens`` as cached (``usage.prompt_tokens_details.
-        cached_tokens``). For a turn of a session that went home counting its
+        cached_tokens``). For a turn of a session: counted for the session hit ratio by
+        placement (``SessionTable.hit_tokens``); when it went home counting its
         context as held on approximate evidence (``Decision.held_tokens``), the share
         of that context the engine still held after ``Decision.idle_s`` teaches the
         home's :class:`RetentionFit`, which the session claims
         (:meth:`_at_home`), the waiting sessions' valuation and the approximate
         index's time to live there (:meth:`PrefixIndex.set_retention`, at most
         ``sessions.ttl_s``) follow."""
+        if decision.session is None:
+            return
+        counts = self.sessions.hit_tokens.get(decision.placement)
+        if counts is not None:
+            counts[0] += prompt_tokens
+            counts[1] += min(cached_tokens, prompt_tokens)
         held = decision.held_tokens
         if held <= 0:
             return
@@ -150,8 +157,9 @@ class SessionRouting:
 
     def _place(self, request: RouteRequest, candidates: list[BackendState], match: Match, decision: Decision,
                now: float) -> None:
-        """Record where ``request``'s session now lives (``decision``'s backend), its
-        last block's token-exact key
+        """Record where ``request``'s session now lives (``decision``'s backend), why it
+        left its home if it did (not a candidate: ``unavailable``; counted as holding
+        nothing of it: ``no_hit``; else ``cheaper``), its last block's token-exact key
         where the backend's KV events are live, and what the engine's reported cached
         tokens will be compared with (:meth:`learn_cached`)."""
         session = request.session
@@ -159,6 +167,13 @@ class SessionRouting:
         decision.session = session
         chosen = decision.backend.name
         queued = int(request.prompt_tokens - match.cached_tokens(chosen))
+        home = match.home
+        reason = CHEAPER
+        if home is not None and home != chosen:
+            if not any(b.name == home for b in candidates):
+                reason = UNAVAILABLE
+            elif match.cached_tokens(home) <= 0:
+                reason = NO_HIT
         key_tail = 0
         if request.token_keys:
             e = self.index.engines.get(chosen)
@@ -166,8 +181,8 @@ class SessionRouting:
                 keys = request.token_keys.get(e.block_size)
                 if keys:
                     key_tail = keys[-1]
-        decision.placement = self.sessions.place(session, chosen, request.block_hashes, now, queued, key_tail)
-        if match.home_held and chosen == match.home and decision.evidence == "approximate":
+        decision.placement = self.sessions.place(session, chosen, request.block_hashes, now, queued, reason, key_tail)
+        if match.home_held and chosen == home and decision.evidence == "approximate":
             decision.held_tokens = min(match.home_held * request.tokens_per_block, float(request.prompt_tokens))
             decision.idle_s = match.home_idle
 

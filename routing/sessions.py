@@ -50,6 +50,10 @@ from routing.gaps import EDGES, N_BINS, GapEstimator, bin_of
 
 HOME, MOVED, NEW = "home", "moved", "new"  # where a session's turn went (Decision.placement)
 PLACEMENTS = (HOME, MOVED, NEW)
+# why a session's turn left its home: the home could not take it, held nothing of it,
+# or held some but another backend's estimate was sooner (its queue cost more)
+UNAVAILABLE, NO_HIT, CHEAPER = "unavailable", "no_hit", "cheaper"
+MOVE_REASONS = (UNAVAILABLE, NO_HIT, CHEAPER)
 AGED_EVERY_S = 1.0  # how often the router ages the table (routing.router.EXPIRE_EVERY_S)
 CHANGED_MAX = 100_000  # placements waiting for a store; older ones are dropped (their sessions were placed again)
 
@@ -111,8 +115,10 @@ class SessionTable:
       that shares the table, and call :attr:`notify` (the store's wake-up, which must
       do no I/O) when set; off: nothing is recorded.
 
-    ``placements`` counts the turns placed by kind (``home``, ``moved``, ``new``).
-    ``gaps`` learns the gaps; ``waiting`` holds, per backend, its
+    ``placements`` counts the turns placed by kind (``home``, ``moved``, ``new``),
+    ``moves`` the moved ones by reason (:data:`MOVE_REASONS`), ``hit_tokens`` per kind
+    the prompt tokens and the engines' reported cached tokens of turns whose engine
+    reported them. ``gaps`` learns the gaps; ``waiting`` holds, per backend, its
     waiting sessions' blocks. Raises ``ValueError`` on a ``ttl_s`` or
     ``max_sessions`` that is not positive.
     """
@@ -129,6 +135,8 @@ class SessionTable:
         self.changed: deque[str] = deque(maxlen=CHANGED_MAX)
         self.notify: Callable[[], None] | None = None  # called (no I/O) after a placement is recorded in changed
         self.placements: dict[str, int] = dict.fromkeys(PLACEMENTS, 0)
+        self.moves: dict[str, int] = dict.fromkeys(MOVE_REASONS, 0)
+        self.hit_tokens: dict[str, list[int]] = {k: [0, 0] for k in PLACEMENTS}  # kind -> [prompt, cached]
         self.gaps = GapEstimator()
         self.waiting: dict[str, Waiting] = {}
         # per bin but the last, the counted sessions in it, oldest first, as (session, its seen then)
@@ -265,10 +273,11 @@ class SessionTable:
         return None
 
     def place(self, session: str, backend: str, hashes: Sequence[int], now: float, queued: int = 0,
-              key_tail: int = 0) -> str:
+              reason: str = CHEAPER, key_tail: int = 0) -> str:
         """Record that ``session``'s turn (prompt blocks ``hashes``, ``queued`` uncached
         prompt tokens) was dispatched to ``backend`` at ``now``: it is the session's
-        home from now on. ``key_tail``: the token-exact key of its last block
+        home from now on. ``reason``: why it left its home, if it did
+        (:data:`MOVE_REASONS`); ``key_tail``: the token-exact key of its last block
         when ``backend`` publishes KV events. Returns the kind of placement: ``home``
         (where it already was), ``moved`` or ``new``."""
         s = self._returned(session, now)
@@ -283,6 +292,8 @@ class SessionTable:
             s.home, s.blocks, s.tail, s.seen, s.turns = backend, n, tail, now, s.turns + 1
             s.queued, s.here = queued, True
             self.sessions.move_to_end(session)
+            if kind == MOVED:
+                self.moves[reason] = self.moves.get(reason, 0) + 1
         self._count(s, 0)
         if key_tail and s.bucket >= 0:
             s.key_tail = key_tail

@@ -4,7 +4,8 @@ for the precise cases), the gateway in front of them, a real Redis-protocol serv
 the replicas. A session waiting longer than ``prefix_ttl_s`` keeps its context at home
 (a one-off long prompt goes elsewhere rather than evict it), with and without KV
 events; once an engine has been seen evicting after such gaps, the gateway stops
-counting a waiting session's context as held there; expiry is learned from the gaps."""
+counting a waiting session's context as held there; expiry is learned from the gaps;
+moves are counted by reason and the session hit ratio is exported."""
 
 from __future__ import annotations
 
@@ -189,6 +190,39 @@ async def test_with_kv_events_a_session_whose_kv_was_evicted_is_not_kept():
         assert await one_off_beside_a_small_queue(gw, http, other, ids(98, 3000)) == home
         _, route, cached = await complete(http, gw.url, context + ids(97, 64), "p")
         assert route["evidence"] == "precise" and int(route["matched_tokens"]) == 0 and cached == 0
+
+
+async def test_moves_by_reason_and_the_session_hit_ratio_are_exported():
+    async with fleet(False) as backends, running_gateway(config(backends, False)) as gw, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        context = ids(5, 1024)
+        home, _, _ = await complete(http, gw.url, context, "m1")
+        _, route, cached = await complete(http, gw.url, context + ids(6, 32), "m1")
+        assert route["placement"] == "home" and cached == 1024
+        core = gw.state.core
+        gw.state.fleet.backends[home].draining = True  # the home takes no new request
+        try:
+            moved, route, _ = await complete(http, gw.url, context + ids(6, 32) + ids(7, 32), "m1")
+        finally:
+            gw.state.fleet.backends[home].draining = False
+        assert moved != home and route["placement"] == "moved"
+        busy = core.reserve(RouteRequest(MODEL, prompt_tokens=5_000_000, output_tokens=1),
+                            core.fleet.backends[moved], gw.state.loop.time())
+        try:  # its new home holds its context, but its queue costs far more than recomputing it
+            back, route, _ = await complete(http, gw.url, context + ids(6, 32) + ids(7, 32) + ids(8, 32), "m1")
+        finally:
+            busy.release(gw.state.loop.time())
+        assert back == home and route["placement"] == "moved"
+        assert gw.metric("turbo_gateway_session_moves_total", reason="unavailable") == 1
+        assert gw.metric("turbo_gateway_session_moves_total", reason="cheaper") == 1
+        assert gw.metric("turbo_gateway_session_moves_total", reason="no_hit") == 0
+        assert gw.metric("turbo_gateway_session_cached_prompt_tokens_total", placement="home") == 1024
+        assert gw.metric("turbo_gateway_session_prompt_tokens_total", placement="home") == 1024 + 32
+        assert gw.metric("turbo_gateway_session_prompt_tokens_total", placement="new") == 1024
+        async with http.get(gw.url + "/metrics") as r:  # and on the wire
+            text = await r.text()
+        assert 'turbo_gateway_session_moves_total{reason="cheaper"} 1.0' in text
+        assert 'turbo_gateway_session_cached_prompt_tokens_total{placement="home"} 1024.0' in text
 
 
 async def test_expiry_is_learned_from_the_gaps_on_every_replica():

@@ -1,4 +1,4 @@
-"""Learned expiry and gap-aware retention (routing/gaps.py,
+"""Learned expiry, gap-aware retention and moves by reason (routing/gaps.py,
 routing/sessions.py, routing/session_kv.py), without sockets."""
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ def test_a_home_whose_engine_evicted_after_such_gaps_is_not_counted_as_holding_t
     assert late.home == "a" and late.home_held > 0 and late.cached_tokens("a") == 0
     soon = r.match(turn(context(8, 2), "soon"), 15.5)  # idle 1 s: no miss seen that soon
     assert soon.cached_tokens("a") > 0
+    assert r.sessions.hit_tokens["home"] == [12000, 0]
 
 
 def test_hits_after_long_gaps_keep_the_approximate_index_past_prefix_ttl():
@@ -252,6 +253,30 @@ def test_the_waiting_blocks_move_to_the_bins_of_their_waiting_time():
     assert t.waiting["b"].blocks[bin_of(6.5)] == 4
     t.backend_emptied("b")
     assert "b" not in t.waiting and t.get("s", 10.0).bucket == -1
+
+
+# ---- moves by reason -------------------------------------------------------------------------
+
+
+def test_moves_are_counted_by_reason():
+    r = router("a", "b", capacity=65536, prefix_ttl_s=600.0)
+    route(r, turn(context(0), "s0", subset=frozenset({"a"})), 1.0)
+    # the home cannot take it
+    r.fleet.backends["a"].draining = True
+    d = route(r, turn(context(0, 2), "s0"), 2.0)
+    assert (d.backend.name, d.placement) == ("b", "moved")
+    r.fleet.backends["a"].draining = False
+    # the home holds none of it (a prompt that does not extend the last), the other is idle
+    held = r.reserve(RouteRequest("m", prompt_tokens=100, output_tokens=1), r.fleet.backends["b"], 3.0)
+    d = route(r, turn("a different prompt " * 100, "s0"), 3.0)
+    held.release(3.0)
+    assert (d.backend.name, d.placement) == ("a", "moved")
+    # the home holds it but its queue costs more than recomputing elsewhere
+    held = r.reserve(RouteRequest("m", prompt_tokens=2_000_000, output_tokens=1), r.fleet.backends["a"], 4.0)
+    d = route(r, turn("a different prompt " * 100 + " and more", "s0"), 4.0)
+    held.release(4.0)
+    assert (d.backend.name, d.placement) == ("b", "moved")
+    assert r.sessions.moves == {"unavailable": 1, "no_hit": 1, "cheaper": 1}
 
 
 def test_the_routers_inlined_fold_is_with_waiting():
