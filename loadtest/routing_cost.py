@@ -1,7 +1,7 @@
 """What a routing decision costs, and what sharing state through Redis costs.
 
-    python -m loadtest.routing_cost            # all five parts
-    python -m loadtest.routing_cost --part decision|store|replicas|tokenize|kv_events
+    python -m loadtest.routing_cost            # all six parts
+    python -m loadtest.routing_cost --part decision|store|replicas|tokenize|kv_events|sessions
 
 1. **decision**: microseconds per request of estimate + ``Router.route`` + release with
    the default ``estimated_ttft`` policy, for 10, 100 and 1,000 backends and 10^4 to
@@ -30,6 +30,11 @@
    with all ten publishing (token keys, precise and speculative lookup, speculative
    record); and microseconds per applied ``BlockStored`` (16 blocks) and
    ``BlockRemoved`` payload (decode included).
+6. **sessions**: microseconds per request of estimate + ``Router.route`` + release when
+   every request is a turn of a session (10 backends, 10^5 blocks; 200 sessions of 10
+   turns, each turn's prompt extending its session's last by 512 bytes, a session's
+   turns about a second apart in the router's clock, so that sessions age through the
+   bins of their waiting time, expire and are valued in the eviction cost).
 
 Network traffic goes to 127.0.0.1 only; every loop is bounded in count.
 """
@@ -76,6 +81,40 @@ def decision_cost(n_backends: int, n_blocks: int, n_requests: int = 2000, store=
             res.release(1.0 + i * 1e-3)
         passes.append((time.perf_counter() - t0) / n_requests * 1e6)
     return statistics.median(passes)
+
+
+def sessions_cost(n_backends: int = 10, n_blocks: int = 100_000, n_sessions: int = 200, turns: int = 10) -> float:
+    """Microseconds per session turn (estimate + route + release), median of 3 passes
+    (see the module docstring, part 6)."""
+    rng = random.Random(3)
+    contexts = [rng.randbytes(2048).hex() for _ in range(n_sessions)]
+    tails = [rng.randbytes(256).hex() for _ in range(turns)]
+    work = [(f"s{k}", contexts[k] + "".join(tails[:t + 1])) for t in range(turns) for k in range(n_sessions)]
+    est = TokenEstimator()
+    passes = []
+    for _ in range(3):
+        fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(n_backends)])
+        index = PrefixIndex(max_blocks=n_blocks * 2, default_capacity_blocks=n_blocks)
+        router = Router(fleet, make_policy("estimated_ttft"), index)
+        for j in range(n_blocks // 32):
+            index.record(f"b{j % n_backends}", tuple(rng.getrandbits(64) for _ in range(32)), now=0.0)
+        t0 = time.perf_counter()
+        for i, (session, text) in enumerate(work):
+            now = 1.0 + i * (1.0 / n_sessions)
+            e = est.estimate("m", text, 128)
+            _d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+                                               prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
+                                               tokens_per_block=64.0, session=session), now=now)
+            res.release(now)
+        passes.append((time.perf_counter() - t0) / len(work) * 1e6)
+    return statistics.median(passes)
+
+
+def part_sessions() -> None:
+    print("\n## Decision cost with sessions (estimated_ttft, 10 backends, 10^5 blocks, 200 sessions x 10 turns), "
+          "microseconds per turn\n")
+    print(f"| per turn | {sessions_cost():.0f} |")
+    print("|---|---|")
 
 
 def part_decision() -> None:
@@ -343,10 +382,11 @@ def part_kv_events() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.routing_cost", description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["decision", "store", "replicas", "tokenize", "kv_events"], action="append")
+    ap.add_argument("--part", choices=["decision", "store", "replicas", "tokenize", "kv_events", "sessions"],
+                    action="append")
     ap.add_argument("--tokenizer", help="tokenizer.json or model directory of the tokenize part")
     args = ap.parse_args(argv)
-    parts = args.part or ["decision", "store", "replicas", "tokenize", "kv_events"]
+    parts = args.part or ["decision", "store", "replicas", "tokenize", "kv_events", "sessions"]
     if "decision" in parts:
         part_decision()
     if "store" in parts:
@@ -357,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         part_tokenize(args.tokenizer)
     if "kv_events" in parts:
         part_kv_events()
+    if "sessions" in parts:
+        part_sessions()
     return 0
 
 

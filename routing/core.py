@@ -13,6 +13,7 @@ where the request goes; it then reports what happened, and the core learns from 
     decision, reservation = core.route(req, now)        # backend, explanation, load reserved
     reservation.first_token(t); reservation.outcome(ok, t); reservation.release(t, tokens)
     core.learn_usage(model, est.size_bytes, prompt_tokens, completion_tokens)
+    core.learn_cached(decision, prompt_tokens, cached_tokens)   # the engine's reported prefix hit
     core.kv_event_batch(backend_name, rank, payload)    # an engine's KV events (ZMQ payload)
 
 ``Decision`` carries the chosen backend, the policy, the reason and the numbers behind
@@ -30,6 +31,8 @@ model without such backends costs nothing more.
 
 The names the data plane needs from ``routing/`` are re-exported here; ``gateway/``
 imports nothing else of this package (``tests/unit/test_import_cycles.py`` checks it).
+Being that one door, a short method per call of the data planes, it runs past
+400 lines rather than split in two doors.
 """
 
 from __future__ import annotations
@@ -295,6 +298,12 @@ class DecisionCore:
                     completion_tokens: int | None) -> None:
         """Learn bytes per token and typical output length from a response's ``usage``."""
         self.estimator.observe_usage(model, prompt_bytes, prompt_tokens, completion_tokens)
+
+    def learn_cached(self, decision: Decision, prompt_tokens: int, cached_tokens: int) -> None:
+        """The engine that served ``decision`` reported ``cached_tokens`` of its
+        ``prompt_tokens`` cached: the session hit ratio, the engine's retention
+        (:meth:`Router.learn_cached`)."""
+        self.router.learn_cached(decision, prompt_tokens, cached_tokens)
 
     # ---- what the data plane learns outside requests ------------------------------------
 

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 from routing.backend import BackendState
 from routing.fleet import Fleet, NoBackendAvailable, Reservation
+from routing.gaps import RetentionFit
 from routing.policies import Decision, Match, Policy, RouteRequest
 from routing.policies.base import NOTHING
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
+from routing.session_kv import SessionRouting
 from routing.sessions import SessionTable
 from routing.store import RoutingStore
 
@@ -34,7 +36,7 @@ class Plan:
     uncached_tokens: float
 
 
-class Router:
+class Router(SessionRouting):
     """Turns a :class:`RouteRequest` into a :class:`Decision` and a :class:`Reservation`.
 
     Eligible candidates are the healthy backends serving the model (all of them when
@@ -52,7 +54,12 @@ class Router:
         self.index = index or PrefixIndex()
         self.block_tokens = block_tokens
         self.store = store  # learns the dispatched prefix blocks, for other replicas (routing.store)
-        self.sessions = SessionTable()  # each session's home (routing.sessions), set by the core
+        self.sessions = SessionTable()  # each session's home (routing.sessions), configured by the core
+        self._waiting = self.sessions.waiting  # (read for every candidate)
+        # per backend without live KV events, how long its engine keeps an idle prefix (learn_cached)
+        self.retention: dict[str, RetentionFit] = {}
+        self._factors: dict[str, tuple[list[float], list[float]]] = {}  # (routing.session_kv.bin_factors)
+        self.index.on_gone = self._kv_gone
         self._next_expire = 0.0
         # model -> {engine block size: backends publishing KV events in it}, set by the core
         self.event_backends: dict[str, dict[int, list[str]]] = {}
@@ -152,6 +159,9 @@ class Router:
             self.index.expire_speculative(now)
             self.refresh_speeds(now)
             self.sessions.expire(now)
+            self._factors.clear()  # valued again: time passed, the gaps were learned
+            for w in self.sessions.waiting.values():
+                w.value = None
             self._next_expire = now + EXPIRE_EVERY_S
         matched = self.index.match(request.block_hashes, now)
         exact = self._match_tokens(request, request.token_keys, now) if request.token_keys else NOTHING
@@ -160,22 +170,6 @@ class Router:
             self._at_home(m, request.session, now)
         self._last_match = m
         return m
-
-    def _at_home(self, m: Match, session: str, now: float) -> None:
-        """Set ``m.home`` to the home of ``session``, if it has one, and count there the
-        blocks the session's last turn placed (:meth:`SessionTable.held_blocks`) when
-        the prefix index has fewer (another replica's dispatch not synced yet, or
-        blocks it aged out), and, when another replica placed its last turn, that
-        turn's uncached tokens (``Match.home_queued``)."""
-        s = self.sessions.get(session, now)
-        if s is None:
-            return
-        m.home = s.home
-        if not s.here:
-            m.home_queued = float(s.queued)
-        held = self.sessions.held_blocks(s, m.request.block_hashes)
-        if held > m.matched_blocks.get(s.home, 0):
-            m.matched_blocks = {**m.matched_blocks, s.home: held}
 
     def _match_tokens(self, request: RouteRequest, token_keys: dict[int, tuple[int, ...]],
                       now: float) -> dict[str, int]:
@@ -206,9 +200,24 @@ class Router:
     def kv_turnover(self, b: BackendState) -> tuple[float, float]:
         """(KV tokens ``b``'s cache can take without evicting, share of its evicted
         blocks asked for again): the prefix index's
-        :meth:`~routing.prefix_index.PrefixIndex.turnover`, O(1). A router's matches
-        carry it as ``Match.kv_turnover``."""
-        return self.index.turnover(b.name, self.block_tokens, b.load.kv_capacity_tokens)
+        :meth:`~routing.prefix_index.PrefixIndex.turnover`, with the sessions waiting at
+        ``b`` folded in (:func:`routing.session_kv.with_waiting`, inlined: this runs
+        for every candidate). O(1). A router's matches carry it as ``Match.kv_turnover``."""
+        name = b.name
+        capacity = b.load.kv_capacity_tokens
+        t = self.index.turnover(name, self.block_tokens, capacity)
+        w = self._waiting.get(name)
+        if w is None:
+            return t
+        free, reuse = t
+        held, value = w.value or self.value_waiting(name, w)
+        used = capacity - free
+        if used < held:
+            used = held
+            free = capacity - held if capacity > held else 0.0
+        if used > 0:  # value <= held <= used: the share stays within [0, 1]
+            reuse = (value + reuse * (used - held)) / used
+        return free, reuse
 
     def evidence(self, request: RouteRequest, match: Match, backend: str) -> str:
         """What stands behind ``request``'s matched tokens on ``backend`` (its
@@ -297,10 +306,7 @@ class Router:
         if match.exact_tokens:
             decision.evidence = self.evidence(request, match, decision.backend.name)
         if request.session is not None:
-            decision.session = request.session
-            chosen = decision.backend.name
-            queued = int(request.prompt_tokens - match.cached_tokens(chosen))
-            decision.placement = self.sessions.place(request.session, chosen, request.block_hashes, now, queued)
+            self._place(request, candidates, match, decision, now)
         reservation = self.reserve(request, decision.backend, now)
         self.policy.on_dispatch(request, decision)
         return decision, reservation

@@ -64,8 +64,9 @@ class Routing(Strict):
         64, ge=1, le=65536, description="Prefix-index block size in tokens (a block is cut every "
         "`4 * block_tokens` bytes of canonical prompt text). Changing it needs a restart.")
     prefix_ttl_s: float = Field(
-        600.0, gt=0, description="An indexed prefix block unused this long counts as evicted. Changing it "
-        "needs a restart.")
+        600.0, gt=0, description="An indexed prefix block unused this long counts as evicted, unless its "
+        "backend's engine was seen holding idle prefixes longer (learned from the cached tokens it reports "
+        "for sessions' turns, up to `sessions.ttl_s`; docs/sessions.md). Changing it needs a restart.")
     prefix_index_max_blocks: int = Field(
         2_000_000, ge=1000, description="Memory bound of the prefix index (about 100 bytes a block). "
         "Changing it needs a restart.")

@@ -30,7 +30,8 @@ class Sessions(Strict):
         "field (OpenAI's `user`, Anthropic's `metadata.user_id`) does: every request of one user of one key is "
         "one session.")
     ttl_s: float = Field(
-        1800.0, gt=0, description="A session not seen for this many seconds is forgotten (its next turn is "
-        "placed as new). A fixed time to live; learning it from the gaps sessions show is not done yet.")
+        1800.0, gt=0, description="The longest a waiting session is kept (then its next turn is placed as new). "
+        "How long it is kept is learned from the gaps between sessions' turns (docs/sessions.md); this is its "
+        "cap, and the time kept until enough gaps were seen.")
     max_sessions: int = Field(
         100_000, ge=1, description="Sessions held per replica; the least recently seen one leaves first.")

@@ -115,6 +115,7 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
             cached = reported_cached
             s.cached_tokens.inc(cached)
             if ctx.decision is not None:
+                state.core.learn_cached(ctx.decision, prompt or 0, cached)
                 predicted = ctx.decision.detail.get("matched_tokens", 0)
                 s.predicted_cached_tokens.inc(predicted)
                 s.reported_prompt_tokens.inc(prompt or 0)

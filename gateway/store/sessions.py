@@ -11,9 +11,10 @@ it:
   (session id -> home, blocks, last block's hash, last seen, turns, the last turn's
   uncached tokens), with their
   last-seen time in a sorted set, and appended, as one entry, to a capped stream. Now
-  and then, sessions not seen for ``sessions.ttl_s`` leave the hash and the set.
+  and then, sessions not seen for ``sessions.ttl_s`` (the cap of every replica's
+  learned expiry) leave the hash and the set.
 - :class:`SessionFeed` learns. Before the replica reports ready it reads every session
-  seen within the time to live from the hash (so a gateway restart keeps the homes, as
+  seen within ``sessions.ttl_s`` from the hash (so a gateway restart keeps the homes, as
   long as Redis keeps its data); then it waits on the stream (``XREAD BLOCK``) and gives
   the other replicas' placements to the table as they are written (the most recent
   placement of a session wins).
@@ -94,7 +95,7 @@ class SessionFeed(BackgroundSync):
             return
         home, blocks, tail, seen_ms, turns, queued = rec
         age_s = max(wall_ms - seen_ms, 0) / 1000.0
-        if age_s > self.table.ttl_s:
+        if age_s > self.table.expiry_s:  # forgotten here already
             return
         if self.table.learn(sid, home, blocks, tail, now - age_s, turns, queued):
             self.stats.learned += 1

@@ -92,9 +92,13 @@ class Match:
       without evicting, share of its evicted blocks asked for again)
       (:meth:`routing.router.Router.kv_turnover`; ``None``: not known);
     - ``home``: the backend holding the request's session (``None``: no session, or a
-      new one); ``matched_blocks`` counts what its last turn placed there;
-      ``home_queued``: that turn's uncached prompt tokens when another replica placed
-      it (its load there, which that replica's snapshot may still show; 0: none).
+      new one); ``matched_blocks`` counts what its last turn placed there, as far as
+      its engine probably still holds it after the time it has been idle
+      (:meth:`routing.router.Router.match`); ``home_queued``: that turn's uncached
+      prompt tokens when another replica placed it (its load there, which that
+      replica's snapshot may still show; 0: none); ``home_held``: the blocks the
+      session's last turn placed there that this prompt extends (0: none), idle for
+      ``home_idle`` seconds.
     """
 
     request: RouteRequest
@@ -105,6 +109,8 @@ class Match:
     kv_turnover: Callable[[BackendState], tuple[float, float]] | None = None
     home: str | None = None
     home_queued: float = 0.0
+    home_held: int = 0
+    home_idle: float = 0.0
 
     @classmethod
     def of(cls, request: RouteRequest, now: float = 0.0) -> Match:
@@ -136,7 +142,11 @@ class Decision:
     (set by the router) is the kind of prefix-index evidence behind the chosen
     backend's matched tokens: ``precise``, ``speculative`` or ``approximate``;
     ``session`` and ``placement`` (set by the router for a request of a session): its
-    id, and whether it went to the session's ``home``, ``moved`` or is ``new``.
+    id, and whether it went to the session's ``home``, ``moved`` or is ``new``; for a
+    turn that went home counting its session's context as held on approximate
+    evidence, ``held_tokens`` (that context's prompt tokens) and ``idle_s`` (how long
+    it had been idle), which the engine's reported cached tokens are compared with
+    (:meth:`routing.router.Router.learn_cached`).
     """
 
     backend: BackendState
@@ -146,6 +156,8 @@ class Decision:
     evidence: str = "approximate"
     session: str | None = None
     placement: str = ""
+    held_tokens: float = 0.0
+    idle_s: float = 0.0
 
 
 class Policy(Protocol):

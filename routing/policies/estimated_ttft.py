@@ -20,9 +20,12 @@ For each candidate backend ``b`` (DESIGN.md section 3), in seconds::
   is asked for again, and prefilled again, with probability ``reuse_b`` (measured per
   backend from the prefix index's ghosts of evicted blocks:
   :meth:`routing.prefix_index.PrefixIndex.turnover`, from the engine's own KV events
-  where they are live). This is the eviction cost of Preble's E2 scheduler (Srivatsa
-  et al., "Preble: Efficient Distributed Prompt Scheduling for LLM Serving", ICLR
-  2025, section 3.2: the recompute time of the cached prefixes a placement evicts,
+  where they are live), and, where sessions wait between turns, their blocks valued by
+  the likelihood and nearness of their return (:mod:`routing.session_kv`: they take
+  room even where the approximate index aged them out). This is the eviction cost of
+  Preble's E2 scheduler (Srivatsa et al., "Preble: Efficient Distributed Prompt
+  Scheduling for LLM Serving", ICLR 2025, section 3.2: the recompute time of the
+  cached prefixes a placement evicts,
   weighted by how likely they are to be hit again), with the hit likelihood of the
   blocks at the LRU's end measured per backend rather than per prefix. It makes a
   placement pay for the KV it takes where KV is scarce: a new prefix goes where the

@@ -4,7 +4,9 @@ canonical prompt bytes (every backend, every model, no tokenizer needed).
 Blocks are recorded when a request is *dispatched* (so a burst of siblings co-locates
 before any cache is warm). Each backend's set is an LRU bounded by its KV capacity in
 blocks, approximating the engine's own LRU of free cached blocks; entries older than
-``ttl_s`` are ignored and dropped; the whole index holds at most ``max_blocks`` entries.
+``ttl_s`` are ignored and dropped, or older than a backend's learned retention when its
+engine was seen keeping idle prefixes longer (:meth:`ApproximateEntries.set_retention`);
+the whole index holds at most ``max_blocks`` entries.
 
 A request's blocks are touched from last to first, so that a prefix's first blocks
 are the most recently used and are evicted last, as in vLLM, which frees a finished
@@ -36,10 +38,14 @@ class BackendBlocks:
 class ApproximateEntries:
     """The approximate entries of :class:`~routing.prefix_index.PrefixIndex` (its base):
     ``record(backend, hashes, now)`` and ``match(hashes, now) -> {backend: blocks}``.
-    ``ttl_s``, ``max_blocks`` and ``default_capacity_blocks`` as there."""
+    ``ttl_s``, ``max_blocks`` and ``default_capacity_blocks`` as there; after
+    :meth:`set_retention`, ``ttl_s`` is the longest time any backend's entries are kept
+    (``base_ttl_s``: the configured one)."""
 
     def __init__(self, *, ttl_s: float, max_blocks: int, default_capacity_blocks: int) -> None:
         self.ttl_s = ttl_s
+        self.base_ttl_s = ttl_s
+        self.retention: dict[str, float] = {}  # backend -> seconds its idle entries are kept, when over base_ttl_s
         self.max_blocks = max_blocks
         self.default_capacity_blocks = default_capacity_blocks
         self.backends: dict[str, BackendBlocks] = {}
@@ -146,11 +152,26 @@ class ApproximateEntries:
                 h, _ = b.lru.popitem(last=False)
                 self._drop(name, h)
 
+    def set_retention(self, backend: str, retention_s: float) -> None:
+        """``backend``'s engine was seen keeping a prefix idle for ``retention_s``
+        seconds (:class:`routing.gaps.RetentionFit`): its entries are kept that long
+        when it is longer than the configured ``ttl_s`` (never shorter: the index still
+        forgets by capacity). Entries of other backends older than their own time to
+        live may be matched until the next :meth:`expire` (once a second in a router)."""
+        if retention_s > self.base_ttl_s:
+            self.retention[backend] = retention_s
+        else:
+            self.retention.pop(backend, None)
+        self.ttl_s = max(self.retention.values(), default=self.base_ttl_s)
+
     def expire(self, now: float) -> int:
-        """Drop entries unused for ``ttl_s``; returns how many were dropped."""
-        cutoff = now - self.ttl_s
+        """Drop entries unused for their backend's time to live; returns how many were
+        dropped."""
+        base = now - self.base_ttl_s
+        retention = self.retention
         dropped = 0
         for name, b in self.backends.items():
+            cutoff = now - retention[name] if name in retention else base
             lru = b.lru
             while lru:
                 h, t = next(iter(lru.items()))

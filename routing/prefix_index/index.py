@@ -13,7 +13,8 @@ class PrefixIndex(ApproximateEntries, TokenExactEntries):
     ``clear_precise`` and ``match_tokens`` for token-exact ones; ``turnover`` for
     the eviction cost.
 
-    - ``ttl_s``: seconds after which an unused block is considered evicted.
+    - ``ttl_s``: seconds after which an unused block is considered evicted (longer for
+      a backend whose engine was seen keeping idle prefixes longer: :meth:`set_retention`).
     - ``max_blocks``: bound on entries over all backends (memory: about 100 bytes
       each), for each kind; a backend whose precise entries pass it (its engine's
       removals are lost) has them cleared; it bounds the ghosts of evicted blocks

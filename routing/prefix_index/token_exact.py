@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat, takewhile
 
@@ -92,6 +92,8 @@ class TokenExactEntries:
         self.token_owners = TokenOwners(self.engines)
         # evicted blocks, oldest first: token key -> the backend that evicted it
         self.token_ghosts: OrderedDict[int, str] = OrderedDict()
+        # told (no I/O) of the keys a backend's engine no longer holds: (backend, keys)
+        self.on_gone: Callable[[str, list[int]], None] | None = None
 
     def set_engine(self, backend: str, block_size: int | None, base_model: str = "") -> None:
         """Declare that ``backend`` publishes KV events in blocks of ``block_size``
@@ -245,8 +247,11 @@ class TokenExactEntries:
             bound = min(others + len(holders) + 1, self.max_blocks)
             e.evictions.window = len(holders) + 1
             keys = [k for k in map(emap.pop, engine_hashes, repeat(None)) if k is not None]
-            for k in self._release(backend, e, keys):  # the blocks it no longer holds, evicted
+            gone = self._release(backend, e, keys)
+            for k in gone:  # the blocks it no longer holds, evicted
                 ghost(ghosts, k, e.evictions, backend, bound)
+            if gone and self.on_gone is not None:
+                self.on_gone(backend, gone)
             n += len(keys)
         return n
 
@@ -269,7 +274,9 @@ class TokenExactEntries:
         for r in ranks:
             emap = e.engine_keys.pop(r, None)
             if emap:
-                self._release(backend, e, emap.values())
+                gone = self._release(backend, e, emap.values())
+                if gone and self.on_gone is not None:
+                    self.on_gone(backend, gone)
         return before - len(e.holders)
 
     def counts(self, backend: str) -> tuple[int, int]:
