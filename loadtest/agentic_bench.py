@@ -88,6 +88,7 @@ from loadtest.sim.engine import Engine
 from loadtest.traces import conversation_sessions, load_trace, scale_time
 from routing import BackendSpec
 from routing.core import DecisionCore, Reservation
+from routing.policies.base import Decision
 
 KEY = "agents"  # the one caller's key name
 MODEL = "m"
@@ -191,7 +192,7 @@ def run(row: Row, params: AgentParams, seed: int = 0, fleet_names: tuple[str, ..
                                     session_fairness=row.session_fairness))
     qcfg = queue.cfg if queue is not None else None
     records: list[TurnRecord] = []
-    inflight: dict[str, tuple[int, _State, Reservation, Charge | None]] = {}
+    inflight: dict[str, tuple[int, _State, Reservation, Charge | None, Decision]] = {}
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
     refused = 0
@@ -261,7 +262,7 @@ def run(row: Row, params: AgentParams, seed: int = 0, fleet_names: tuple[str, ..
         rec.predicted_cached = decision.detail.get("matched_tokens", 0.0)
         engines[name].add_request(f"r{i}", tokens, rec.output_tokens, arrival_time=t,
                                   output_tokens=rec.output_tokens, session=st.s.id)
-        inflight[f"r{i}"] = (i, st, res, charge)
+        inflight[f"r{i}"] = (i, st, res, charge, decision)
         if not busy[name]:
             start_step(name, t)
 
@@ -323,7 +324,7 @@ def run(row: Row, params: AgentParams, seed: int = 0, fleet_names: tuple[str, ..
         elif kind == "step":
             name, outs = payload
             for out in outs:
-                i, st, res, charge = inflight[out.req_id]
+                i, st, res, charge, decision = inflight[out.req_id]
                 rec = records[i]
                 if out.new_token_ids:
                     if rec.first_token is None:
@@ -337,6 +338,8 @@ def run(row: Row, params: AgentParams, seed: int = 0, fleet_names: tuple[str, ..
                     res.outcome(True, t)
                     res.release(t, rec.generated)
                     core.learn_usage(MODEL, rec.prompt_tokens * BYTES_PER_TOKEN, rec.prompt_tokens, rec.generated)
+                    # the engine's reported prefix hit, as the data plane's settlement teaches it
+                    core.learn_cached(decision, rec.prompt_tokens, rec.cached_tokens or 0)
                     if charge is not None:
                         charge.settle(rec.prompt_tokens, rec.generated, cached_tokens=rec.cached_tokens)
                     finished(st, t)

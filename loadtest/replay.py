@@ -386,7 +386,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     gateways = [make_gateway(k) for k in range(replicas)]
     busy = {m.name: False for m in fleet}
     records: list[Record] = [Record(r.arrival_s, direct=r.direct_backend is not None) for r in reqs]
-    reservations: dict[str, tuple[Reservation, TokenEstimator]] = {}
+    reservations: dict[str, tuple[Reservation, TokenEstimator, DecisionCore, Decision]] = {}
     excluded: dict[int, set[str]] = {}
     retry_policy = RetryPolicy(rng=random.Random(seed))  # the gateway's, with its defaults
     events: list[tuple[float, int, str, Any]] = []  # the payload's type follows the kind
@@ -571,13 +571,13 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
             res.release(t)
             pending -= 1
             return
-        reservations[f"r{i}"] = (res, estimator)  # the engine's step that uses it is a later event
+        reservations[f"r{i}"] = (res, estimator, core, decision)  # the engine's step that uses it is a later event
 
     def restart(name: str, t: float) -> None:
         nonlocal pending
         if watch:
             watch("restart_before", t, engines)
-        for rid, (res, _) in list(reservations.items()):
+        for rid, (res, *_) in list(reservations.items()):
             i = int(rid[1:])
             if records[i].backend != name:
                 continue
@@ -661,12 +661,14 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
                     pending -= 1
                     forget_pending(i)
                     if routed is not None:
-                        res, estimator = routed
+                        res, estimator, gw_core, decision = routed
                         res.outcome(True, t)
                         res.release(t, rec.generated)
                         del reservations[out.req_id]
                         estimator.observe_usage("m", rec.prompt_tokens * BYTES_PER_TOKEN,
                                                 rec.prompt_tokens, rec.generated)
+                        # the engine's reported prefix hit, as the data plane's settlement teaches it
+                        gw_core.learn_cached(decision, rec.prompt_tokens, rec.cached_tokens or 0)
             spent["route_s"] += clock() - c0
             start_step(name, t)
         elif kind == "restart_start":
