@@ -231,10 +231,11 @@ def finish(state: GatewayState, ctx: RequestContext, status: int) -> None:
     account(state, ctx, status)
     if ctx.trace is not None:
         ctx.trace.finish(status, ctx.model, ctx.usage, ctx.fallback_reason)
-    access_log.completion(ctx.request_id, ctx.parsed.endpoint, status, ctx.model or ctx.parsed.model, ctx.backend,
+    endpoint = ctx.parsed.api.name
+    access_log.completion(ctx.request_id, endpoint, status, ctx.model or ctx.parsed.model, ctx.backend,
                           ctx.ttft_s, ctx.usage, state.loop.time() - ctx.arrival, len(ctx.attempts))
     m = state.metrics
-    m.child(m.api_requests, ctx.parsed.endpoint, str(status)).inc()
+    m.child(m.api_requests, endpoint, str(status)).inc()
     if status == 200:
         s = ctx.served or served(state, ctx)
         s.ok.inc()
