@@ -14,8 +14,9 @@ hex digits from the operating system's cryptographic source, distinct per attemp
 unpredictable to callers. Ids the gateway makes itself come from that source too.
 
 The random bytes are read from ``os.urandom`` a page at a time (one system call per
-256 ids, not one per id), and the page is dropped in a forked child (``--workers``),
-so two processes never hand out the same bytes.
+256 request ids or 512 attempt suffixes), turned into ids all at once, and handed out
+one each; the ids not handed out are dropped in a forked child (``--workers``), so two
+processes never hand out the same ones.
 """
 
 from __future__ import annotations
@@ -35,35 +36,38 @@ _PAGE = 4096
 
 
 class _Entropy:
-    """Bytes of ``os.urandom`` not handed out yet: ``page`` from ``pos`` on."""
+    """Ids made from ``os.urandom`` and not handed out yet: ``ids`` of 32 hex digits
+    (:func:`new_id`), ``suffixes`` of 16 (:func:`upstream_id`); each list is refilled
+    from one page when it runs out."""
 
-    __slots__ = ("page", "pos")
+    __slots__ = ("ids", "suffixes")
 
     def __init__(self) -> None:
-        self.page = b""
-        self.pos = _PAGE
+        self.ids: list[str] = []
+        self.suffixes: list[str] = []
 
     def forget(self) -> None:
-        self.page, self.pos = b"", _PAGE
+        self.ids.clear()
+        self.suffixes.clear()
 
 
 _ENTROPY = _Entropy()
 os.register_at_fork(after_in_child=_ENTROPY.forget)
 
 
-def _hex(n: int) -> str:
-    """``n`` bytes of the page, as hex, each handed out once."""
-    e = _ENTROPY
-    pos = e.pos
-    if pos + n > _PAGE:
-        e.page, pos = os.urandom(_PAGE), 0
-    e.pos = pos + n
-    return e.page[pos:pos + n].hex()
+def _page(n: int) -> list[str]:
+    """One page of ``os.urandom``, as ids of ``n`` bytes each, in hex."""
+    digits = os.urandom(_PAGE).hex()
+    w = 2 * n
+    return [digits[i:i + w] for i in range(0, 2 * _PAGE, w)]
 
 
 def new_id() -> str:
     """A new request id: 32 hex digits from the cryptographic source."""
-    return _hex(16)
+    ids = _ENTROPY.ids
+    if not ids:
+        ids += _page(16)
+    return ids.pop()
 
 
 def request_id(headers) -> str:
@@ -72,10 +76,13 @@ def request_id(headers) -> str:
     rid = headers.get(REQUEST_ID_HEADER)
     if rid and _VALID.fullmatch(rid) is not None:
         return rid
-    return _hex(16)
+    return new_id()
 
 
 def upstream_id(request_id: str) -> str:
     """The id one upstream attempt of request ``request_id`` carries: that id, ``-``
     and 16 random hex digits (a new value on every call)."""
-    return f"{request_id}-{_hex(8)}"
+    suffixes = _ENTROPY.suffixes
+    if not suffixes:
+        suffixes += _page(8)
+    return f"{request_id}-{suffixes.pop()}"

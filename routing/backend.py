@@ -156,7 +156,8 @@ class BackendState:
 
     def needs_load(self, model: str) -> bool:
         """``model`` is an adapter this backend may load on demand and does not list."""
-        return self.served(model) is None and any(a == model for a, _ in self.spec.loadable)
+        loadable = self.spec.loadable
+        return bool(loadable) and self.served(model) is None and any(a == model for a, _ in loadable)
 
     def max_model_len(self, model: str) -> int | None:
         """The context length in tokens of ``model`` here (an adapter's is its

@@ -67,7 +67,7 @@ def tokenization(state: GatewayState, ctx: RequestContext) -> Tokenization | lis
     data, api = ctx.data or ctx.parsed.data, ctx.parsed.api
     tz = state.core.tokenization(ctx.model, api.prompt_kind, api.view(data)) if api.exact_view else None
     if tz is None:
-        if ctx.parsed.endpoint == "completions" and state.core.wants_token_ids(ctx.model):
+        if api.name == "completions" and state.core.wants_token_ids(ctx.model):
             return prompt_token_ids(data)
         return None
     return tz

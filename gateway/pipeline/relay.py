@@ -229,7 +229,7 @@ async def stream(state: GatewayState, ctx: RequestContext, name: str, up: Upstre
         first_at, scan, chunk = _start(state, ctx, reservation, chunk)
         headers = stream_headers(ctx, up.headers.get("content-type", "text/event-stream"))
         if up.complete and scan.done:  # the whole stream arrived at once: one write
-            settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
+            settlement.completed(state, ctx, reservation, scan.usage, scan)
             await down.start_stream(headers, chunk + scan.flush(), end=True)
             settlement.finish(state, ctx, 200)
             return
@@ -257,7 +257,7 @@ def _ended(state: GatewayState, ctx: RequestContext, scan: StreamScan, last: byt
     """The backend ended a relayed stream with ``data: [DONE]`` (``last``: its last
     bytes, not yet sent) and the client's downstream never waits: settle and end the
     client's stream now, the last bytes and the end of the chunked body in one write."""
-    settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
+    settlement.completed(state, ctx, reservation, scan.usage, scan)
     ctx.down.end_stream_now(last)
     settlement.finish(state, ctx, 200)
 
@@ -276,7 +276,7 @@ async def _end(state: GatewayState, ctx: RequestContext, name: str, scan: Stream
                                  f" ({ctx.parsed.api.name}: {_last_event(ctx)})")
     if not down.may_wait:
         return _ended(state, ctx, scan, last, reservation)
-    settlement.completed(state, ctx, reservation, scan.usage, scan.content_events)
+    settlement.completed(state, ctx, reservation, scan.usage, scan)
     await down.end_stream(last)  # aiohttp's: it may wait for the client
     settlement.finish(state, ctx, 200)
 

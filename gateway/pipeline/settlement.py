@@ -93,15 +93,15 @@ def first_byte(state: GatewayState, ctx: RequestContext, reservation: Reservatio
         ctx.trace.exemplar(ttft, s.ttft, s.pool_ttft)
 
 
-def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation, usage: Any, events: int,
-              whole: bool = False) -> None:
+def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation, usage: Any,
+              events: int | StreamScan, whole: bool = False) -> None:
     """A response completed: count its tokens (``usage`` as the backend reported it,
-    else ``events``, the streamed content events), teach the decision core and release
-    the reservation. ``whole``: a non-streamed answer, whose timing says nothing about
-    the backend's TTFT or ITL."""
+    else ``events``, the streamed content events, or the stream's scan, whose events
+    are then counted), teach the decision core and release the reservation. ``whole``:
+    a non-streamed answer, whose timing says nothing about the backend's TTFT or ITL."""
     model = ctx.model
     s = ctx.served or served(state, ctx)
-    completion: int | None = events or None
+    completion: int | None = None
     prompt: int | None = None
     cached = 0
     if isinstance(usage, dict):
@@ -122,6 +122,8 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
                 prefix_predicted, prefix_reported = s.prefix(ctx.decision.evidence)
                 prefix_predicted.inc(predicted)
                 prefix_reported.inc(cached)
+    if completion is None:
+        completion = (events if isinstance(events, int) else events.content_events) or None
     if completion:
         s.completion_tokens.inc(completion)
     est = ctx.estimate
@@ -182,7 +184,7 @@ def proxied_end(state: GatewayState, ctx: RequestContext, reservation: Reservati
     (``scan``: a stream's scan; ``whole``: a whole answer's first bytes; neither when
     the proxy did not show the body)."""
     if scan is not None:
-        completed(state, ctx, reservation, scan.usage, scan.content_events)
+        completed(state, ctx, reservation, scan.usage, scan)
     else:
         if ctx.served is None:
             first_byte(state, ctx, None, state.loop.time())
@@ -231,10 +233,11 @@ def finish(state: GatewayState, ctx: RequestContext, status: int) -> None:
     account(state, ctx, status)
     if ctx.trace is not None:
         ctx.trace.finish(status, ctx.model, ctx.usage, ctx.fallback_reason)
-    access_log.completion(ctx.request_id, ctx.parsed.endpoint, status, ctx.model or ctx.parsed.model, ctx.backend,
+    endpoint = ctx.parsed.api.name
+    access_log.completion(ctx.request_id, endpoint, status, ctx.model or ctx.parsed.model, ctx.backend,
                           ctx.ttft_s, ctx.usage, state.loop.time() - ctx.arrival, len(ctx.attempts))
     m = state.metrics
-    m.child(m.api_requests, ctx.parsed.endpoint, str(status)).inc()
+    m.child(m.api_requests, endpoint, str(status)).inc()
     if status == 200:
         s = ctx.served or served(state, ctx)
         s.ok.inc()

@@ -21,6 +21,7 @@ from gateway.apis.base import Api
 from gateway.apis.registry import CHAT
 
 _MAX_SCAN_TAIL_BYTES = 1024 * 1024
+_MAX_UNCOUNTED_BYTES = 64 * 1024  # whole lines whose events wait to be counted (StreamScan)
 _EMPTY_CONTENT = re.compile(rb'"content":\s*(""|null)')
 
 
@@ -28,6 +29,12 @@ class StreamScan:
     """Incremental scan of an SSE byte stream: counts ``data:`` events, keeps the last
     ``usage`` object seen and whether ``data: [DONE]`` arrived. Only complete lines are
     inspected; a partial line waits in ``tail``.
+
+    The events of a read of several lines are counted when the count is asked for
+    (:attr:`events`, :attr:`content_events`) or once more than
+    :data:`_MAX_UNCOUNTED_BYTES` of such reads wait (a reference to each, no copy): a
+    stream whose engine reports ``usage`` with its completion tokens, as every stream
+    the gateway asks it of does, needs no count of its last reads at all.
 
     ``withhold``: the client did not ask for ``usage`` (``stream_options.include_usage``)
     but the engine was asked for it, so the event that carries only ``usage`` (its
@@ -38,14 +45,18 @@ class StreamScan:
     on another backend if its own fails (set by :mod:`gateway.pipeline.migration`), else
     ``None``."""
 
-    __slots__ = ("done", "drop_blank", "events", "kept", "overflow", "role_only", "tail", "usage", "withhold")
+    __slots__ = ("counted", "done", "drop_blank", "kept", "overflow", "role_only", "seen", "tail", "uncounted",
+                 "uncounted_bytes", "usage", "withhold")
 
     def __init__(self, withhold: bool = False) -> None:
         self.withhold = withhold
         self.kept: list[bytes] | None = None  # the bytes read, kept while open (gateway.pipeline.migration)
         self.drop_blank = False  # the withheld event's blank line is still to come
         self.tail = b""
-        self.events = 0
+        self.counted = 0  # the events counted so far; those of ``uncounted`` are not yet
+        self.uncounted: list[bytes] = []  # whole lines not counted yet, each starting at a line start
+        self.uncounted_bytes = 0
+        self.seen = False  # a ``data:`` line arrived (the first one is looked at for the role)
         self.done = False
         self.usage: dict[str, Any] | None = None
         self.overflow = False
@@ -62,9 +73,9 @@ class StreamScan:
         # line: its first line end is the one before the last byte) without usage; this
         # is what the general scan concludes for it, at the cost of one substring search
         # and three cheap checks (a read of several events fails them at its first line end)
-        if not self.tail and self.events and chunk.endswith(b"}\n\n") and chunk.find(b"\n") == len(chunk) - 2 and \
+        if not self.tail and self.seen and chunk.endswith(b"}\n\n") and chunk.find(b"\n") == len(chunk) - 2 and \
                 chunk.startswith(b"data:") and chunk.rfind(b'"usage"') < 0:
-            self.events += 1
+            self.counted += 1
             return chunk
         return self._feed_general(chunk)
 
@@ -91,13 +102,16 @@ class StreamScan:
         else:
             complete = self.tail + chunk[: nl + 1] if self.tail else chunk[: nl + 1]
             self.tail = chunk[nl + 1:]
-        if self.events == 0:
+        if not self.seen:
             first = complete[: complete.find(b"\n")]
             if b'"role"' in first and (b'"content"' not in first or _EMPTY_CONTENT.search(first)):
                 self.role_only = 1
-        # ``complete`` starts at a line start: count events only at line starts, so that
-        # "data:" or "[DONE]" inside a token's text changes nothing
-        self.events += complete.startswith(b"data:") + complete.count(b"\ndata:")
+            self.seen = complete.startswith(b"data:") or b"\ndata:" in complete
+        # counted when asked for (see the class doc)
+        self.uncounted.append(complete)
+        self.uncounted_bytes += len(complete)
+        if self.uncounted_bytes > _MAX_UNCOUNTED_BYTES:
+            self._count()
         i = complete.rfind(b"[DONE]")  # the last event, when the stream is well formed
         if i >= 0:
             line = complete[complete.rfind(b"\n", 0, i) + 1:complete.find(b"\n", i)].rstrip(b"\r ")
@@ -149,6 +163,24 @@ class StreamScan:
             return complete[skip:]
         lines = memoryview(complete)  # the two parts are copied once, into the result
         return b"".join((lines[skip:cut], lines[stop:]))
+
+    def _count(self) -> None:
+        """Count the events of the lines waiting in ``uncounted``."""
+        n = 0
+        for lines in self.uncounted:
+            # each starts at a line start: events are counted only at line starts, so
+            # that "data:" or "[DONE]" inside a token's text changes nothing
+            n += lines.startswith(b"data:") + lines.count(b"\ndata:")
+        self.counted += n
+        self.uncounted.clear()
+        self.uncounted_bytes = 0
+
+    @property
+    def events(self) -> int:
+        """The ``data:`` events scanned so far."""
+        if self.uncounted:
+            self._count()
+        return self.counted
 
     @property
     def content_events(self) -> int:
@@ -212,12 +244,12 @@ class TypedEventScan(StreamScan):
         complete = self.tail + chunk[: nl + 1] if self.tail else chunk[: nl + 1]
         self.tail = chunk[nl + 1:]
         for m in self.deltas:
-            self.events += complete.count(m)
+            self.counted += complete.count(m)
         if not self.done and any(m in complete for m in self.ends):
             self.done = True
         if b'"usage"' in complete:
             self._usages(complete)
-        if self.on_first_token is not None and (self.events or self.done):
+        if self.on_first_token is not None and (self.counted or self.done):
             first, self.on_first_token = self.on_first_token, None
             first(complete)
         return chunk
@@ -241,7 +273,7 @@ class TypedEventScan(StreamScan):
     @property
     def content_events(self) -> int:
         """The output-token events (one token each, as the engines stream them)."""
-        return self.events
+        return self.counted
 
 
 def _type_markers(name: bytes) -> tuple[bytes, ...]:

@@ -330,7 +330,7 @@ class DataPlaneProtocol(asyncio.Protocol):
                 return decode_body(raw, coding, limit)
             payload = decoded
         try:
-            await director.handle(server.state, api, headers, payload, down, arrival, rid, caller=caller)
+            await director.handle(server.gateway, api, headers, payload, down, arrival, rid, caller=caller)
         except (asyncio.CancelledError, ClientGone):
             down.finished = False  # the client left: close
         finally:

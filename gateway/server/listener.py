@@ -139,7 +139,7 @@ class DataPlaneServer:
         return self.app[STATE]
 
     def max_body_bytes(self) -> int:
-        return self.state.cfg.limits.max_body_bytes
+        return self.gateway.cfg.limits.max_body_bytes
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 1024) -> None:
         """Bind and listen on every address ``host`` resolves to (raises ``OSError``),
