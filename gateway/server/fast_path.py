@@ -53,6 +53,10 @@ _MAX_BUFFERED_BYTES = 1 << 20  # bytes read ahead (pipelined) before reading pau
 _HANDED_OVER = {"transfer-encoding", "expect", "upgrade", "x-api-key"}
 # request body codings decoded here (zlib); others (br, several codings) go to aiohttp
 _CODINGS = {"identity", "gzip", "x-gzip", "deflate"}
+# the header fields whose values the head's pass reads or refuses (any other is only kept)
+_LENGTH, _AUTHORIZATION, _HANDED, _CODING, _CONNECTION = range(5)
+_FIELD_ROLES = {"content-length": _LENGTH, "authorization": _AUTHORIZATION, "content-encoding": _CODING,
+                "connection": _CONNECTION, **dict.fromkeys(_HANDED_OVER, _HANDED)}
 class DataPlaneHost(Protocol):
     """What a :class:`DataPlaneProtocol` needs of the server that accepted its connection
     (:class:`gateway.server.listener.DataPlaneServer`), named here so that this module
@@ -213,41 +217,43 @@ class DataPlaneProtocol(asyncio.Protocol):
             return self._hand_over()
         path = lines[0].split(" ", 2)[1]
         pairs: list[tuple[str, str]] = []
+        names: list[str] = []  # lower case
         length = -1
         keep_alive = True
         coding = "identity"
         authorization = None
-        seen: set[str] = set()
         for line in lines[1:]:
             name, _, value = line.partition(":")
             lname = name.lower()
             value = value.strip(" \t")
-            if lname in _SINGLETONS:
-                if lname in seen:
-                    return self._hand_over()
-                seen.add(lname)
-                if lname == "authorization":
-                    authorization = value
-            if lname == "content-length":
+            names.append(lname)
+            pairs.append((name, value))
+            field = _FIELD_ROLES.get(lname)
+            if field is None:
+                continue
+            if field == _LENGTH:
                 # more than 18 digits: aiohttp answers it (int() refuses over 4,300 digits)
                 if not value.isdigit() or not value.isascii() or len(value) > 18:
                     return self._hand_over()
                 length = int(value)
-            elif lname in _HANDED_OVER:
+            elif field == _AUTHORIZATION:
+                authorization = value
+            elif field == _HANDED:
                 return self._hand_over()
-            elif lname == "content-encoding":
+            elif field == _CODING:
                 coding = value.lower()
                 if coding not in _CODINGS:
                     return self._hand_over()
-            elif lname == "connection":
+            else:  # connection
                 v = value.lower()
                 if "upgrade" in v:
                     return self._hand_over()
                 if "close" in v:
                     keep_alive = False
-            pairs.append((name, value))
-        if length < 0 or length > self.server.max_body_bytes() or "host" not in seen:
+        if length < 0 or length > self.server.max_body_bytes() or "host" not in names:
             return self._hand_over()
+        if len(set(names)) != len(names) and not _SINGLETONS.isdisjoint([n for n in names if names.count(n) > 1]):
+            return self._hand_over()  # a field that may appear once, repeated
         caller = self.caller  # the key is checked on the head, once, before any of the body is waited for
         if caller is None:
             keyring = self.server.gateway.keyring
