@@ -264,7 +264,7 @@ class Connection(asyncio.Protocol):
         if pending is None or self.closed:
             return
         ex = self.exchange
-        self._feed(pending[0] if len(pending) == 1 else b"".join(pending),
+        self._feed(b"".join(pending),
                    ex.last_data_at if ex is not None else self.loop.time())
 
     def _feed(self, data: bytes, at: float) -> None:
@@ -288,7 +288,7 @@ class Connection(asyncio.Protocol):
             ex.last_data_at = at
             sink = ex._sink
             if sink is not None and not ex._complete:
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                data = b"".join(chunks)  # one chunk: that chunk itself, not a copy
                 chunks.clear()
                 sink(data)
                 return
