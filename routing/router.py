@@ -12,7 +12,7 @@ from routing.policies import Decision, Match, Policy, RouteRequest
 from routing.policies.base import NOTHING
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
-from routing.session_kv import SessionRouting
+from routing.session_kv import SessionRouting, with_waiting
 from routing.sessions import SessionTable
 from routing.store import RoutingStore
 
@@ -201,23 +201,16 @@ class Router(SessionRouting):
         """(KV tokens ``b``'s cache can take without evicting, share of its evicted
         blocks asked for again): the prefix index's
         :meth:`~routing.prefix_index.PrefixIndex.turnover`, with the sessions waiting at
-        ``b`` folded in (:func:`routing.session_kv.with_waiting`, inlined: this runs
-        for every candidate). O(1). A router's matches carry it as ``Match.kv_turnover``."""
+        ``b`` folded in (:func:`routing.session_kv.with_waiting`). O(1). A router's
+        matches carry it as ``Match.kv_turnover``."""
         name = b.name
         capacity = b.load.kv_capacity_tokens
         t = self.index.turnover(name, self.block_tokens, capacity)
         w = self._waiting.get(name)
         if w is None:
             return t
-        free, reuse = t
         held, value = w.value or self.value_waiting(name, w)
-        used = capacity - free
-        if used < held:
-            used = held
-            free = capacity - held if capacity > held else 0.0
-        if used > 0:  # value <= held <= used: the share stays within [0, 1]
-            reuse = (value + reuse * (used - held)) / used
-        return free, reuse
+        return with_waiting(t[0], t[1], capacity, held, value)
 
     def evidence(self, request: RouteRequest, match: Match, backend: str) -> str:
         """What stands behind ``request``'s matched tokens on ``backend`` (its

@@ -63,8 +63,7 @@ def waiting_value(w: Waiting, factors: tuple[Sequence[float], Sequence[float]],
 def with_waiting(free: float, reuse: float, capacity: float, held: float, value: float) -> tuple[float, float]:
     """A backend's turnover (``free`` KV tokens, ``reuse`` chance in [0, 1]) of
     ``capacity`` KV tokens, with its waiting sessions' ``held`` and ``value`` tokens
-    (:func:`waiting_value`; ``value <= held``) folded in (see the module docstring).
-    :meth:`routing.router.Router.kv_turnover` runs it inlined."""
+    (:func:`waiting_value`; ``value <= held``) folded in (see the module docstring)."""
     used = capacity - free
     if used < held:
         used = held
