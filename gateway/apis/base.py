@@ -63,6 +63,18 @@ def missing(field: str, data: dict[str, Any], what: str) -> ClientError:
                        code="invalid_value" if field in data else "missing_required_parameter")
 
 
+def check_chat_messages(data: dict[str, Any]) -> None:
+    """``data["messages"]``: a non-empty array of objects with a string ``role``.
+    Raises :class:`ClientError` 400 naming the first one that is not."""
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise missing("messages", data, "a non-empty array")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ClientError(400, f"`messages[{i}]` must be an object with a string `role`.",
+                              param=f"messages[{i}]", code="invalid_value")
+
+
 def read_model(data: dict[str, Any]) -> str:
     """``data["model"]``. Raises :class:`ClientError` 400 unless a non-empty string."""
     model = data.get("model")

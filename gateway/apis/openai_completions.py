@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.apis.base import Api, Fields, missing, optional_int, read_model, read_stream
+from gateway.apis.base import Api, Fields, check_chat_messages, missing, optional_int, read_model, read_stream
 from gateway.errors import ClientError
 
 
@@ -137,13 +137,7 @@ class ChatCompletions(Api):
 
     def read(self, data: dict[str, Any]) -> Fields:
         fields = _openai_fields(data)
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise missing("messages", data, "a non-empty array")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ClientError(400, f"`messages[{i}]` must be an object with a string `role`.",
-                                  param=f"messages[{i}]", code="invalid_value")
+        check_chat_messages(data)
         return fields
 
     def continuable(self, data: dict[str, Any]) -> bool:

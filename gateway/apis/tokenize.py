@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from gateway.apis.base import Api, Fields, missing, read_model
+from gateway.apis.base import Api, Fields, check_chat_messages, missing, read_model
 from gateway.errors import ClientError
 from routing.core import ModelTokenizer
 
@@ -70,13 +70,7 @@ class TokenizeChat(Tokenize):
 
     def read(self, data: dict[str, Any]) -> Fields:
         model = read_model(data)
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise missing("messages", data, "a non-empty array")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ClientError(400, f"`messages[{i}]` must be an object with a string `role`.",
-                                  param=f"messages[{i}]", code="invalid_value")
+        check_chat_messages(data)
         for field in ("add_generation_prompt", "continue_final_message", "add_special_tokens", "return_token_strs"):
             _flag(data, field)
         return Fields(model, False, True, 0)
