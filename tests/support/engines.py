@@ -427,15 +427,14 @@ class GatewayProcess(_Child):
         return self
 
     def metric(self, name: str, **labels: str) -> float:
-        """One sample's value from the gateway's ``/metrics`` (0 when absent)."""
+        """The sum of the samples called ``name`` in the gateway's ``/metrics`` whose
+        labels include ``labels`` (a label not given is summed over, as ``sum
+        without`` it; 0 when none), as :meth:`tests.support.servers.RunningGateway.metric`."""
         from prometheus_client.parser import text_string_to_metric_families
         status, body = http_get(self.url + "/metrics")
         assert status == 200, f"GET {self.url}/metrics -> {status}"
-        for fam in text_string_to_metric_families(body.decode()):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
-        return 0.0
+        return sum(s.value for fam in text_string_to_metric_families(body.decode()) for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def main() -> int:
