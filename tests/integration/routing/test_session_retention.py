@@ -227,9 +227,9 @@ async def test_moves_by_reason_and_the_session_hit_ratio_are_exported():
 
 async def test_expiry_is_learned_from_the_gaps_on_every_replica():
     """Agent loops with fast tool calls, their turns alternating between two replicas
-    that share Redis: both learn that sessions come back within a quarter of a second
+    that share Redis: both learn that sessions come back within a fraction of a second
     (one by placing the turns, the other by learning them), and forget a session idle
-    for a second, long before sessions.ttl_s."""
+    for longer than that, long before sessions.ttl_s."""
     async with fleet(False) as backends:
         with redis_url() as redis:
             cfg = config(backends, False, state={"url": redis, "lease_s": 0.5, "namespace": f"t{free_port()}"})
@@ -247,9 +247,12 @@ async def test_expiry_is_learned_from_the_gaps_on_every_replica():
                     table = gw.state.core.router.sessions
                     assert table.gaps.returns >= 32
                     table.expire(gw.state.loop.time())
-                    assert gw.metric("turbo_gateway_session_expiry_seconds") == 0.5
+                    # learned from the loops' gaps (a power of two: 0.5 s on a quiet machine, more
+                    # when the machine is loaded and the gaps longer), far below sessions.ttl_s
+                    assert gw.metric("turbo_gateway_session_expiry_seconds") <= 4.0
+                horizon = a.metric("turbo_gateway_session_expiry_seconds")
                 context = ids(60, 256)
                 await complete(http, a.url, context, "idle")
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(horizon + 0.5)
                 _, route, _ = await complete(http, a.url, context + ids(61, 16), "idle")
                 assert route["placement"] == "new"
