@@ -301,6 +301,9 @@ class Router(SessionRouting):
         if request.session is not None:
             self._place(request, candidates, match, decision, now)
         reservation = self.reserve(request, decision.backend, now)
+        load = reservation.request_load
+        if load is not None:  # what the estimate is judged by (the backend's EstimateError)
+            load.estimate_s = decision.detail.get("ttft_est_s", 0.0)
         self.policy.on_dispatch(request, decision)
         return decision, reservation
 

@@ -173,7 +173,9 @@ class RequestLoad:
     """One request's share of a backend's load.
 
     ``queued_ahead_tokens`` is the backend's queued prefill at dispatch, the work the
-    request waited behind (used to learn the prefill rate from its TTFT).
+    request waited behind (used to learn the prefill rate from its TTFT);
+    ``estimate_s``, the routing policy's TTFT estimate for it there (0.0: none), which
+    its TTFT teaches the backend's :class:`~routing.load.speed_fit.EstimateError`.
     """
 
     backend: BackendLoad
@@ -185,6 +187,7 @@ class RequestLoad:
     stage: str = field(default="queued")  # queued | running | done
     first_token_at: float | None = None
     running_at_first_token: int = 0
+    estimate_s: float = 0.0
 
     def first_token(self, now: float) -> None:
         """The first token arrived: prefill done, decode starts. Learns the TTFT fit."""
@@ -201,7 +204,10 @@ class RequestLoad:
         b.decode_tokens_remaining += self.output_tokens
         self.first_token_at = now
         self.running_at_first_token = b.running
-        b.observe_ttft(self.queued_ahead_tokens + self.uncached_tokens, now - self.dispatched_at, now)
+        ttft = now - self.dispatched_at
+        b.observe_ttft(self.queued_ahead_tokens + self.uncached_tokens, ttft, now)
+        if self.estimate_s:
+            b.estimate_error.add(self.estimate_s, ttft)
 
     def finish(self, now: float, completion_tokens: int | None = None, whole: bool = False) -> bool:
         """Release everything this request holds; returns ``True`` on the first call

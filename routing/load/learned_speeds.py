@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from routing.load.reports import RemoteLoad
-from routing.load.speed_fit import DecayedLinearFit
+from routing.load.speed_fit import DecayedLinearFit, EstimateError
 
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
 DEFAULT_TTFT_OVERHEAD_S = 0.02
@@ -52,6 +52,8 @@ class LearnedSpeeds:
         itl = 1.0 / decode_tokens_per_s if decode_tokens_per_s else DEFAULT_ITL_S
         # ITL(n running) = base + per_stream * n
         self.itl_fit = DecayedLinearFit(itl, itl * 0.01, prior_x=32.0, min_slope=0.0, max_slope=1.0)
+        # the spread of the routing policy's TTFT estimates here around the TTFTs that followed
+        self.estimate_error = EstimateError(self.ttft_fit.decay)
         # where the TTFT prior came from: "hint", "engine" (its prefill rate), "peers" (its pool's) or "default"
         self.prior_from = "hint" if prefill_tokens_per_s is not None else "default"
         self.engine_prefill_tokens_per_s: float | None = None  # the engine's own rate, over its last scrape interval

@@ -157,3 +157,42 @@ class DecayedLinearFit:
 
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x
+
+
+# Samples before :class:`EstimateError` reports a spread (fewer say little of it).
+ERROR_MIN_SAMPLES = 16
+
+
+class EstimateError:
+    """How far a backend's TTFT estimates fall from the TTFTs that followed: the
+    exponentially weighted mean and standard deviation of ``ln(ttft / estimate)``
+    (natural log of the ratio, so an estimate twice too high and one twice too low are
+    equally far), each sample weighing ``1 - decay`` (the TTFT fit's per-sample memory:
+    :class:`DecayedLinearFit`), by the incremental weighted variance of Finch,
+    "Incremental calculation of weighted mean and variance", University of Cambridge
+    Computing Service, 2009, section 9. ``sigma`` is 0.0 until
+    :data:`ERROR_MIN_SAMPLES` samples. O(1) per sample."""
+
+    __slots__ = ("alpha", "mean", "var", "samples", "sigma")
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.alpha = 1.0 - decay
+        self.mean = self.var = self.sigma = 0.0
+        self.samples = 0
+
+    def add(self, estimate_s: float, ttft_s: float) -> None:
+        """One request's estimated and observed TTFT (seconds); either not positive:
+        ignored."""
+        if not (estimate_s > 0 and ttft_s > 0):
+            return
+        x = math.log(ttft_s / estimate_s)
+        if not self.samples:
+            self.mean = x
+        else:
+            diff = x - self.mean
+            incr = self.alpha * diff
+            self.mean += incr
+            self.var = (1.0 - self.alpha) * (self.var + diff * incr)
+        self.samples += 1
+        if self.samples >= ERROR_MIN_SAMPLES:
+            self.sigma = math.sqrt(self.var)

@@ -57,8 +57,15 @@ the same view do not herd onto one backend; a turn of a session whose home is am
 the ties goes home (``session_home``). A session's home counts the blocks its last turn
 placed there as cached (:mod:`routing.sessions`), so the home wins by its hit, and a
 session moves only when the home's queue costs more than recomputing its context
-elsewhere. The load the session's last turn may still show at the home in another
-replica's snapshot is not counted there (``Match.home_queued``: the turn is over).
+elsewhere by more than the estimates' error explains: the best of the other ``k``
+candidates must lead the home by more than ``exp(curse(k) * sigma)`` times, ``sigma``
+the spread of that backend's past estimates around the TTFTs that followed
+(:class:`routing.load.speed_fit.EstimateError`), ``curse(k)`` the expected maximum of
+``k`` standard normals: the lead that choosing the least of ``k`` noisy estimates shows
+by chance (the optimizer's curse, :func:`curse`). A move recomputes the session's whole
+context and duplicates its KV; a lead that is only noise is not worth that. The load
+the session's last turn may still show at the home in another replica's snapshot is
+not counted there (``Match.home_queued``: the turn is over).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from statistics import NormalDist
 
 from routing.backend import BackendState
 from routing.lora import Scored, place
@@ -160,15 +168,52 @@ def _probe(match: Match, scored: list[Scored], limit: float) -> Scored | None:
     return None
 
 
-def _home(match: Match, ties: list[Scored]) -> Scored | None:
-    """The tie that is the home of the request's session, if any."""
+def _stay_home(match: Match, scored: list[Scored], best: float, limit: float, ties: int) -> Scored | None:
+    """The candidate that is the home of the request's session, when the turn stays
+    there (see :func:`curse`): it is one of several ties (within ``limit`` of the
+    ``best`` estimate), or the best's lead over it is within what choosing the least
+    of the other candidates' estimates wins by their error alone."""
     home = match.home
-    if home is None:
+    h = None
+    for s in scored:
+        if s[1].name == home:
+            h = s
+            break
+    if h is None:
         return None
-    for t in ties:
-        if t[1].name == home:
-            return t
+    est = h[0][0]
+    if est <= limit:
+        return h if ties > 1 else None  # the only best: chosen as such
+    sigma = 0.0
+    for (e, uncached), b in scored:
+        if e == best:
+            if uncached <= h[0][1]:  # moving recomputes nothing the home holds
+                return None
+            sigma = b.load.estimate_error.sigma
+            break
+    if sigma and est <= best * math.exp(curse(len(scored) - 1) * sigma):
+        return h
     return None
+
+
+_CURSE: list[float] = []
+
+
+def curse(k: int) -> float:
+    """The expected maximum of ``k`` independent standard normal variables, by Blom's
+    approximation ``Phi^-1((k - 0.375) / (k + 0.25))`` (Blom, "Statistical Estimates
+    and Transformed Beta-Variables", Wiley 1958; 0 for ``k`` 1, 0.84 for 3, exact
+    within 0.01 below 50). The least of ``k`` estimates whose logarithms err by a
+    standard deviation ``sigma`` around equal truths lies ``sigma * curse(k)`` below
+    them on average: the optimizer's curse (Smith and Winkler, "The Optimizer's Curse:
+    Skepticism and Postdecision Surprise in Decision Analysis", Management Science
+    52(3), 2006). A session's turn leaves its home, whose estimate was not chosen as
+    the least of several, only for a lead larger than that."""
+    table = _CURSE
+    if k >= len(table):
+        dist = NormalDist()
+        table.extend(dist.inv_cdf((n - 0.375) / (n + 0.25)) if n else 0.0 for n in range(len(table), k + 1))
+    return table[k]
 
 
 class EstimatedTTFT(BasePolicy):
@@ -198,7 +243,7 @@ class EstimatedTTFT(BasePolicy):
             if match.now >= self._probe_at:
                 self._probe_at = match.now + 1.0
                 probe = _probe(match, scored, limit)
-            home = _home(match, ties) if len(ties) > 1 else None
+            home = _stay_home(match, scored, best, limit, len(ties)) if match.home is not None else None
             if home is not None:  # a session stays home when moving saves nothing
                 probe = None
             (est, uncached), chosen = home or probe or (ties[0] if len(ties) == 1 else self._rng.choice(ties))

@@ -5,6 +5,7 @@ backend whose engine metrics stopped answering is uncertain, not idle."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -12,6 +13,7 @@ import pytest
 
 from routing.core import BackendSpec, BackendState, DecisionCore, EngineSample, RouteRequest
 from routing.load import BackendLoad
+from routing.load.speed_fit import ERROR_MIN_SAMPLES, EstimateError
 from routing.policies import Match
 from routing.policies.estimated_ttft import PROBE_AFTER_S, estimate_ttft
 from tests.unit.routing.test_router_model import VirtualFleet
@@ -240,3 +242,33 @@ def test_a_cold_replica_starts_from_what_another_replica_learned():
     assert load.prefill_tokens_per_s == pytest.approx((2 * 8000.0 + 200 * 30_000.0) / 202)  # its 2 prior samples
     load.observe_engine_prefill(0.0, *_lifetime_counters(25_000.0))  # its engine's rate seeds its own prior
     assert load.prefill_tokens_per_s == pytest.approx((2 * 25_000.0 + 200 * 30_000.0) / 202)
+
+
+def test_the_estimate_error_is_the_spread_of_the_log_ratio_and_needs_samples():
+    err = EstimateError()
+    for _ in range(ERROR_MIN_SAMPLES - 1):
+        err.add(2.0, 2.0)
+    assert err.sigma == 0.0  # too few samples to say
+    for i in range(300):  # estimates twice too high and twice too low, alternately
+        err.add(1.0, 2.0 if i % 2 else 0.5)
+    assert err.sigma == pytest.approx(math.log(2.0), rel=0.05)
+    assert abs(err.mean) < 0.05
+    before = (err.mean, err.var, err.samples)
+    err.add(0.0, 1.0)
+    err.add(1.0, -1.0)  # nothing to compare: ignored
+    assert (err.mean, err.var, err.samples) == before
+    exact = EstimateError()
+    for _ in range(50):
+        exact.add(0.3, 0.3)
+    assert exact.sigma == 0.0 and exact.samples == 50
+
+
+def test_a_routed_streams_first_token_teaches_its_backend_how_far_the_estimate_was():
+    core = DecisionCore([BackendSpec("a", frozenset({"m"}))], "estimated_ttft")
+    req = RouteRequest("m", prompt_tokens=4000, output_tokens=16, stream=True)
+    decision, res = core.route(req, 10.0)
+    est = decision.detail["ttft_est_s"]
+    res.first_token(10.0 + 3 * est)  # three times what the policy estimated
+    err = core.fleet.backends["a"].load.estimate_error
+    assert err.samples == 1 and err.mean == pytest.approx(math.log(3.0))
+    res.release(11.0)

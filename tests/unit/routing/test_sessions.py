@@ -3,13 +3,14 @@ moving is cheaper, without sockets."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from routing import BackendSpec, Fleet, Router, RouteRequest, make_policy
 from routing.estimate import TokenEstimator
-from routing.policies.estimated_ttft import EstimatedTTFT
+from routing.policies.estimated_ttft import EstimatedTTFT, curse, estimate_ttft
 from routing.prefix_index import PrefixIndex
 from routing.sessions import SessionTable
 from routing.store import fold_remote_loads
@@ -151,3 +152,42 @@ def test_the_last_turns_own_load_in_another_replicas_view_is_not_held_against_it
         d = route(r, two, 1.5)
         picks[other_load] = (d.backend.name, d.placement)
     assert picks == {0: ("a", "home"), one.prompt_tokens: ("b", "moved")}
+
+
+def learn_error(r: Router, sigma: float, n: int = 200) -> None:
+    """Teach every backend of ``r`` TTFT estimates that erred by a factor e**sigma
+    either way, alternately (a spread of about ``sigma`` in the logarithm)."""
+    for b in r.fleet.backends.values():
+        for i in range(n):
+            b.load.estimate_error.add(1.0, math.exp(sigma if i % 2 else -sigma))
+
+
+@pytest.mark.parametrize(("queued", "sigma", "placement"), [
+    (2000, 0.0, "moved"),   # exact estimates: the home's 2.5x longer estimate moves the turn
+    (2000, 1.2, "home"),    # estimates that err by e**1.2: a lead of 2.5x over it is within chance
+    (8000, 1.2, "moved"),   # a lead of 5x is not
+])
+def test_a_session_leaves_its_home_only_for_a_lead_beyond_the_estimates_error(queued, sigma, placement):
+    r = router()
+    d1 = route(r, turn(SYSTEM + "turn one"), 1.0)
+    home = r.fleet.backends[d1.backend.name]
+    learn_error(r, sigma)
+    assert home.load.estimate_error.sigma == pytest.approx(sigma, rel=0.05)
+    held = r.reserve(RouteRequest("m", prompt_tokens=queued, output_tokens=1), home, 1.5)
+    second = turn(SYSTEM + "turn one, turn two")
+    m = r.match(second, 2.0)
+    ests = {b.name: estimate_ttft(b, second, m)[0] for b in r.fleet.backends.values()}
+    lead = ests[home.name] / min(e for n, e in ests.items() if n != home.name)
+    assert lead > 2.0  # the home is not a tie: the others are estimated sooner
+    assert (lead <= math.exp(curse(3) * sigma)) == (placement == "home")  # the rule's two sides
+    d2 = route(r, second, 2.0)
+    assert d2.placement == placement
+    assert (d2.backend is home) == (placement == "home")
+    assert d2.reason == ("session_home" if placement == "home" else d2.reason)
+    held.release(2.0)
+
+
+def test_the_curse_is_the_expected_maximum_of_standard_normals():
+    # E[max of k N(0,1)]: 0, 0.5642, 0.8463, 1.0294, 1.5388 (k = 1, 2, 3, 4, 10; exact values)
+    for k, exact in ((1, 0.0), (2, 0.5642), (3, 0.8463), (4, 1.0294), (10, 1.5388)):
+        assert curse(k) == pytest.approx(exact, abs=0.03)
