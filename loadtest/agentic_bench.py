@@ -82,6 +82,7 @@ from loadtest.replay import (
     make_fleet,
     make_policy_seeded,
     replay,
+    start_engine_step,
     summarize,
 )
 from loadtest.sim.engine import Engine
@@ -219,16 +220,7 @@ def run(row: Row, params: AgentParams, seed: int = 0, fleet_names: tuple[str, ..
         return sum(max(max_in_flight - b.requests, 0) for b in core.fleet.backends.values())
 
     def start_step(name: str, t: float) -> None:
-        eng = engines[name]
-        if not eng.has_work():
-            busy[name] = False
-            return
-        dt, outs = eng.step(t)
-        if dt <= 0 and not outs:
-            busy[name] = False
-            return
-        busy[name] = True
-        push(t + dt, "step", (name, outs))
+        start_engine_step(engines, busy, name, t, push)
 
     def ready(st: _State, t: float, i: int | None = None) -> None:
         """Turn ``st.next_turn`` of ``st`` is sent at ``t`` (``i``: a retry's record)."""
@@ -322,7 +314,7 @@ def run(row: Row, params: AgentParams, seed: int = 0, fleet_names: tuple[str, ..
             i, st = payload
             ready(st, t, i)
         elif kind == "step":
-            name, outs = payload
+            name, _, outs, _ = payload
             for out in outs:
                 i, st, res, charge, decision = inflight[out.req_id]
                 rec = records[i]

@@ -401,19 +401,7 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
         heapq.heappush(events, (t, seq, kind, payload))
 
     def start_step(name: str, t: float) -> None:
-        eng = engines[name]
-        if not eng.has_work():
-            busy[name] = False
-            return
-        dt, outs = eng.step(t)
-        kv = eng.take_kv_events() if precise else None
-        if dt <= 0 and not outs:
-            busy[name] = False
-            if kv:
-                publish(name, eng, kv)
-            return
-        busy[name] = True
-        push(t + dt, "step", (name, eng, outs, kv))
+        start_engine_step(engines, busy, name, t, push, publish if precise else None)
 
     def publish(name: str, eng: Engine, kv: list) -> None:
         """The engine's KV events of one step, as the gateway's subscriber hands them on."""
@@ -694,6 +682,30 @@ def replay(reqs: list[TraceRequest], policy: str, fleet: list[FleetMember], *, s
     if cpu is not None:
         cpu.update(spent)
     return records
+
+
+def start_engine_step(engines: dict[str, Engine], busy: dict[str, bool], name: str, t: float,
+                      push: Callable[[float, str, Any], None],
+                      publish: Callable[[str, Engine, list], None] | None = None) -> None:
+    """Start engine ``name``'s next step at virtual time ``t`` (seconds), as a simulated
+    engine's loop does: when it has work and the step takes time or yields outputs,
+    ``busy[name]`` is set and ``push(t + dt, "step", (name, engine, outputs, kv))`` schedules
+    its end; otherwise ``busy[name]`` is cleared (the next request added starts it again).
+    ``publish``: where the step's KV events go when it ends at once (``None``: they are not
+    taken, and ``kv`` is ``None``); a scheduled step carries them to its end."""
+    eng = engines[name]
+    if not eng.has_work():
+        busy[name] = False
+        return
+    dt, outs = eng.step(t)
+    kv = eng.take_kv_events() if publish is not None else None
+    if dt <= 0 and not outs:
+        busy[name] = False
+        if kv and publish is not None:
+            publish(name, eng, kv)
+        return
+    busy[name] = True
+    push(t + dt, "step", (name, eng, outs, kv))
 
 
 def _pct(xs: list[float], p: float) -> float:

@@ -31,30 +31,30 @@ model without such backends costs nothing more.
 
 The names the data plane needs from ``routing/`` are re-exported here; ``gateway/``
 imports nothing else of this package (``tests/unit/test_import_cycles.py`` checks it).
-Being that one door, a short method per call of the data planes, it runs past
-400 lines rather than split in two doors.
+This module holds the core's state and the calls of one request; the core's other calls
+are in two parts of it, each in its own module: what changes the fleet outside requests
+(:mod:`routing.fleet_changes`: :meth:`~DecisionCore.apply`, served models, adapters, KV
+capacity, restarts) and the engines' KV events (:mod:`routing.kv_event_intake`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from routing.backend import BackendSpec, BackendState, LoraActivity, ServedModel
 from routing.estimate import PromptEstimate, TokenEstimator, canonical_prompt, chain_seed, token_block_keys
 from routing.fleet import Fleet, NoBackendAvailable, Reservation, UnknownModel
+from routing.fleet_changes import FleetChanges
 from routing.kv_event_decoding import (
     DUPLICATE,
     GAP,
     OK,
     RESTART,
-    KVEventDecodeError,
     KVEventStats,
     SequenceTracker,
-    apply_batch,
-    decode_batch,
 )
+from routing.kv_event_intake import KVEventIntake
 from routing.load import EngineSample
 from routing.policies import POLICIES, Decision, Match, RouteRequest, make_policy
 from routing.policies.estimated_ttft import estimate_ttft
@@ -84,10 +84,8 @@ __all__ = [
     "DEFAULT_MAX_ATTEMPTS", "DEFAULT_MAX_BACKOFF_S", "RETRYABLE_STATUSES", "RetryPolicy", "retryable_status",
 ]
 
-log = logging.getLogger("routing.kv_event_decoding")
 
-
-class DecisionCore:
+class DecisionCore(FleetChanges, KVEventIntake):
     """Estimate, plan, route and learn for one fleet.
 
     ``specs``: the backends; ``policy``: a name from :data:`routing.policies.POLICIES`;
@@ -118,76 +116,6 @@ class DecisionCore:
         data plane on ``core.fleet`` and ``core.index``, see :mod:`routing.store`):
         every dispatch from now on is reported to it, without I/O."""
         self.router.store = store
-
-    def apply(self, specs: list[BackendSpec], policy: str, canaries: dict[str, tuple[str, str, float]],
-              tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
-        """Make the fleet ``specs`` (in place, in one synchronous step), with the
-        models' own ``tokenizers`` (by model name; see :func:`load_tokenizer`): a backend kept
-        by name keeps its live state (in flight, learned speeds, health, breaker,
-        draining) under its new spec, a new one starts fresh, a removed one leaves
-        routing and the prefix index (its reservations still release cleanly). The
-        policy is made anew when its name or the set of backends changed (policies
-        may keep per-backend state). Raises ``ValueError`` on duplicate names."""
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise ValueError(f"duplicate backend name {dup!r}")
-        fleet = self.fleet
-        old = fleet.backends
-        states: dict[str, BackendState] = {}
-        for spec in specs:
-            st = old.get(spec.name)
-            if st is None:
-                st = BackendState(spec)
-            else:
-                st.spec = spec
-                if spec.lora_load_s is not None:
-                    st.load.lora_load_s = spec.lora_load_s
-            states[spec.name] = st
-        changed = set(states) != set(old)
-        for name in set(old) - set(states):
-            self.router.forget_backend(name)
-        fleet.backends = states
-        fleet.index_models()
-        if policy != self.policy_name or changed:
-            self.router.policy = make_policy(policy)
-            self.policy_name = policy
-        self.router.set_canaries(canaries)
-        self.tokenizers = dict(tokenizers or {})
-        for model in self.tokenizers:
-            self.tokenize_stats.setdefault(model, TokenizeStats())
-        for st in states.values():
-            self.index.set_capacity(st.name, self.router.capacity_blocks(st))
-        for st in states.values():
-            size = st.spec.kv_block_size
-            before = self.index.engine(st.name)
-            self.index.set_engine(st.name, size, st.spec.kv_base_model)
-            if size is None:
-                self.kv_stats.pop(st.name, None)
-            elif before is None or before.block_size != size:
-                self.kv_stats[st.name] = KVEventStats()
-        for name in set(self.kv_stats) - set(states):
-            del self.kv_stats[name]
-        self._index_event_backends()
-
-    def _models_changed(self) -> None:
-        """A backend's served models changed (discovery, an adapter loaded on demand):
-        index them for routing and for the backends' KV events."""
-        self.fleet.index_models()
-        self._index_event_backends()
-
-    def _index_event_backends(self) -> None:
-        """For each model, the backends serving it now (discovered models and adapters
-        included) whose KV events are on, by their block size: whose requests get
-        token-exact keys and precise lookups (``Router.event_backends``)."""
-        events: dict[str, dict[int, list[str]]] = {}
-        for st in self.fleet.backends.values():
-            size = st.spec.kv_block_size
-            if size is None:
-                continue
-            for model in sorted(st.models()):
-                events.setdefault(model, {}).setdefault(size, []).append(st.name)
-        self.router.event_backends = events
 
     # ---- one request -----------------------------------------------------------------
 
@@ -304,106 +232,3 @@ class DecisionCore:
         ``prompt_tokens`` cached: the session hit ratio, the engine's retention
         (:meth:`Router.learn_cached`)."""
         self.router.learn_cached(decision, prompt_tokens, cached_tokens)
-
-    # ---- what the data plane learns outside requests ------------------------------------
-
-    def set_kv_capacity(self, backend: BackendState, tokens: int) -> None:
-        """``backend``'s KV cache size in tokens, e.g. from an engine's metrics."""
-        self.router.set_kv_capacity(backend, tokens)
-
-    def set_served_models(self, backend: BackendState, models: list[ServedModel]) -> bool:
-        """What ``backend``'s own ``/v1/models`` lists now (base models and LoRA
-        adapters). With ``spec.discover`` set, a model newly listed becomes routable
-        there and one no longer listed stops being routed there, at once and without a
-        reload; the configured ``spec.models`` stay either way. Returns whether the
-        served set changed. A backend no longer in the fleet is ignored."""
-        if self.fleet.backends.get(backend.name) is not backend:
-            return False
-        new = {m.name: m for m in models}
-        if new == backend.discovered:
-            return False
-        before = backend.models()
-        backend.discovered = new
-        if backend.models() != before:
-            self._models_changed()
-            return True
-        return False
-
-    def adapter_loaded(self, backend: BackendState, adapter: str) -> None:
-        """``backend`` loaded LoRA ``adapter`` on demand: it is listed there (with its
-        base model) until the next read of the backend's ``/v1/models`` says otherwise."""
-        base = backend.adapter_base(adapter)
-        listed = dict(backend.discovered or {})
-        listed[adapter] = ServedModel(adapter, base)
-        backend.discovered = listed
-        self._models_changed()
-
-    def set_lora_activity(self, backend: BackendState, activity: LoraActivity | None) -> None:
-        """``backend``'s LoRA adapters at work (from its engine metrics), read by the
-        LoRA-affinity term of the estimated TTFT (:mod:`routing.load`)."""
-        backend.lora = activity
-
-    def backend_restarted(self, backend: BackendState) -> None:
-        """``backend`` may have restarted with an empty KV cache: it came back after
-        failing its health checks, or its engine's counters went back between two
-        scrapes. Its prefix entries, approximate and precise, are dropped (its KV
-        capacity in the index stays), and so are its sessions' blocks there."""
-        self.router.forget_backend(backend.name)
-        self.index.set_capacity(backend.name, self.router.capacity_blocks(backend))
-
-    # ---- engine KV-cache events -----------------------------------------------------------
-
-    def kv_event_batch(self, backend: str, rank: int, payload: bytes) -> None:
-        """Apply one KV-event payload (msgpack ``EventBatch``) from ``backend``'s
-        data-parallel ``rank`` to the prefix index. Never raises on bad input: an
-        undecodable payload or event is counted and logged once per backend."""
-        stats = self.kv_stats.get(backend)
-        if stats is None:
-            return  # not (or no longer) a backend with events
-        try:
-            batch = decode_batch(payload)
-        except KVEventDecodeError as e:
-            stats.batches += 1
-            stats.decode_errors += 1
-            stats.first_error = stats.first_error or str(e)
-            if "payload" not in stats.warned:
-                stats.warned.add("payload")
-                log.warning("undecodable KV event payload from %s (counted, skipped): %s", backend, e)
-            return
-        for msg in apply_batch(self.index, backend, rank, batch, stats):
-            log.warning("%s (counted, skipped; logged once)", msg)
-
-    def kv_event_gap(self, backend: str, rank: int, filled: bool) -> None:
-        """``backend``'s ``rank`` skipped sequence numbers; ``filled``: a replay
-        supplied them. Unfilled, its precise entries of that rank are dropped and its
-        lookups fall back to approximate until its next stored block."""
-        stats = self.kv_stats.get(backend)
-        if stats is None:
-            return
-        stats.gaps += 1
-        if filled:
-            stats.replays += 1
-            return
-        stats.replay_failures += 1
-        self.index.clear_precise(backend, rank)
-        self.index.set_live(backend, False)
-        if "gap" not in stats.warned:
-            stats.warned.add("gap")
-            log.warning("KV events of %s (rank %d) lost a gap that replay could not fill: its precise prefix "
-                        "entries were dropped (logged once)", backend, rank)
-
-    def kv_event_reset(self, backend: str) -> None:
-        """``backend``'s subscription changed (maybe to another engine): its precise
-        entries go and its lookups are approximate until it stores again."""
-        if backend in self.kv_stats:
-            self.index.clear_precise(backend)
-            self.index.set_live(backend, False)
-
-    def kv_event_restart(self, backend: str, rank: int) -> None:
-        """``backend``'s ``rank`` restarted (its sequence numbers went back): its cache
-        is empty, so are its precise entries of that rank."""
-        stats = self.kv_stats.get(backend)
-        if stats is None:
-            return
-        stats.restarts += 1
-        self.index.clear_precise(backend, rank)
