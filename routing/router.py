@@ -12,7 +12,7 @@ from routing.policies import Decision, Match, Policy, RouteRequest
 from routing.policies.base import NOTHING
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
-from routing.session_kv import SessionRouting, with_waiting
+from routing.session_kv import SessionRouting
 from routing.sessions import SessionTable
 from routing.store import RoutingStore
 
@@ -196,21 +196,6 @@ class Router(SessionRouting):
             for n in live:
                 exact[n] = min(held.get(n, 0), cap) * size
         return exact
-
-    def kv_turnover(self, b: BackendState) -> tuple[float, float]:
-        """(KV tokens ``b``'s cache can take without evicting, share of its evicted
-        blocks asked for again): the prefix index's
-        :meth:`~routing.prefix_index.PrefixIndex.turnover`, with the sessions waiting at
-        ``b`` folded in (:func:`routing.session_kv.with_waiting`). O(1). A router's
-        matches carry it as ``Match.kv_turnover``."""
-        name = b.name
-        capacity = b.load.kv_capacity_tokens
-        t = self.index.turnover(name, self.block_tokens, capacity)
-        w = self._waiting.get(name)
-        if w is None:
-            return t
-        held, value = w.value or self.value_waiting(name, w)
-        return with_waiting(t[0], t[1], capacity, held, value)
 
     def evidence(self, request: RouteRequest, match: Match, backend: str) -> str:
         """What stands behind ``request``'s matched tokens on ``backend`` (its

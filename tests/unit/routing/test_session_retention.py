@@ -12,7 +12,6 @@ from routing.estimate import TokenEstimator
 from routing.gaps import EDGES, MIN_GAPS, N_BINS, GapEstimator, RetentionFit, bin_of
 from routing.policies.estimated_ttft import EstimatedTTFT
 from routing.prefix_index import PrefixIndex
-from routing.session_kv import with_waiting
 from routing.sessions import SessionTable
 
 EST = TokenEstimator()
@@ -279,14 +278,18 @@ def test_moves_are_counted_by_reason():
     assert r.sessions.moves == {"unavailable": 1, "no_hit": 1, "cheaper": 1}
 
 
-def test_the_routers_inlined_fold_is_with_waiting():
+def test_the_waiting_sessions_take_room_and_lend_their_value_to_the_turnover():
     r = router("a", "b")
     waiting_sessions(r, "a", 2, 1.0)
     r.match(turn("tick"), 3.0)
     a = r.fleet.backends["a"]
+    capacity = a.load.kv_capacity_tokens
     w = r.sessions.waiting["a"]
     held, value = w.value or r.value_waiting("a", w)
     assert 0 < value <= held
-    free, reuse = r.index.turnover("a", r.block_tokens, a.load.kv_capacity_tokens)
-    assert r.kv_turnover(a) == with_waiting(free, reuse, a.load.kv_capacity_tokens, held, value)
+    free, reuse = r.index.turnover("a", r.block_tokens, capacity)
+    used = max(capacity - free, held)
+    expected_free = capacity - held if capacity - free < held else free
+    assert r.kv_turnover(a) == pytest.approx((expected_free, (value + reuse * (used - held)) / used))
     assert r.kv_turnover(r.fleet.backends["b"]) == r.index.turnover("b", r.block_tokens, 8192.0)
+
