@@ -293,3 +293,18 @@ def test_the_waiting_sessions_take_room_and_lend_their_value_to_the_turnover():
     assert r.kv_turnover(a) == pytest.approx((expected_free, (value + reuse * (used - held)) / used))
     assert r.kv_turnover(r.fleet.backends["b"]) == r.index.turnover("b", r.block_tokens, 8192.0)
 
+
+def test_moving_waiting_blocks_is_adding_them_out_of_one_bin_and_into_another():
+    from routing.sessions import Waiting
+
+    factors = ([0.5 + k / 7 for k in range(N_BINS)], [0.25 + k / 11 for k in range(N_BINS)])
+    for k, m, j, n in ((0, 3.0, 0, 5.0), (2, 4.0, 5, 4.0), (1, 9.0, 0, 2.0), (N_BINS - 1, 1.0, 3, 0.0)):
+        one, two = Waiting(), Waiting()
+        for w in (one, two):
+            w.blocks = [float(i % 4) for i in range(N_BINS)]
+            w.factors, w.value = factors, (1.0 / 3, 2.0 / 7)
+        one.move(k, m, j, n)
+        two.add(k, -m)
+        two.add(j, n)
+        assert (one.blocks, one.value) == (two.blocks, two.value)  # exactly: the same sums in the same order
+
