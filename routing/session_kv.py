@@ -71,6 +71,8 @@ class SessionRouting:
     index: PrefixIndex
     block_tokens: int
     _factors: dict[str, tuple[list[float], list[float]]]  # backend -> bin_factors in tokens, until the next tick
+    # backend -> (its index entries, their changes, the valuation, capacity, kv_turnover) when last computed
+    _turnovers: dict[str, tuple[object, int, tuple[float, float], float, tuple[float, float]]]
 
     def kv_turnover(self, b: BackendState) -> tuple[float, float]:
         """(KV tokens ``b``'s cache can take without evicting, share of its evicted
@@ -80,22 +82,37 @@ class SessionRouting:
         even where the index has none, and the share is their ``value`` for their part
         of what is used, the measured rate for the rest (``value <= held``
         (:meth:`value_waiting`): it stays within [0, 1]). O(1), one call per candidate
-        of every decision (``Match.kv_turnover``), so the fold is written out here."""
+        of every decision (``Match.kv_turnover``), so the fold is written out here;
+        where no backend publishes KV events, a backend's result is kept
+        (``_turnovers``) until its approximate entries change
+        (``BackendBlocks.changes``), its valuation does (a new ``Waiting.value``) or
+        its capacity does: a decision recomputes it for the backend the last one chose
+        and the few whose counters that dispatch moved, not for every candidate."""
         name = b.name
         capacity = b.load.kv_capacity_tokens
-        t = self.index.turnover(name, self.block_tokens, capacity)
+        index = self.index
         w = self._waiting.get(name)
         if w is None:
-            return t
-        free, reuse = t
-        held, value = w.value or self.value_waiting(name, w)
+            return index.turnover(name, self.block_tokens, capacity)
+        v = w.value or self.value_waiting(name, w)
+        entries = None if index.engines else index.backends.get(name)
+        if entries is not None:  # kept while neither the index's entries nor the valuation changed
+            kept = self._turnovers.get(name)
+            if kept is not None and kept[0] is entries and kept[1] == entries.changes and kept[2] is v \
+                    and kept[3] == capacity:
+                return kept[4]
+        free, reuse = index.turnover(name, self.block_tokens, capacity)
+        held, value = v
         used = capacity - free
         if used < held:
             used = held
             free = capacity - held if capacity > held else 0.0
         if used > 0:
             reuse = (value + reuse * (used - held)) / used
-        return free, reuse
+        t = free, reuse
+        if entries is not None:
+            self._turnovers[name] = (entries, entries.changes, v, capacity, t)
+        return t
 
     def _kv_gone(self, backend: str, keys: list[int]) -> None:
         """The prefix index's word that ``backend``'s engine removed ``keys``."""

@@ -86,7 +86,9 @@ class Waiting:
     """The blocks of the sessions waiting at one backend, per bin of waiting time
     (:data:`routing.gaps.EDGES`); ``value``: the router's valuation of them (a sum over
     the bins of their blocks times ``factors``, :mod:`routing.session_kv`), kept up to
-    date as blocks come and go (:meth:`add`); ``None``: to be computed again."""
+    date as blocks come and go (:meth:`add`), a new tuple at every change (what is
+    derived from it is kept while it is the same object); ``None``: to be computed
+    again."""
 
     blocks: list[float] = field(default_factory=lambda: [0.0] * N_BINS)
     value: tuple[float, float] | None = None

@@ -308,3 +308,41 @@ def test_moving_waiting_blocks_is_adding_them_out_of_one_bin_and_into_another():
         two.add(j, n)
         assert (one.blocks, one.value) == (two.blocks, two.value)  # exactly: the same sums in the same order
 
+
+def test_a_kept_turnover_is_the_one_computed_afresh_whatever_changed():
+    """The router keeps each backend's turnover until its index entries or its waiting
+    sessions' valuation change: after every kind of change (turns of sessions and
+    requests without one, there or elsewhere, evictions by capacity and by the index's
+    bound, blocks brought back, expiry, a new capacity, a backend's cache lost, the
+    ticks), what it gives is what it computes with nothing kept."""
+    fleet = Fleet([BackendSpec(n, frozenset({"m"}), kv_capacity_tokens=8192) for n in ("a", "b", "c")])
+    r = Router(fleet, EstimatedTTFT(random.Random(1)), PrefixIndex(ttl_s=5.0, max_blocks=200))
+    rng = random.Random(4)
+    backends = list(r.fleet.backends.values())
+
+    def check() -> None:
+        kept = [r.kv_turnover(b) for b in backends]
+        r._turnovers.clear()
+        assert kept == [r.kv_turnover(b) for b in backends]
+
+    now = 1.0
+    for i in range(400):
+        now += rng.choice((0.01, 0.3, 1.5))
+        text = context(rng.randrange(12), turns=rng.randrange(1, 4)) + str(i % 3)
+        if i % 4 == 3:  # no session, sent to one backend
+            route(r, turn(text, subset=frozenset({backends[rng.randrange(3)].name})), now)
+        else:
+            route(r, turn(text, f"s{rng.randrange(12)}"), now)
+        check()
+        if i % 50 == 25:
+            r.index.set_capacity(backends[i % 3].name, 16 * (1 + i % 2))
+            check()
+        if i % 60 == 30:
+            r.index.expire(now + 4.0)
+            check()
+        if i % 70 == 35:
+            r.forget_backend(backends[(i + 1) % 3].name)
+            check()
+    assert sum(b.evictions.evicted for b in r.index.backends.values()) > 0
+    assert sum(b.evictions.refetched for b in r.index.backends.values()) > 0
+    assert any(any(w.blocks[1:]) for w in r.sessions.waiting.values())
