@@ -282,7 +282,9 @@ class SessionTable:
         (:data:`MOVE_REASONS`); ``key_tail``: the token-exact key of its last block
         when ``backend`` publishes KV events. Returns the kind of placement: ``home``
         (where it already was), ``moved`` or ``new``."""
-        s = self.get(session, now)
+        s = self.sessions.get(session)
+        if s is not None and now - s.seen > self.expiry_s:
+            s = self.get(session, now)  # expired: forgotten as a ghost (None)
         n = len(hashes)
         tail = hashes[-1] if n else 0
         if s is None:
