@@ -34,7 +34,9 @@
    every request is a turn of a session (10 backends, 10^5 blocks; 200 sessions of 10
    turns, each turn's prompt extending its session's last by 512 bytes, a session's
    turns about a second apart in the router's clock, so that sessions age through the
-   bins of their waiting time, expire and are valued in the eviction cost).
+   bins of their waiting time, expire and are valued in the eviction cost). With
+   ``--digest``, a digest of the decisions of one pass with seeded ties and of every
+   candidate's turnover: equal for two versions of the code that decide the same.
 
 Network traffic goes to 127.0.0.1 only; every loop is bounded in count.
 """
@@ -110,11 +112,56 @@ def sessions_cost(n_backends: int = 10, n_blocks: int = 100_000, n_sessions: int
     return statistics.median(passes)
 
 
-def part_sessions() -> None:
+def sessions_digest(n_backends: int = 10, n_blocks: int = 100_000, n_sessions: int = 200, turns: int = 10) -> str:
+    """SHA-256 (hex) of every decision of the sessions workload (part 6) routed once with
+    the policy's ties broken by a seeded generator: per turn the chosen backend, reason,
+    detail, placement, evidence, held tokens and idle time, and every candidate's
+    ``kv_turnover`` (exact floats). Equal for two versions of the code that decide the
+    same (run both with the same ``PYTHONHASHSEED``)."""
+    import hashlib
+
+    from routing.policies.estimated_ttft import EstimatedTTFT
+
+    rng = random.Random(3)
+    contexts = [rng.randbytes(2048).hex() for _ in range(n_sessions)]
+    tails = [rng.randbytes(256).hex() for _ in range(turns)]
+    work = [(f"s{k}", contexts[k] + "".join(tails[:t + 1])) for t in range(turns) for k in range(n_sessions)]
+    est = TokenEstimator()
+    fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(n_backends)])
+    index = PrefixIndex(max_blocks=n_blocks * 2, default_capacity_blocks=n_blocks)
+    router = Router(fleet, EstimatedTTFT(rng=random.Random(7)), index)
+    for j in range(n_blocks // 32):
+        index.record(f"b{j % n_backends}", tuple(rng.getrandbits(64) for _ in range(32)), now=0.0)
+    seen: list[tuple[str, tuple[float, float]]] = []
+    turnover = router.kv_turnover
+
+    def recorded(b):
+        t = turnover(b)
+        seen.append((b.name, t))
+        return t
+
+    router._kv_turnover = recorded  # what each match hands the policy
+    h = hashlib.sha256()
+    for i, (session, text) in enumerate(work):
+        now = 1.0 + i * (1.0 / n_sessions)
+        e = est.estimate("m", text, 128)
+        d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+                                           prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
+                                           tokens_per_block=64.0, session=session), now=now)
+        h.update(repr((d.backend.name, d.reason, sorted(d.detail.items()), d.placement, d.evidence, d.held_tokens,
+                       d.idle_s, seen)).encode())
+        seen.clear()
+        res.release(now)
+    return h.hexdigest()
+
+
+def part_sessions(digest: bool = False) -> None:
     print("\n## Decision cost with sessions (estimated_ttft, 10 backends, 10^5 blocks, 200 sessions x 10 turns), "
           "microseconds per turn\n")
     print(f"| per turn | {sessions_cost():.0f} |")
     print("|---|---|")
+    if digest:
+        print(f"\ndecisions digest (seeded ties): {sessions_digest()}")
 
 
 def part_decision() -> None:
@@ -385,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=["decision", "store", "replicas", "tokenize", "kv_events", "sessions"],
                     action="append")
     ap.add_argument("--tokenizer", help="tokenizer.json or model directory of the tokenize part")
+    ap.add_argument("--digest", action="store_true",
+                    help="sessions part: also print a digest of its decisions, equal for code that decides the same")
     args = ap.parse_args(argv)
     parts = args.part or ["decision", "store", "replicas", "tokenize", "kv_events", "sessions"]
     if "decision" in parts:
@@ -398,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if "kv_events" in parts:
         part_kv_events()
     if "sessions" in parts:
-        part_sessions()
+        part_sessions(args.digest)
     return 0
 
 

@@ -12,7 +12,7 @@ from routing.policies import Decision, Match, Policy, RouteRequest
 from routing.policies.base import NOTHING
 from routing.policies.estimated_ttft import estimate_ttft
 from routing.prefix_index import PrefixIndex
-from routing.session_kv import SessionRouting, with_waiting
+from routing.session_kv import SessionRouting
 from routing.sessions import SessionTable
 from routing.store import RoutingStore
 
@@ -59,6 +59,7 @@ class Router(SessionRouting):
         # per backend without live KV events, how long its engine keeps an idle prefix (learn_cached)
         self.retention: dict[str, RetentionFit] = {}
         self._factors: dict[str, tuple[list[float], list[float]]] = {}  # (routing.session_kv.bin_factors)
+        self._turnovers = {}  # (routing.session_kv.SessionRouting.kv_turnover)
         self.index.on_gone = self._kv_gone
         self._next_expire = 0.0
         # model -> {engine block size: backends publishing KV events in it}, set by the core
@@ -196,21 +197,6 @@ class Router(SessionRouting):
             for n in live:
                 exact[n] = min(held.get(n, 0), cap) * size
         return exact
-
-    def kv_turnover(self, b: BackendState) -> tuple[float, float]:
-        """(KV tokens ``b``'s cache can take without evicting, share of its evicted
-        blocks asked for again): the prefix index's
-        :meth:`~routing.prefix_index.PrefixIndex.turnover`, with the sessions waiting at
-        ``b`` folded in (:func:`routing.session_kv.with_waiting`). O(1). A router's
-        matches carry it as ``Match.kv_turnover``."""
-        name = b.name
-        capacity = b.load.kv_capacity_tokens
-        t = self.index.turnover(name, self.block_tokens, capacity)
-        w = self._waiting.get(name)
-        if w is None:
-            return t
-        held, value = w.value or self.value_waiting(name, w)
-        return with_waiting(t[0], t[1], capacity, held, value)
 
     def evidence(self, request: RouteRequest, match: Match, backend: str) -> str:
         """What stands behind ``request``'s matched tokens on ``backend`` (its

@@ -2,7 +2,7 @@
 :class:`routing.router.Router`): where a session's turn is counted as cached, where it
 is placed and why it moved, what the engines' reported hits teach, and what the
 sessions waiting at a backend are worth to it: the KV they probably still hold there
-and how much of it is likely asked for again (:meth:`routing.router.Router.kv_turnover`).
+and how much of it is likely asked for again (:meth:`SessionRouting.kv_turnover`).
 
 The eviction cost of :mod:`routing.policies.estimated_ttft` charges a placement the
 recompute of the cached tokens it evicts, each weighted by the chance that it is asked
@@ -20,7 +20,7 @@ turns says more of its own future. For the sessions waiting at a backend
   blocks times :meth:`routing.gaps.GapEstimator.return_values` (the likelihood and the
   nearness of the session's return).
 
-:func:`with_waiting` folds them into the backend's turnover: the sessions' held KV
+:meth:`SessionRouting.kv_turnover` folds them into the backend's turnover: the sessions' held KV
 takes room even where the approximate index has forgotten it (its blocks aged out
 after ``prefix_ttl_s``), and the chance that an evicted token is asked for again is
 the sessions' value for their share of the cache, the measured rate for the rest.
@@ -60,29 +60,59 @@ def waiting_value(w: Waiting, factors: tuple[Sequence[float], Sequence[float]],
     return sum(map(mul, w.blocks, held)) * block_tokens, sum(map(mul, w.blocks, value)) * block_tokens
 
 
-def with_waiting(free: float, reuse: float, capacity: float, held: float, value: float) -> tuple[float, float]:
-    """A backend's turnover (``free`` KV tokens, ``reuse`` chance in [0, 1]) of
-    ``capacity`` KV tokens, with its waiting sessions' ``held`` and ``value`` tokens
-    (:func:`waiting_value`; ``value <= held``) folded in (see the module docstring)."""
-    used = capacity - free
-    if used < held:
-        used = held
-        free = capacity - held if capacity > held else 0.0
-    if used > 0:  # value <= held <= used: the share stays within [0, 1]
-        reuse = (value + reuse * (used - held)) / used
-    return free, reuse
-
-
 class SessionRouting:
     """The session part of :class:`routing.router.Router` (a base of it), over its
     ``sessions`` (:class:`SessionTable`), ``retention`` (per backend without live KV
     events, how long its engine keeps an idle prefix), ``index`` and ``block_tokens``."""
 
     sessions: SessionTable
+    _waiting: dict[str, Waiting]  # sessions.waiting
     retention: dict[str, RetentionFit]
     index: PrefixIndex
     block_tokens: int
     _factors: dict[str, tuple[list[float], list[float]]]  # backend -> bin_factors in tokens, until the next tick
+    # backend -> (its index entries, their changes, the valuation, capacity, kv_turnover) when last computed
+    _turnovers: dict[str, tuple[object, int, tuple[float, float], float, tuple[float, float]]]
+
+    def kv_turnover(self, b: BackendState) -> tuple[float, float]:
+        """(KV tokens ``b``'s cache can take without evicting, share of its evicted
+        blocks asked for again): the prefix index's
+        :meth:`~routing.prefix_index.PrefixIndex.turnover`, with the sessions waiting at
+        ``b`` folded in (see the module docstring): their ``held`` tokens take room
+        even where the index has none, and the share is their ``value`` for their part
+        of what is used, the measured rate for the rest (``value <= held``
+        (:meth:`value_waiting`): it stays within [0, 1]). O(1), one call per candidate
+        of every decision (``Match.kv_turnover``), so the fold is written out here;
+        where no backend publishes KV events, a backend's result is kept
+        (``_turnovers``) until its approximate entries change
+        (``BackendBlocks.changes``), its valuation does (a new ``Waiting.value``) or
+        its capacity does: a decision recomputes it for the backend the last one chose
+        and the few whose counters that dispatch moved, not for every candidate."""
+        name = b.name
+        capacity = b.load.kv_capacity_tokens
+        index = self.index
+        w = self._waiting.get(name)
+        if w is None:
+            return index.turnover(name, self.block_tokens, capacity)
+        v = w.value or self.value_waiting(name, w)
+        entries = None if index.engines else index.backends.get(name)
+        if entries is not None:  # kept while neither the index's entries nor the valuation changed
+            kept = self._turnovers.get(name)
+            if kept is not None and kept[0] is entries and kept[1] == entries.changes and kept[2] is v \
+                    and kept[3] == capacity:
+                return kept[4]
+        free, reuse = index.turnover(name, self.block_tokens, capacity)
+        held, value = v
+        used = capacity - free
+        if used < held:
+            used = held
+            free = capacity - held if capacity > held else 0.0
+        if used > 0:
+            reuse = (value + reuse * (used - held)) / used
+        t = free, reuse
+        if entries is not None:
+            self._turnovers[name] = (entries, entries.changes, v, capacity, t)
+        return t
 
     def _kv_gone(self, backend: str, keys: list[int]) -> None:
         """The prefix index's word that ``backend``'s engine removed ``keys``."""

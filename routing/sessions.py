@@ -86,7 +86,9 @@ class Waiting:
     """The blocks of the sessions waiting at one backend, per bin of waiting time
     (:data:`routing.gaps.EDGES`); ``value``: the router's valuation of them (a sum over
     the bins of their blocks times ``factors``, :mod:`routing.session_kv`), kept up to
-    date as blocks come and go (:meth:`add`); ``None``: to be computed again."""
+    date as blocks come and go (:meth:`add`), a new tuple at every change (what is
+    derived from it is kept while it is the same object); ``None``: to be computed
+    again."""
 
     blocks: list[float] = field(default_factory=lambda: [0.0] * N_BINS)
     value: tuple[float, float] | None = None
@@ -102,6 +104,21 @@ class Waiting:
         if v is not None:
             held, value = self.factors
             self.value = (v[0] + n * held[k], v[1] + n * value[k])
+
+    def move(self, k: int, m: float, j: int, n: float) -> None:
+        """``m`` blocks leave bin ``k`` and ``n`` blocks join bin ``j``: :meth:`add`
+        ``(k, -m)`` then ``(j, n)`` (the same sums, in the same order), in one call
+        (a session's turn, and its ageing, move its blocks); O(1)."""
+        blocks = self.blocks
+        m = -blocks[k] if blocks[k] < m else -m
+        blocks[k] += m
+        blocks[j] += n
+        v = self.value
+        if v is not None:
+            held, value = self.factors
+            v0 = v[0] + m * held[k]
+            v1 = v[1] + m * value[k]
+            self.value = (v0 + n * held[j], v1 + n * value[j])
 
 
 class SessionTable:
@@ -197,9 +214,7 @@ class SessionTable:
                 if s.seen != seen or s.bucket != k:
                     continue  # placed again, or no longer counted, since
                 to = bin_of(now - seen)
-                w = self.waiting[s.home]
-                w.add(k, -s.blocks)
-                w.add(to, s.blocks)
+                self.waiting[s.home].move(k, s.blocks, to, s.blocks)
                 s.bucket = to
                 if to < last:
                     fifos[to].append((s, seen))
@@ -259,19 +274,6 @@ class SessionTable:
             return 0
         return n
 
-    def _returned(self, session: str, now: float) -> Session | None:
-        """``session``'s live entry at ``now`` (its gap observed), or ``None``; a
-        ghost that came back teaches its gap too."""
-        s = self.get(session, now)
-        if s is not None:
-            self.gaps.observe(now - s.seen)
-            self._uncount(s)
-            return s
-        seen = self.ghosts.pop(session, None)
-        if seen is not None:
-            self.gaps.came_back(now - seen)
-        return None
-
     def place(self, session: str, backend: str, hashes: Sequence[int], now: float, queued: int = 0,
               reason: str = CHEAPER, key_tail: int = 0) -> str:
         """Record that ``session``'s turn (prompt blocks ``hashes``, ``queued`` uncached
@@ -280,21 +282,40 @@ class SessionTable:
         (:data:`MOVE_REASONS`); ``key_tail``: the token-exact key of its last block
         when ``backend`` publishes KV events. Returns the kind of placement: ``home``
         (where it already was), ``moved`` or ``new``."""
-        s = self._returned(session, now)
+        s = self.sessions.get(session)
+        if s is not None and now - s.seen > self.expiry_s:
+            s = self.get(session, now)  # expired: forgotten as a ghost (None)
         n = len(hashes)
         tail = hashes[-1] if n else 0
         if s is None:
+            seen = self.ghosts.pop(session, None)
+            if seen is not None:  # forgotten, yet back: it teaches its gap too
+                self.gaps.came_back(now - seen)
             kind = NEW
             s = Session(backend, n, tail, now, 1, queued)
             self._add(session, s)
+            self._count(s, 0)
+        elif s.home == backend and s.bucket >= 0 and n > 0 and not s.key_tail:
+            # the usual turn: back home, its blocks counted there; they move to the
+            # first bin (what _uncount then _count do, in one step)
+            self.gaps.observe(now - s.seen)
+            self.waiting[backend].move(s.bucket, s.blocks, 0, n)
+            kind = HOME
+            s.blocks, s.tail, s.seen, s.turns = n, tail, now, s.turns + 1
+            s.queued, s.here = queued, True
+            s.bucket = 0
+            self._fifos[0].append((s, now))
+            self.sessions.move_to_end(session)
         else:
+            self.gaps.observe(now - s.seen)
+            self._uncount(s)
             kind = HOME if s.home == backend else MOVED
             s.home, s.blocks, s.tail, s.seen, s.turns = backend, n, tail, now, s.turns + 1
             s.queued, s.here = queued, True
             self.sessions.move_to_end(session)
             if kind == MOVED:
                 self.moves[reason] = self.moves.get(reason, 0) + 1
-        self._count(s, 0)
+            self._count(s, 0)
         if key_tail and s.bucket >= 0:
             s.key_tail = key_tail
             self._tails.setdefault(backend, {})[key_tail] = s

@@ -28,11 +28,14 @@ _NEVER = float("-inf")
 @dataclass(slots=True)
 class BackendBlocks:
     """A backend's approximate entries: block hashes, least recently used first, bounded
-    by ``capacity_blocks``, and the counters of its evictions."""
+    by ``capacity_blocks``, and the counters of its evictions. ``changes`` grows
+    whenever any of them may have changed, so that a value derived from them (the
+    router's turnover of this backend) is kept until it does."""
 
     capacity_blocks: int
     lru: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> last use (s)
     evictions: Evictions = field(default_factory=Evictions)
+    changes: int = 0
 
 
 class ApproximateEntries:
@@ -69,6 +72,7 @@ class ApproximateEntries:
         capacity_blocks = max(1, capacity_blocks)
         self.capacity_total += capacity_blocks - b.capacity_blocks
         b.capacity_blocks = b.evictions.window = capacity_blocks
+        b.changes += 1
         self._evict(backend, b)
 
     def record(self, backend: str, hashes: tuple[int, ...], now: float) -> None:
@@ -80,6 +84,7 @@ class ApproximateEntries:
         if not hashes:
             return
         b = self._blocks(backend)
+        b.changes += 1
         if len(hashes) > b.capacity_blocks:
             hashes = hashes[:b.capacity_blocks]
         lru = b.lru
@@ -96,6 +101,7 @@ class ApproximateEntries:
                         c = self.backends.get(by)
                         if c is not None:
                             c.evictions.refetched += 1.0
+                            c.changes += 1
             lru[h] = now
             o = owners.get(h)
             if o is None:
@@ -148,6 +154,7 @@ class ApproximateEntries:
         # shed the oldest entries of the largest backends until under the bound
         while self.size > self.max_blocks:
             name, b = max(self.backends.items(), key=lambda kv: len(kv[1].lru))
+            b.changes += 1
             for _ in range(min(len(b.lru), self.size - self.max_blocks)):
                 h, _ = b.lru.popitem(last=False)
                 self._drop(name, h)
@@ -172,6 +179,7 @@ class ApproximateEntries:
         dropped = 0
         for name, b in self.backends.items():
             cutoff = now - retention[name] if name in retention else base
+            b.changes += 1
             lru = b.lru
             while lru:
                 h, t = next(iter(lru.items()))

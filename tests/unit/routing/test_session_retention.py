@@ -12,7 +12,6 @@ from routing.estimate import TokenEstimator
 from routing.gaps import EDGES, MIN_GAPS, N_BINS, GapEstimator, RetentionFit, bin_of
 from routing.policies.estimated_ttft import EstimatedTTFT
 from routing.prefix_index import PrefixIndex
-from routing.session_kv import with_waiting
 from routing.sessions import SessionTable
 
 EST = TokenEstimator()
@@ -279,14 +278,71 @@ def test_moves_are_counted_by_reason():
     assert r.sessions.moves == {"unavailable": 1, "no_hit": 1, "cheaper": 1}
 
 
-def test_the_routers_inlined_fold_is_with_waiting():
+def test_the_waiting_sessions_take_room_and_lend_their_value_to_the_turnover():
     r = router("a", "b")
     waiting_sessions(r, "a", 2, 1.0)
     r.match(turn("tick"), 3.0)
     a = r.fleet.backends["a"]
+    capacity = a.load.kv_capacity_tokens
     w = r.sessions.waiting["a"]
     held, value = w.value or r.value_waiting("a", w)
     assert 0 < value <= held
-    free, reuse = r.index.turnover("a", r.block_tokens, a.load.kv_capacity_tokens)
-    assert r.kv_turnover(a) == with_waiting(free, reuse, a.load.kv_capacity_tokens, held, value)
+    free, reuse = r.index.turnover("a", r.block_tokens, capacity)
+    used = max(capacity - free, held)
+    expected_free = capacity - held if capacity - free < held else free
+    assert r.kv_turnover(a) == pytest.approx((expected_free, (value + reuse * (used - held)) / used))
     assert r.kv_turnover(r.fleet.backends["b"]) == r.index.turnover("b", r.block_tokens, 8192.0)
+
+
+def test_moving_waiting_blocks_is_adding_them_out_of_one_bin_and_into_another():
+    from routing.sessions import Waiting
+
+    factors = ([0.5 + k / 7 for k in range(N_BINS)], [0.25 + k / 11 for k in range(N_BINS)])
+    for k, m, j, n in ((0, 3.0, 0, 5.0), (2, 4.0, 5, 4.0), (1, 9.0, 0, 2.0), (N_BINS - 1, 1.0, 3, 0.0)):
+        one, two = Waiting(), Waiting()
+        for w in (one, two):
+            w.blocks = [float(i % 4) for i in range(N_BINS)]
+            w.factors, w.value = factors, (1.0 / 3, 2.0 / 7)
+        one.move(k, m, j, n)
+        two.add(k, -m)
+        two.add(j, n)
+        assert (one.blocks, one.value) == (two.blocks, two.value)  # exactly: the same sums in the same order
+
+
+def test_a_kept_turnover_is_the_one_computed_afresh_whatever_changed():
+    """The router keeps each backend's turnover until its index entries or its waiting
+    sessions' valuation change: after every kind of change (turns of sessions and
+    requests without one, there or elsewhere, evictions by capacity and by the index's
+    bound, blocks brought back, expiry, a new capacity, a backend's cache lost, the
+    ticks), what it gives is what it computes with nothing kept."""
+    fleet = Fleet([BackendSpec(n, frozenset({"m"}), kv_capacity_tokens=8192) for n in ("a", "b", "c")])
+    r = Router(fleet, EstimatedTTFT(random.Random(1)), PrefixIndex(ttl_s=5.0, max_blocks=200))
+    rng = random.Random(4)
+    backends = list(r.fleet.backends.values())
+
+    def check() -> None:
+        kept = [r.kv_turnover(b) for b in backends]
+        r._turnovers.clear()
+        assert kept == [r.kv_turnover(b) for b in backends]
+
+    now = 1.0
+    for i in range(400):
+        now += rng.choice((0.01, 0.3, 1.5))
+        text = context(rng.randrange(12), turns=rng.randrange(1, 4)) + str(i % 3)
+        if i % 4 == 3:  # no session, sent to one backend
+            route(r, turn(text, subset=frozenset({backends[rng.randrange(3)].name})), now)
+        else:
+            route(r, turn(text, f"s{rng.randrange(12)}"), now)
+        check()
+        if i % 50 == 25:
+            r.index.set_capacity(backends[i % 3].name, 16 * (1 + i % 2))
+            check()
+        if i % 60 == 30:
+            r.index.expire(now + 4.0)
+            check()
+        if i % 70 == 35:
+            r.forget_backend(backends[(i + 1) % 3].name)
+            check()
+    assert sum(b.evictions.evicted for b in r.index.backends.values()) > 0
+    assert sum(b.evictions.refetched for b in r.index.backends.values()) > 0
+    assert any(any(w.blocks[1:]) for w in r.sessions.waiting.values())
