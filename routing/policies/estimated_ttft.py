@@ -168,30 +168,31 @@ def _probe(match: Match, scored: list[Scored], limit: float) -> Scored | None:
     return None
 
 
-def _stay_home(match: Match, scored: list[Scored], best: float, limit: float, ties: int) -> Scored | None:
-    """The candidate that is the home of the request's session, when the turn stays
-    there (see :func:`curse`): it is one of several ties (within ``limit`` of the
-    ``best`` estimate), or the best's lead over it is within what choosing the least
-    of the other candidates' estimates wins by their error alone."""
+def _home(match: Match, ties: list[Scored]) -> Scored | None:
+    """The tie that is the home of the request's session, if any."""
     home = match.home
-    h = None
+    for t in ties:
+        if t[1].name == home:
+            return t
+    return None
+
+
+def _kept_home(match: Match, scored: list[Scored], best: float) -> Scored | None:
+    """The home of the request's session when it is not among the ties but the
+    ``best`` estimate's lead over it is within what choosing the least of the other
+    candidates' estimates wins by their error alone (:func:`curse`), and moving would
+    recompute something the home holds; else ``None``."""
+    home = match.home
+    h = lead = None
     for s in scored:
         if s[1].name == home:
             h = s
-            break
-    if h is None:
+        elif lead is None and s[0][0] == best:
+            lead = s
+    if h is None or lead is None or lead[0][1] <= h[0][1]:
         return None
-    est = h[0][0]
-    if est <= limit:
-        return h if ties > 1 else None  # the only best: chosen as such
-    sigma = 0.0
-    for (e, uncached), b in scored:
-        if e == best:
-            if uncached <= h[0][1]:  # moving recomputes nothing the home holds
-                return None
-            sigma = b.load.estimate_error.sigma
-            break
-    if sigma and est <= best * math.exp(curse(len(scored) - 1) * sigma):
+    sigma = lead[1].load.estimate_error.sigma
+    if sigma and h[0][0] <= best * math.exp(curse(len(scored) - 1) * sigma):
         return h
     return None
 
@@ -243,7 +244,11 @@ class EstimatedTTFT(BasePolicy):
             if match.now >= self._probe_at:
                 self._probe_at = match.now + 1.0
                 probe = _probe(match, scored, limit)
-            home = _stay_home(match, scored, best, limit, len(ties)) if match.home is not None else None
+            home = None
+            if match.home is not None:  # a session's turn: stays home on a tie, or a lead within the error
+                home = _home(match, ties) if len(ties) > 1 else None
+                if home is None and ties[0][1].name != match.home:
+                    home = _kept_home(match, scored, best)
             if home is not None:  # a session stays home when moving saves nothing
                 probe = None
             (est, uncached), chosen = home or probe or (ties[0] if len(ties) == 1 else self._rng.choice(ties))
