@@ -25,6 +25,9 @@ each API is an :class:`Api` whose few methods say how its requests and answers r
   (:mod:`gateway.pipeline.migration`): whether a request may be, the text one event
   relayed, the request that continues after that text, and a continuation's event
   rewritten into the client's stream (an API that defines none is never continued);
+  :attr:`Api.token_leg` and :meth:`Api.token_continuation`: with the model's tokenizer,
+  the same as a completions request whose prompt is token ids (the prompt's, then the
+  answer's so far), whose stream :attr:`Api.token_leg` rewrites into the client's;
 
 and a few attributes: its path, its OpenTelemetry ``gen_ai.operation.name``, whether it
 generates (embeddings and rerank do not: their cost is prefill only), how its stream
@@ -125,6 +128,7 @@ class Api:
     delta_event = b""  # the SSE event name of one output token; empty: every ``data:`` event
     session_field: str | None = None  # the request field naming a session (gateway.pipeline.session)
     user_field: str | None = None  # the request field naming the end user, dotted into objects
+    token_leg: Api | None = None  # the adapter of its token continuation's stream (:meth:`token_continuation`)
 
     def read(self, data: dict[str, Any]) -> Fields:
         """The routing fields of request ``data``. Raises :class:`ClientError` 400."""
@@ -209,6 +213,17 @@ class Api:
         first ``tokens`` tokens, ``text``, went to the client: the same request, the
         text as the start of the answer, the output-token caps reduced by ``tokens``;
         ``None`` when it cannot be continued (no token left)."""
+        return None
+
+    def token_continuation(self, data: dict[str, Any], token_ids: list[int], tokens: int,
+                           room: int | None) -> dict[str, Any] | None:
+        """The completions request (``POST /v1/completions``, streamed) that continues
+        the answer to request ``data`` after its first ``tokens`` tokens went to the
+        client: ``token_ids`` the prompt's ids then the answer's so far, as the engine
+        tokenized them; the output-token caps reduced by ``tokens`` (unset: ``room``,
+        what the model's context leaves, ``None`` unknown); the request's sampling
+        parameters carried over. Its stream is read and rewritten by :attr:`token_leg`.
+        ``None``: not continued by token ids (the text continuation may still be made)."""
         return None
 
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.errors import UpstreamError
+from gateway.pipeline import token_continuation
 from gateway.pipeline.context import Continuation, RequestContext
 from gateway.pipeline.stream_scan import StreamScan, TypedEventScan
 from gateway.pipeline.stream_scan import scan_for as plain_scan_for
@@ -227,19 +228,32 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     if m.used >= m.limit:
         return False
     api = ctx.parsed.api
-    relayed = _relayed(api, scan.kept)
+    relayed = _relayed(m.leg or api, scan.kept)
     if relayed is None:
         return False
-    text, tokens, head, usage = relayed
-    body = api.continuation(ctx.data or ctx.parsed.data, m.text + text, m.tokens + tokens)
-    if body is None:
-        return False
+    text, tokens, head, usage, ids, prompt_ids = relayed
+    data = ctx.data or ctx.parsed.data
     prompt, cached, completion = api.counts(usage) if usage is not None else (None, None, None)
     if completion is not None:  # the engine reported usage on every event: exact counts
         tokens = completion
+    body: dict[str, Any] | None
+    token_path = token_continuation.by_token_ids(state, ctx, m, data, text, tokens, ids, prompt_ids)
+    if token_path is not None:
+        body, gen, tokens = token_path
+        if prompt is None and m.prompt_ids is not None:  # this leg's prompt, exactly
+            prompt = len(m.prompt_ids) + len(m.ids)
+        m.ids += gen
+        m.leg = api.token_leg
+    elif m.leg is None:
+        body = api.continuation(data, m.text + text, m.tokens + tokens)
+    else:  # continued by token ids before: no text continuation can follow
+        body = None
+    if body is None:
+        return False
     if not m.head:
         m.head = head
-        m.prompt_tokens = prompt
+        if prompt is not None:
+            m.prompt_tokens = prompt
     if prompt is None:
         estimate = ctx.estimate.prompt_tokens if ctx.estimate is not None else 0
         prompt = estimate + m.tokens
@@ -282,22 +296,31 @@ def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> Str
         name, started, _ = ctx.attempts[-1]
         ctx.attempts[-1] = (name, started, "continuation")
     comment = b": migrated from %s to %s\n\n" % (m.source.encode(), ctx.backend.encode())
-    api = ctx.parsed.api
+    api = m.leg or ctx.parsed.api
     if api.end_events:
         return TypedSpliceScan(api, m, comment, kept_for(state, ctx))
     return SpliceScan(not ctx.parsed.include_usage, api, m, comment, kept_for(state, ctx))
 
 
-def _relayed(api: Api, kept: list[bytes]) -> tuple[str, int, dict[str, Any], dict[str, Any] | None] | None:
+Relayed = tuple[str, int, dict[str, Any], dict[str, Any] | None, list[int] | None, list[int] | None]
+
+
+def _relayed(api: Api, kept: list[bytes]) -> Relayed | None:
     """What one leg relayed, read from its bytes ``kept`` (whole lines only): its text,
     its tokens (one per event that carried text), the identity fields of its first
-    event and the last usage it reported; ``None`` when it cannot be continued as text
+    event, the last usage it reported, and when its engine streamed them
+    (``return_token_ids``: vLLM's choice ``token_ids``, and ``prompt_token_ids`` on its
+    first chunk, top-level for chat, in the choice for completions) the ids it
+    generated (``None`` when an event with text came without them) and the prompt's
+    ids (or ``None``); ``None`` when it cannot be continued as text
     (:meth:`Api.relayed_text`) or it had ended (``[DONE]``)."""
     data = b"".join(kept)
     parts: list[str] = []
     tokens = 0
     head: dict[str, Any] = {}
     usage: dict[str, Any] | None = None
+    ids: list[int] | None = []
+    prompt_ids: list[int] | None = None
     for line in data[: data.rfind(b"\n") + 1].splitlines():
         if not line.startswith(b"data:"):
             continue
@@ -317,7 +340,18 @@ def _relayed(api: Api, kept: list[bytes]) -> tuple[str, int, dict[str, Any], dic
         text = api.relayed_text(event)
         if text is None:
             return None
+        choices = event.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        if prompt_ids is None:
+            p = event.get("prompt_token_ids", choice.get("prompt_token_ids"))
+            prompt_ids = p if token_continuation.id_list(p) else None
+        t = choice.get("token_ids")
+        if ids is not None and isinstance(t, list) and token_continuation.id_list(t):
+            ids.extend(t)
+        elif text:
+            ids = None
         if text:
             parts.append(text)
             tokens += 1
-    return "".join(parts), tokens, head, usage
+    return "".join(parts), tokens, head, usage, ids, prompt_ids
+

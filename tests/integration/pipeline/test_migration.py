@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from loadtest.sim.server import SimBackendConfig, start_backends
+from tests.support.chat_cases import TINY
 from tests.support.servers import RunningGateway, gateway_config, running_gateway, wait_until
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a long story."}]
@@ -31,17 +32,23 @@ CUT = 6  # the faulty backend closes the connection after this many events (a ch
 
 @asynccontextmanager
 async def fleet(names: tuple[str, ...] = ("a", "b"), faults: dict[str, dict[str, Any]] | None = None,
+                tokenizer: str | None = None, backend: dict[str, Any] | None = None,
                 **overrides: Any) -> AsyncIterator[tuple[RunningGateway, dict[str, str]]]:
     """Simulated backends ``names`` (the first one is routed to first: round robin in
-    config order) with ``faults`` per name, behind a gateway configured with ``overrides``."""
+    config order) with ``faults`` per name, behind a gateway configured with ``overrides``;
+    ``tokenizer``: the model's (the backends' and the gateway's ``models.m.tokenizer``);
+    ``backend``: fields of every backend's config."""
     backends, urls = await start_backends(
-        [SimBackendConfig(name=n, models=["m"], profile="demo", speed=50.0) for n in names])
+        [SimBackendConfig(name=n, models=["m"], profile="demo", speed=50.0, tokenizer=tokenizer) for n in names])
     try:
         async with aiohttp.ClientSession() as s:
             for name, f in (faults or {}).items():
                 async with s.post(urls[name] + "/admin/faults", json=f) as r:
                     assert r.status == 200, await r.text()
-        cfg = gateway_config([{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()], **overrides)
+        if tokenizer is not None:
+            overrides["models"] = {"m": {"tokenizer": tokenizer}}
+        cfg = gateway_config([{"name": n, "url": u, "models": ["m"], **(backend or {})} for n, u in urls.items()],
+                             **overrides)
         async with running_gateway(cfg) as gw:
             yield gw, urls
             for name in urls:
@@ -290,3 +297,77 @@ async def test_a_messages_stream_that_must_call_a_tool_keeps_the_error_event():
         assert b"message_stop" not in got and b": migrated" not in got
         assert b"event: error" in got
         assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 0
+
+
+async def paths(url: str) -> dict[str, int]:
+    """The requests a simulated backend admitted, by path."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/admin/stats") as r:
+        return (await r.json())["paths"]
+
+
+@pytest.mark.parametrize("engine_ids", [True, False], ids=["engine_ids", "retokenized"])
+async def test_with_the_tokenizer_a_chat_stream_is_continued_by_token_ids(engine_ids):
+    """With the model's tokenizer the continuation is a completions request whose prompt
+    is the prompt's ids then the answer's (the engine's own, streamed because the backend
+    says it can, or the text re-tokenized), rewritten into chat chunks: the same answer
+    as an uninterrupted run, one stream, the whole usage."""
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, tokenizer=str(TINY),
+                     backend={"return_token_ids": engine_ids}) as (gw, urls):
+        expected, _, ref_usage = await sdk_chat(urls["b"])
+        text, chunks, usage = await sdk_chat(gw.url)
+        assert text == expected and len(expected.split()) == N
+        assert len({(c.id, c.created, c.model, c.object) for c in chunks}) == 1
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+            (ref_usage.prompt_tokens, N, ref_usage.prompt_tokens + N)
+        assert (await paths(urls["b"])).get("/v1/completions") == 1
+        # the engine's ids reach the client when the backend is asked for them, on both legs
+        with_ids = [c for c in chunks if c.choices and c.choices[0].delta.content]
+        assert all(bool((c.choices[0].model_extra or {}).get("token_ids")) == engine_ids for c in with_ids)
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 1
+        requests, prompt, _, completion, errors, _ = ledger(gw)
+        assert (requests, completion, errors) == (1, N, 0)
+        # both legs' exact prompts: the first's, and the continuation's (it plus the CUT - 1 tokens relayed)
+        assert prompt == 2 * ref_usage.prompt_tokens + CUT - 1
+
+
+async def test_with_the_tokenizer_a_chat_stream_is_continued_twice_by_token_ids():
+    cut = {n: {"close_after_chunks": 10} for n in ("a", "b", "c")}
+    async with fleet(("a", "b", "c"), cut, tokenizer=str(TINY), backend={"return_token_ids": True},
+                     migration={"max_per_request": 2}) as (gw, urls):
+        async with aiohttp.ClientSession() as s:  # the reference, uninterrupted
+            async with s.post(urls["a"] + "/admin/faults", json={}) as r:
+                assert r.status == 200
+            expected, _, _ = await sdk_chat(urls["a"])
+            async with s.post(urls["a"] + "/admin/faults", json=cut["a"]) as r:
+                assert r.status == 200
+        text, _, usage = await sdk_chat(gw.url)
+        assert text == expected and usage.completion_tokens == N
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 2
+        assert (await paths(urls["c"])).get("/v1/completions") == 1
+
+
+async def test_with_the_tokenizer_a_completions_stream_is_continued_by_token_ids():
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": N, "stream": True, "ignore_eos": True}
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, tokenizer=str(TINY),
+                     backend={"return_token_ids": True}) as (gw, urls):
+        expected = "".join(e["choices"][0]["text"] for e in events(await raw(urls["b"], "/v1/completions", body)))
+        got = await raw(gw.url, "/v1/completions", body)
+        evs = events(got)
+        assert "".join(e["choices"][0]["text"] for e in evs) == expected
+        assert len({(e["id"], e["created"], e["model"]) for e in evs}) == 1
+        assert got.count(b": migrated from a to b") == 1 and got.endswith(b"data: [DONE]\n\n")
+        assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 1
+
+
+async def test_with_the_tokenizer_a_chat_with_tools_keeps_the_text_continuation():
+    """The engine parses a chat's tool calls; a completions request would not: a request
+    with ``tools`` is continued as a chat (``continue_final_message``)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, tokenizer=str(TINY)) as (gw, urls):
+        expected, _, _ = await sdk_chat(urls["b"], tools=tools)
+        text, _, usage = await sdk_chat(gw.url, tools=tools)
+        assert text == expected and usage.completion_tokens == N
+        assert (await paths(urls["b"])).get("/v1/completions") is None
+        assert (await paths(urls["b"]))["/v1/chat/completions"] == 2

@@ -83,3 +83,45 @@ def test_a_continuations_event_is_rewritten_into_the_clients_stream():
                               "prompt_tokens_details": {"cached_tokens": 20}}
     event = COMPLETIONS.spliced({"id": "x", "choices": [], "usage": dict(usage)}, head, 19, 5)
     assert event["usage"]["prompt_tokens"] == 19 and event["usage"]["total_tokens"] == 27
+
+
+def test_the_token_continuation_is_a_completions_request_with_the_sampling_parameters():
+    data = {"model": "m", "messages": MESSAGES, "max_completion_tokens": 10, "min_tokens": 5, "stop": ["\n"],
+            "temperature": 0.7, "seed": 3, "stream": True, "stream_options": {"include_usage": True},
+            "prompt_cache_key": "s", "parallel_tool_calls": False}
+    assert CHAT.token_continuation(data, [1, 2, 3], 2, 4000) == {
+        "model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "min_tokens": 3, "stop": ["\n"], "temperature": 0.7,
+        "seed": 3, "stream": True, "stream_options": {"include_usage": True}}
+    assert CHAT.token_continuation({**data, "max_completion_tokens": None}, [1], 2, 4000)["max_tokens"] == 4000
+    assert CHAT.token_continuation({**data, "max_completion_tokens": None}, [1], 2, None) is None  # no cap known
+    assert CHAT.token_continuation(data, [1], 10, 4000) is None  # no token left
+    # what the engine renders or parses beyond the gateway's tokenization: left to the text continuation
+    assert CHAT.token_continuation({**data, "tools": [{"type": "function"}]}, [1], 2, 4000) is None
+    assert CHAT.token_continuation({**data, "chat_template_kwargs": {"x": 1}}, [1], 2, 4000) is None
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]
+    assert CHAT.token_continuation({**data, "messages": image}, [1], 2, 4000) is None
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert CHAT.token_continuation({**data, "messages": text_parts}, [1], 2, 4000) is not None
+    assert COMPLETIONS.token_continuation({"model": "m", "prompt": "Once", "max_tokens": 4, "echo": False},
+                                          [5, 6], 1, None) == {"model": "m", "prompt": [5, 6], "max_tokens": 3,
+                                                               "stream": True}
+
+
+def test_a_token_continuations_completions_chunk_becomes_a_chat_chunk():
+    head = {"id": "chatcmpl-1", "created": 7, "model": "m"}
+    leg = CHAT.token_leg
+    assert leg is not None and leg.path == "/v1/completions"
+    chunk = {"id": "cmpl-2", "object": "text_completion", "created": 9, "model": "m",
+             "choices": [{"index": 0, "text": " six", "finish_reason": None, "stop_reason": None,
+                          "token_ids": [42]}]}
+    assert leg.relayed_text(chunk) == " six"
+    assert leg.spliced(chunk, head, 20, 5) == {
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": " six"}, "logprobs": None, "finish_reason": None,
+                     "stop_reason": None, "token_ids": [42]}]}
+    usage = {"prompt_tokens": 25, "completion_tokens": 3, "total_tokens": 28}
+    last = leg.spliced({"id": "cmpl-2", "object": "text_completion", "created": 9, "model": "m", "choices": [],
+                        "usage": usage}, head, 20, 5)
+    assert last["object"] == "chat.completion.chunk" and last["choices"] == []
+    assert last["usage"] == {"prompt_tokens": 20, "completion_tokens": 8, "total_tokens": 28}
+    assert COMPLETIONS.token_leg is not None and COMPLETIONS.token_leg.path == "/v1/completions"
