@@ -129,6 +129,9 @@ class Api:
     session_field: str | None = None  # the request field naming a session (gateway.pipeline.session)
     user_field: str | None = None  # the request field naming the end user, dotted into objects
     token_leg: Api | None = None  # the adapter of its token continuation's stream (:meth:`token_continuation`)
+    continues_text = True  # :meth:`continuation` may continue it without a tokenizer (False: by token ids only)
+    relays_done = True  # a continuation's ``data: [DONE]`` goes to the client (False: a client API without it)
+    streams_token_ids = False  # its stream carries the ids generated when asked ``return_token_ids`` (vLLM's)
 
     def read(self, data: dict[str, Any]) -> Fields:
         """The routing fields of request ``data``. Raises :class:`ClientError` 400."""
@@ -208,6 +211,13 @@ class Api:
         reasoning, logprobs, another choice, the answer's end, an error)."""
         return None
 
+    def follow(self, event: dict[str, Any], head: dict[str, Any]) -> None:
+        """Note in ``head`` what a continuation's rewrite (:meth:`spliced`) needs of
+        ``event``, one event of the stream being continued, read at the failure: by
+        default the identity fields (``id``, ``created``, ``model``) of its first event."""
+        if not head:
+            head.update({k: event[k] for k in ("id", "created", "model") if k in event})
+
     def continuation(self, data: dict[str, Any], text: str, tokens: int) -> dict[str, Any] | None:
         """The request object that continues the answer to request ``data`` after its
         first ``tokens`` tokens, ``text``, went to the client: the same request, the
@@ -227,7 +237,7 @@ class Api:
         return None
 
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
-                tokens: int, echo: str = "") -> dict[str, Any] | None:
+                tokens: int, echo: str = "") -> dict[str, Any] | list[dict[str, Any]] | None:
         """A continuation's stream ``event`` rewritten as an event of the client's
         stream, whose first event's identity fields were ``head`` and which had relayed
         ``tokens`` tokens before; its usage says ``prompt_tokens`` (``None``: the
@@ -236,7 +246,8 @@ class Api:
         an engine may send again at the start of its answer (llama.cpp's Messages does:
         it answers a last assistant message with that message's text first), to be
         left out when the event's text begins with it.
-        ``None``: the event is dropped (a second start of the answer)."""
+        ``None``: the event is dropped (a second start of the answer); a list: the
+        events, typed (their ``type``), that replace it."""
         return event
 
 

@@ -175,7 +175,7 @@ class ChatCompletions(Api):
     a string ``role``), rendered through the model's chat template."""
 
     name, path, operation = "chat", "/v1/chat/completions", "chat"
-    disaggregates = True
+    disaggregates = streams_token_ids = True
     session_field, user_field = "prompt_cache_key", "user"
 
     def read(self, data: dict[str, Any]) -> Fields:
@@ -221,7 +221,7 @@ class Completions(Api):
 
     name, path, operation = "completions", "/v1/completions", "text_completion"
     prompt_kind, prompt_param = "completions", "prompt"
-    disaggregates = True
+    disaggregates = streams_token_ids = True
     session_field, user_field = "prompt_cache_key", "user"
 
     def read(self, data: dict[str, Any]) -> Fields:
@@ -248,7 +248,7 @@ class Completions(Api):
         return _token_body(data, token_ids, tokens, room)
 
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
-                tokens: int, echo: str = "") -> dict[str, Any] | None:
+                tokens: int, echo: str = "") -> dict[str, Any] | list[dict[str, Any]] | None:
         return _spliced(event, head, prompt_tokens, tokens, False)
 
 

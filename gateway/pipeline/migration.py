@@ -119,11 +119,13 @@ class Splice:
     pending: bytes
     held: bytes
     drop_blank_line: bool
+    final: dict[str, Any] | None
 
     def _start(self, api: Api, m: Continuation, prefix: bytes) -> None:
         self.api, self.head, self.prompt_tokens, self.tokens = api, m.head, m.prompt_tokens, m.tokens
         self.echo = m.text  # the text relayed before, which the engine may send again (Api.spliced)
         self.prefix = prefix
+        self.final: dict[str, Any] | None = None
         self.pending = self.held = b""
         self.drop_blank_line = False
 
@@ -139,6 +141,17 @@ class Splice:
         super().flush()  # type: ignore[misc]  # a partial last line is dropped: it cannot be rewritten
         self.pending = b""
         return b""
+
+    def _typed(self, events: list[dict[str, Any]]) -> bytes:
+        """``events`` as typed SSE events; the last one that carries a response with its
+        usage is the answer's (``final``, as :class:`TypedEventScan` keeps it)."""
+        out = []
+        for e in events:
+            response = e.get("response")
+            if isinstance(response, dict) and response.get("usage") is not None:
+                self.final = e
+            out.append(b"event: %s\ndata: %s\n\n" % (str(e.get("type", "")).encode(), orjson.dumps(e)))
+        return b"".join(out)
 
     def _rewritten(self, lines: bytes) -> bytes:
         out = []
@@ -159,12 +172,17 @@ class Splice:
                     echo = self.echo
                     if echo and self.api.relayed_text(event):  # the continuation's first text
                         self.echo = ""
-                    event = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens, echo)
-                    if event is None:
+                    spliced = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens, echo)
+                    if spliced is None or isinstance(spliced, list):  # dropped, or typed events instead
                         self.drop_blank_line = True
                         self.held = b""
+                        if spliced:
+                            out.append(self._typed(spliced))
                         continue
-                    line = b"data: " + orjson.dumps(event) + b"\n"
+                    line = b"data: " + orjson.dumps(spliced) + b"\n"
+            elif line.startswith(b"data:") and not self.api.relays_done:  # a client API without [DONE]
+                self.drop_blank_line = True
+                continue
             if self.held:
                 out.append(self.held)
                 self.held = b""
@@ -203,8 +221,10 @@ def scan_for(state: GatewayState, ctx: RequestContext) -> StreamScan:
     if m is not None and m.continuing:
         return _continued(state, ctx, m)
     scan = plain_scan_for(parsed.api, not parsed.include_usage)
-    if state.cfg.migration.limit(ctx.model) and parsed.api.continuable(ctx.data or parsed.data) and \
-            (ctx.request is None or not ctx.request.remote_prefill):
+    api = parsed.api
+    if state.cfg.migration.limit(ctx.model) and api.continuable(ctx.data or parsed.data) and \
+            (ctx.request is None or not ctx.request.remote_prefill) and \
+            (api.continues_text or ctx.model in state.core.tokenizers):
         scan.kept = kept_for(state, ctx)
     return scan
 
@@ -233,19 +253,20 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
         return False
     text, tokens, head, usage, ids, prompt_ids = relayed
     data = ctx.data or ctx.parsed.data
-    prompt, cached, completion = api.counts(usage) if usage is not None else (None, None, None)
+    prompt, cached, completion = (m.leg or api).counts(usage) if usage is not None else (None, None, None)
     if completion is not None:  # the engine reported usage on every event: exact counts
         tokens = completion
     body: dict[str, Any] | None
     token_path = token_continuation.by_token_ids(state, ctx, m, data, text, tokens, ids, prompt_ids)
     if token_path is not None:
-        body, gen, tokens = token_path
+        body, gen, tokens, m.resent = token_path
         if prompt is None and m.prompt_ids is not None:  # this leg's prompt, exactly
             prompt = len(m.prompt_ids) + len(m.ids)
         m.ids += gen
         m.leg = api.token_leg
     elif m.leg is None:
         body = api.continuation(data, m.text + text, m.tokens + tokens)
+        m.resent = "text"
     else:  # continued by token ids before: no text continuation can follow
         body = None
     if body is None:
@@ -264,6 +285,13 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     m.source, m.reason, m.continuing = backend, err.reason, True
     ctx.body = orjson.dumps(body)
     return True
+
+
+def leg_api(ctx: RequestContext) -> Api:
+    """The API of the stream ``ctx`` reads now, whose usage it counts: a token
+    continuation's (completions), else the client's."""
+    m = ctx.migration
+    return m.leg if m is not None and m.leg is not None else ctx.parsed.api
 
 
 def settle(ctx: RequestContext) -> None:
@@ -290,8 +318,8 @@ def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> Str
     m.continuing = False
     metrics = state.metrics
     metrics.child(metrics.stream_migrations, ctx.model, m.reason).inc()
-    log.info("stream %s migrated from %s to %s after %s (%d tokens relayed)", ctx.request_id, m.source, ctx.backend,
-             m.reason, m.tokens)
+    log.info("stream %s migrated from %s to %s after %s (%d tokens relayed, resent as %s)", ctx.request_id, m.source,
+             ctx.backend, m.reason, m.tokens, m.resent)
     if ctx.attempts:
         name, started, _ = ctx.attempts[-1]
         ctx.attempts[-1] = (name, started, "continuation")
@@ -333,8 +361,7 @@ def _relayed(api: Api, kept: list[bytes]) -> Relayed | None:
             return None
         if not isinstance(event, dict):
             return None
-        if not head:
-            head = {k: event[k] for k in ("id", "created", "model") if k in event}
+        api.follow(event, head)
         if isinstance(event.get("usage"), dict):
             usage = event["usage"]
         text = api.relayed_text(event)

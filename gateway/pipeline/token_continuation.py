@@ -20,19 +20,20 @@ if TYPE_CHECKING:
 
 def by_token_ids(state: GatewayState, ctx: RequestContext, m: Continuation, data: dict[str, Any], text: str,
                  tokens: int, ids: list[int] | None,
-                 prompt_ids: list[int] | None) -> tuple[dict[str, Any], list[int], int] | None:
+                 prompt_ids: list[int] | None) -> tuple[dict[str, Any], list[int], int, str] | None:
     """The token continuation (:meth:`~gateway.apis.base.Api.token_continuation`) of
     request ``data`` after the leg that relayed ``text`` (``tokens`` tokens; ``ids``:
     their ids as its engine streamed them, or ``None``; ``prompt_ids``: the prompt's ids
-    its engine reported, or ``None``), the ids of ``text`` it resends and the leg's
-    tokens. The ids are the engine's when they decode to ``text`` (else a stop string
-    or a character cut mid-token held back text that the ids hold), and the leg's
-    tokens are then their count; else ``text`` tokenized by the model's tokenizer (the
-    seam may then differ from what was generated, as with a text continuation) and
-    ``tokens``. ``None`` when there is no tokenizer, the API has no token continuation
-    or refuses this one, the prompt's ids are unknown (its engine did not report them
-    and the gateway could not render the prompt) or an earlier continuation was made
-    from the text. Sets ``m.prompt_ids`` and, when unknown, ``m.prompt_tokens``."""
+    its engine reported, or ``None``), the ids of ``text`` it resends, the leg's tokens
+    and where the ids came from (``"engine token ids"``, ``"token ids"``). The ids are
+    the engine's when they decode to ``text`` (else a stop string or a character cut
+    mid-token held back text that the ids hold), and the leg's tokens are then their
+    count; else ``text`` tokenized by the model's tokenizer (the seam may then differ
+    from what was generated, as with a text continuation) and ``tokens``. ``None``
+    when there is no tokenizer, the API has no token continuation or refuses this one,
+    the prompt's ids are unknown (its engine did not report them and the gateway could
+    not render the prompt) or an earlier continuation was made from the text.
+    Sets ``m.prompt_ids`` and, when unknown, ``m.prompt_tokens``."""
     api = ctx.parsed.api
     tokenizer = state.core.tokenizers.get(ctx.model)
     if tokenizer is None or api.token_leg is None or (m.used and m.leg is None):
@@ -44,9 +45,9 @@ def by_token_ids(state: GatewayState, ctx: RequestContext, m: Continuation, data
             return None
         m.prompt_ids = list(known)
     if ids is not None and tokenizer.tokenizer.decode(ids, skip_special_tokens=True) == text:
-        tokens = len(ids)
+        tokens, resent = len(ids), "engine token ids"
     else:
-        ids = tokenizer.encode(text, False) if text else []
+        ids, resent = (tokenizer.encode(text, False) if text else []), "token ids"
     token_ids = [*m.prompt_ids, *m.ids, *ids]
     limit = state.core.fleet.describe(ctx.model).max_model_len
     body = api.token_continuation(data, token_ids, m.tokens + tokens,
@@ -55,7 +56,7 @@ def by_token_ids(state: GatewayState, ctx: RequestContext, m: Continuation, data
         return None
     if m.prompt_tokens is None:
         m.prompt_tokens = len(m.prompt_ids)
-    return body, ids, tokens
+    return body, ids, tokens, resent
 
 
 def ask_token_ids(state: GatewayState, ctx: RequestContext, body: bytes) -> bytes:
@@ -71,7 +72,7 @@ def ask_token_ids(state: GatewayState, ctx: RequestContext, body: bytes) -> byte
     m = ctx.migration
     if m is None or not m.used:
         api = ctx.parsed.api
-        if api.token_leg is None or ctx.model not in state.core.tokenizers or \
+        if api.token_leg is None or not api.streams_token_ids or ctx.model not in state.core.tokenizers or \
                 not state.cfg.migration.limit(ctx.model) or not api.continuable(data) or \
                 (ctx.request is not None and ctx.request.remote_prefill):
             return body

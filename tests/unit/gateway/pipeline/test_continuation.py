@@ -125,3 +125,56 @@ def test_a_token_continuations_completions_chunk_becomes_a_chat_chunk():
     assert last["object"] == "chat.completion.chunk" and last["choices"] == []
     assert last["usage"] == {"prompt_tokens": 20, "completion_tokens": 8, "total_tokens": 28}
     assert COMPLETIONS.token_leg is not None and COMPLETIONS.token_leg.path == "/v1/completions"
+
+
+def test_which_responses_streams_may_be_continued_and_the_text_their_events_relayed():
+    from gateway.apis.registry import BY_NAME
+
+    responses = BY_NAME["responses"]
+    assert responses.continuable({"input": "hi"}) and not responses.continues_text
+    assert responses.continuable({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]})
+    assert not responses.continuable({"input": "hi", "tools": [{"type": "function", "name": "f"}]})
+    assert not responses.continuable({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]})
+    assert not responses.continuable({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}})
+    assert not responses.continuable({"input": "hi", "top_logprobs": 2})
+    assert responses.relayed_text({"type": "response.created", "response": {}}) == ""
+    assert responses.relayed_text({"type": "response.output_item.added", "output_index": 0,
+                                   "item": {"type": "message"}}) == ""
+    assert responses.relayed_text({"type": "response.output_item.added", "output_index": 0,
+                                   "item": {"type": "reasoning"}}) is None
+    assert responses.relayed_text({"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
+                                   "delta": " a"}) == " a"
+    assert responses.relayed_text({"type": "response.output_text.done", "output_index": 0}) is None
+    body = responses.token_continuation({"model": "m", "input": "hi", "max_output_tokens": 9, "temperature": 0,
+                                         "store": True}, [1, 2], 4, None)
+    assert body == {"model": "m", "prompt": [1, 2], "max_tokens": 5, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+
+
+def test_a_token_continuations_completions_chunks_become_responses_events_numbered_on():
+    from gateway.apis.registry import BY_NAME
+
+    responses = BY_NAME["responses"]
+    head: dict = {}
+    for e in ({"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1", "status": "in_progress"}},
+              {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0,
+               "item": {"type": "message", "id": "msg_1"}},
+              {"type": "response.output_text.delta", "sequence_number": 2, "output_index": 0, "content_index": 0,
+               "delta": " one"}):
+        responses.follow(e, head)
+    leg = responses.token_leg
+    assert leg is not None and leg.path == "/v1/completions" and not leg.relays_done
+    out = leg.spliced({"choices": [{"index": 0, "text": " two", "finish_reason": None}]}, head, 10, 1)
+    assert out == [{"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0,
+                    "content_index": 0, "delta": " two", "logprobs": [], "sequence_number": 3}]
+    out = leg.spliced({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, head, 10, 1)
+    assert [e["type"] for e in out] == ["response.output_text.done", "response.content_part.done",
+                                        "response.output_item.done"]
+    assert out[0]["text"] == " one two" and [e["sequence_number"] for e in out] == [4, 5, 6]
+    usage = {"prompt_tokens": 11, "completion_tokens": 1, "total_tokens": 12}
+    (done,) = leg.spliced({"choices": [], "usage": usage}, head, 10, 1)
+    assert done["type"] == "response.completed" and done["sequence_number"] == 7
+    response = done["response"]
+    assert (response["id"], response["status"], response["incomplete_details"]) == ("resp_1", "completed", None)
+    assert response["output"][0]["content"][0]["text"] == " one two"
+    assert response["usage"]["input_tokens"] == 10 and response["usage"]["output_tokens"] == 2
