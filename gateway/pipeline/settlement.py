@@ -105,7 +105,9 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     prompt: int | None = None
     cached = 0
     if isinstance(usage, dict):
-        pt, reported_cached, ct = migration.leg_api(ctx).counts(usage)
+        m = ctx.migration  # a token continuation's usage is completions': migration.leg_api
+        api = ctx.parsed.api if m is None or m.leg is None else m.leg
+        pt, reported_cached, ct = api.counts(usage)
         if pt is not None:
             prompt = pt
             s.prompt_tokens.inc(pt)
