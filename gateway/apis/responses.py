@@ -81,7 +81,9 @@ def input_items(data: dict[str, Any]) -> list[Any]:
 _TOKEN_CARRIED = {"temperature": "temperature", "top_p": "top_p", "user": "user", "seed": "seed",
                   "top_k": "top_k", "min_p": "min_p", "stop": "stop", "ignore_eos": "ignore_eos",
                   "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-                  "presence_penalty": "presence_penalty", "priority": "priority", "cache_salt": "cache_salt"}
+                  "presence_penalty": "presence_penalty", "priority": "priority", "cache_salt": "cache_salt",
+                  "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias",
+                  "skip_special_tokens": "skip_special_tokens"}
 # the stream events before and at the first output text, which add no text
 _OPENING = frozenset(("response.created", "response.in_progress", "response.output_item.added",
                       "response.content_part.added"))
