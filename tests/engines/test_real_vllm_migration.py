@@ -9,6 +9,8 @@ killed with SIGKILL (its whole process group: the API server and its engine core
 some chunks reached the client is continued on the other engine by a completions
 request whose prompt is the engine's own prompt ids followed by the ids it streamed;
 the openai SDK receives one answer equal to an uninterrupted run's, with its usage.
+The same for a Responses stream, whose events carry no ids: the conversation as the
+gateway renders and tokenizes it, then the text relayed re-tokenized.
 Without the virtualenv the module skips. Two engine starts make it slow.
 """
 # ruff: noqa: E402 - the imports below need the skip checks above to pass first
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -33,6 +36,8 @@ engines.require_model_deps("real-vLLM")
 
 import openai
 
+from gateway.apis.registry import BY_NAME
+from routing.tokenizer import load_tokenizer
 from tests.support.servers import gateway_config, running_gateway
 
 MODEL = engines.MODEL_ALIAS
@@ -84,3 +89,56 @@ async def test_a_chat_stream_whose_vllm_is_killed_is_continued_by_token_ids(pair
         # resent as the ids the engine streamed (they decoded to the text relayed), on /v1/completions
         assert any("resent as engine token ids)" in r.getMessage() for r in caplog.records)
         assert all((c.choices[0].model_extra or {}).get("token_ids") for c in chunks[-5:] if c.choices)
+
+
+async def test_a_responses_stream_whose_vllm_is_killed_is_continued_by_token_ids(pair, caplog):
+    """Responses events carry no token ids: the continuation resends the text relayed
+    re-tokenized, which the random-weight model's text (arbitrary token sequences) does
+    not always give back as it was generated (the seam caveat). So the check is the
+    documented one: the first leg's text is the uninterrupted run's, the prompt the
+    gateway rendered counts the engine's own input tokens, and the rest of the answer is
+    what the surviving engine generates, greedy, after that prompt and the text relayed
+    re-tokenized; one stream, numbered on, one ``response.completed`` with the usage."""
+    caplog.set_level(logging.INFO, logger="gateway.pipeline")
+    model_dir = pair[0].model
+    cfg = gateway_config([{"name": s.name, "url": s.url, "models": [MODEL], "return_token_ids": True} for s in pair],
+                         models={MODEL: {"tokenizer": str(model_dir)}})
+    data = {"model": MODEL, "instructions": "You are terse.", "input": MESSAGES[0]["content"],
+            "max_output_tokens": MAX_TOKENS, "temperature": 0}
+    request = {**data, "stream": True, "extra_body": {"ignore_eos": True}}
+    async with running_gateway(cfg) as gw:
+        direct = openai.AsyncOpenAI(base_url=pair[1].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ref = [e async for e in await direct.responses.create(**request)][-1].response
+        await direct.close()
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        raw = await client.responses.with_raw_response.create(**request)
+        victim = next(s for s in pair if s.name == raw.headers["x-turbo-backend"])
+        survivor = next(s for s in pair if s is not victim)
+        events = []
+        async for e in raw.parse():
+            events.append(e)
+            if len(events) == 20:
+                os.killpg(victim.proc.pid, signal.SIGKILL)  # the engine dies with the stream open
+        await client.close()
+        logged = [m for r in caplog.records
+                  if (m := re.search(r"\((\d+) tokens relayed, resent as token ids\)", r.getMessage()))]
+        assert len(logged) == 1 and gw.metric("turbo_gateway_stream_migrations_total", model=MODEL,
+                                              reason="disconnected") == 1
+        relayed = int(logged[0].group(1))
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        first, rest = "".join(deltas[:relayed]), "".join(deltas[relayed:])
+        assert ref.output_text.startswith(first) and rest
+        tok = load_tokenizer(model_dir)
+        prompt = tok.encode(tok.render_chat(BY_NAME["responses"].view(data)), False)
+        assert len(prompt) == ref.usage.input_tokens  # the gateway renders the input as vLLM does
+        direct = openai.AsyncOpenAI(base_url=survivor.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        again = await direct.completions.create(model=MODEL, prompt=[*prompt, *tok.encode(first, False)],
+                                                max_tokens=MAX_TOKENS - relayed, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        await direct.close()
+        assert rest == again.choices[0].text
+        final = events[-1].response
+        assert events[-1].type == "response.completed" and final.output_text == first + rest
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert final.id == events[0].response.id and final.status == ref.status == "incomplete"
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (ref.usage.input_tokens, MAX_TOKENS)
