@@ -438,3 +438,29 @@ async def test_without_a_tokenizer_a_responses_stream_keeps_the_error_event():
             await sdk_responses(gw.url)
         assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 0
         assert gw.metric("turbo_gateway_stream_errors_total", backend="a", reason="disconnected") == 1
+
+
+async def test_with_the_tokenizer_a_messages_stream_is_continued_by_token_ids(caplog):
+    """Messages by token ids: the continuation's completions chunks rewritten into
+    content_block_delta events, the block's stop, one message_delta with the whole
+    answer's output tokens, message_stop; no [DONE]."""
+    caplog.set_level(logging.INFO, logger="gateway.pipeline")
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, tokenizer=str(TINY)) as (gw, urls):
+        expected, _, ref = await sdk_messages(urls["b"])
+        text, got, final = await sdk_messages(gw.url)
+        assert text == expected and len(expected.split()) == N
+        kinds = [e.type for e in got]
+        assert kinds.count("message_start") == 1 and kinds.count("content_block_start") == 1
+        assert kinds.count("content_block_stop") == 1 and kinds.count("message_stop") == 1
+        assert kinds[-1] == "message_stop"
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == N
+        assert final.usage.input_tokens == ref.usage.input_tokens
+        assert (await paths(urls["b"])).get("/v1/completions") == 1
+        assert any("resent as token ids)" in r.getMessage() for r in caplog.records)
+        requests, _, _, completion, errors, _ = ledger(gw)
+        assert (requests, completion, errors) == (1, N, 0)
+    body = {"model": "m", "max_tokens": N, "stream": True, "ignore_eos": True, "messages": [MESSAGES[1]]}
+    async with fleet(faults={"a": {"close_after_chunks": CUT}}, tokenizer=str(TINY)) as (gw, _):
+        got = await raw(gw.url, "/v1/messages", body)
+        assert got.count(b": migrated from a to b\n\n") == 1 and b"[DONE]" not in got
+        assert got.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')

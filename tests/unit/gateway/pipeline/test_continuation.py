@@ -178,3 +178,27 @@ def test_a_token_continuations_completions_chunks_become_responses_events_number
     assert (response["id"], response["status"], response["incomplete_details"]) == ("resp_1", "completed", None)
     assert response["output"][0]["content"][0]["text"] == " one two"
     assert response["usage"]["input_tokens"] == 10 and response["usage"]["output_tokens"] == 2
+
+
+def test_a_messages_token_continuation_and_its_chunks_as_messages_events():
+    from gateway.apis.registry import BY_NAME
+
+    messages = BY_NAME["messages"]
+    data = {"model": "m", "max_tokens": 10, "messages": MESSAGES, "stop_sequences": ["END"], "temperature": 0,
+            "metadata": {"user_id": "u"}}
+    assert messages.token_continuation(data, [1, 2], 3, None) == {
+        "model": "m", "prompt": [1, 2], "max_tokens": 7, "temperature": 0, "stop": ["END"], "stream": True,
+        "stream_options": {"include_usage": True}}
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Sure:"}]
+    assert messages.token_continuation({**data, "messages": prefill}, [1], 1, None) is None  # the text path
+    assert messages.token_continuation({**data, "tools": [{"name": "f"}]}, [1], 1, None) is None
+    leg = messages.token_leg
+    assert leg is not None and leg.path == "/v1/completions" and not leg.relays_done
+    head: dict = {}
+    assert leg.spliced({"choices": [{"index": 0, "text": " a", "finish_reason": None}]}, head, 5, 2) == [
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " a"}}]
+    assert leg.spliced({"choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": "END"}]},
+                       head, 5, 2) == [{"type": "content_block_stop", "index": 0}]
+    assert leg.spliced({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}, head, 5, 2) == [
+        {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "END"},
+         "usage": {"output_tokens": 4}}, {"type": "message_stop"}]
