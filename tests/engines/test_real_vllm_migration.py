@@ -44,6 +44,9 @@ MODEL = engines.MODEL_ALIAS
 MAX_TOKENS = 120
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a garden."}]
 GREEDY = {"temperature": 0, "ignore_eos": True}
+# a continuation is a retry, started within retries.budget_s of the first attempt: on a
+# loaded 2-core machine two CPU engines may take longer than the default 30 s to reach the kill
+RETRY_BUDGET_S = 600.0
 
 
 @pytest.fixture
@@ -63,7 +66,7 @@ def pair(tmp_path: Path):
 async def test_a_chat_stream_whose_vllm_is_killed_is_continued_by_token_ids(pair, caplog):
     model_dir = pair[0].model
     cfg = gateway_config([{"name": s.name, "url": s.url, "models": [MODEL], "return_token_ids": True} for s in pair],
-                         models={MODEL: {"tokenizer": str(model_dir)}})
+                         models={MODEL: {"tokenizer": str(model_dir)}}, retries={"budget_s": RETRY_BUDGET_S})
     caplog.set_level(logging.INFO, logger="gateway.pipeline")
     async with running_gateway(cfg) as gw:
         direct = openai.AsyncOpenAI(base_url=pair[1].url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -102,7 +105,7 @@ async def test_a_responses_stream_whose_vllm_is_killed_is_continued_by_token_ids
     caplog.set_level(logging.INFO, logger="gateway.pipeline")
     model_dir = pair[0].model
     cfg = gateway_config([{"name": s.name, "url": s.url, "models": [MODEL], "return_token_ids": True} for s in pair],
-                         models={MODEL: {"tokenizer": str(model_dir)}})
+                         models={MODEL: {"tokenizer": str(model_dir)}}, retries={"budget_s": RETRY_BUDGET_S})
     data = {"model": MODEL, "instructions": "You are terse.", "input": MESSAGES[0]["content"],
             "max_output_tokens": MAX_TOKENS, "temperature": 0}
     request = {**data, "stream": True, "extra_body": {"ignore_eos": True}}
