@@ -230,11 +230,13 @@ def _connect(state: GatewayState, cfg: GatewayConfig) -> list[BackendClient]:
         prev = state.clients.get(b.name)
         if prev is not None and prev.base_url == url and prev.timeouts == t and prev.auth_header == auth:
             prev.state = backend
+            prev.return_token_ids = b.return_token_ids
             clients[b.name] = prev
             continue
         session = _session(cfg, b)
         state.sessions.append(session)
-        clients[b.name] = BackendClient(backend, url, session, t, auth)
+        client = clients[b.name] = BackendClient(backend, url, session, t, auth)
+        client.return_token_ids = b.return_token_ids
         if prev is not None:
             retired.append(prev)
     retired += [c for name, c in state.clients.items() if name not in clients]

@@ -8,7 +8,14 @@ Its stream is typed events (``message_start``, ``content_block_delta``,
 (https://docs.anthropic.com/en/api/errors), the shape :meth:`Messages.error_body` gives.
 ``POST /v1/messages/count_tokens`` (:class:`CountTokens`) is routed like a Messages
 request that generates nothing.
-The prompt is routed as the chat conversation the engine renders from it."""
+The prompt is routed as the chat conversation the engine renders from it.
+
+A stream is continued on another backend with the text relayed as a last assistant
+message (:meth:`Messages.continuation`), or, with the model's tokenizer configured, by
+token ids (:meth:`Messages.token_continuation`): a completions request whose prompt is
+the conversation rendered by the chat template, as routing tokenized it, followed by the
+ids of the text relayed, its chunks rewritten into Messages events
+(:class:`CompletionsAsMessages`)."""
 
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from typing import Any
 import orjson
 
 from gateway.apis.base import Api, Fields, error_message, missing, optional_int, read_model, read_stream
+from gateway.apis.openai_completions import Completions
 from gateway.errors import ClientError
 
 # HTTP status -> Anthropic error type (https://docs.anthropic.com/en/api/errors)
@@ -147,6 +155,26 @@ class Messages(Api):
             messages.append({"role": "assistant", "content": text})
         return {**data, "messages": messages, "max_tokens": left}
 
+    def token_continuation(self, data: dict[str, Any], token_ids: list[int], tokens: int,
+                           room: int | None) -> dict[str, Any] | None:
+        """Not for a request with ``tools``, content other than text, or the client's own
+        start of the answer (a last assistant message: routing rendered it closed, the
+        engine continues it), which keep the text continuation."""
+        messages = data["messages"]
+        if data.get("tools") or messages[-1].get("role") == "assistant" or not all(
+                isinstance(m.get("content"), str) or (isinstance(m.get("content"), list) and all(
+                    isinstance(b, dict) and b.get("type") == "text" for b in m["content"])) for m in messages):
+            return None
+        left = data["max_tokens"] - tokens
+        if left < 1:
+            return None
+        body = {f: data[f] for f in ("temperature", "top_p", "top_k") if data.get(f) is not None}
+        if data.get("stop_sequences"):
+            body["stop"] = data["stop_sequences"]
+        body.update(model=data["model"], prompt=token_ids, max_tokens=left, stream=True,
+                    stream_options={"include_usage": True})
+        return body
+
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
                 tokens: int, echo: str = "") -> dict[str, Any] | None:
         """The continuation's ``message_start`` and the start of its first text block
@@ -194,6 +222,47 @@ class Messages(Api):
 
     def error_event(self, status: int, body: bytes) -> bytes:
         return b"event: error\ndata: " + self.error_body(status, body) + b"\n\n"
+
+
+class CompletionsAsMessages(Completions):
+    """The stream of a Messages answer's token continuation, a completions stream, read
+    as completions and rewritten into the client's Messages events: each text as a
+    ``content_block_delta`` (``text_delta``) of block 0, at its ``finish_reason``
+    ``content_block_stop``, at its usage ``message_delta`` (``stop_reason``
+    ``max_tokens`` when the answer ran out of tokens, ``stop_sequence`` with the stop
+    string the engine names, else ``end_turn``; the whole answer's ``output_tokens``, the
+    input's being the first leg's ``message_start``'s) and ``message_stop``. No
+    ``[DONE]``."""
+
+    relays_done = False
+
+    def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
+                tokens: int, echo: str = "") -> list[dict[str, Any]] | None:
+        out: list[dict[str, Any]] = []
+        for c in event.get("choices") or ():
+            if not isinstance(c, dict) or c.get("index", 0) != 0:
+                continue
+            text = c.get("text")
+            if isinstance(text, str) and text:
+                out.append({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
+            finish = c.get("finish_reason")
+            if finish is not None:
+                stop = c.get("stop_reason")
+                head["stop"] = ("max_tokens", None) if finish == "length" else \
+                    ("stop_sequence", stop) if isinstance(stop, str) else ("end_turn", None)
+                out.append({"type": "content_block_stop", "index": 0})
+        usage = event.get("usage")
+        if isinstance(usage, dict) and "stop" in head:
+            ct = usage.get("completion_tokens")
+            if isinstance(ct, int):
+                reason, sequence = head["stop"]
+                out += [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                         "usage": {"output_tokens": ct + tokens}},
+                        {"type": "message_stop"}]
+        return out
+
+
+Messages.token_leg = CompletionsAsMessages()
 
 
 class CountTokens(Messages):

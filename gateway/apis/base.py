@@ -25,6 +25,9 @@ each API is an :class:`Api` whose few methods say how its requests and answers r
   (:mod:`gateway.pipeline.migration`): whether a request may be, the text one event
   relayed, the request that continues after that text, and a continuation's event
   rewritten into the client's stream (an API that defines none is never continued);
+  :attr:`Api.token_leg` and :meth:`Api.token_continuation`: with the model's tokenizer,
+  the same as a completions request whose prompt is token ids (the prompt's, then the
+  answer's so far), whose stream :attr:`Api.token_leg` rewrites into the client's;
 
 and a few attributes: its path, its OpenTelemetry ``gen_ai.operation.name``, whether it
 generates (embeddings and rerank do not: their cost is prefill only), how its stream
@@ -125,6 +128,10 @@ class Api:
     delta_event = b""  # the SSE event name of one output token; empty: every ``data:`` event
     session_field: str | None = None  # the request field naming a session (gateway.pipeline.session)
     user_field: str | None = None  # the request field naming the end user, dotted into objects
+    token_leg: Api | None = None  # the adapter of its token continuation's stream (:meth:`token_continuation`)
+    continues_text = True  # :meth:`continuation` may continue it without a tokenizer (False: by token ids only)
+    relays_done = True  # a continuation's ``data: [DONE]`` goes to the client (False: a client API without it)
+    streams_token_ids = False  # its stream carries the ids generated when asked ``return_token_ids`` (vLLM's)
 
     def read(self, data: dict[str, Any]) -> Fields:
         """The routing fields of request ``data``. Raises :class:`ClientError` 400."""
@@ -204,6 +211,13 @@ class Api:
         reasoning, logprobs, another choice, the answer's end, an error)."""
         return None
 
+    def follow(self, event: dict[str, Any], head: dict[str, Any]) -> None:
+        """Note in ``head`` what a continuation's rewrite (:meth:`spliced`) needs of
+        ``event``, one event of the stream being continued, read at the failure: by
+        default the identity fields (``id``, ``created``, ``model``) of its first event."""
+        if not head:
+            head.update({k: event[k] for k in ("id", "created", "model") if k in event})
+
     def continuation(self, data: dict[str, Any], text: str, tokens: int) -> dict[str, Any] | None:
         """The request object that continues the answer to request ``data`` after its
         first ``tokens`` tokens, ``text``, went to the client: the same request, the
@@ -211,8 +225,19 @@ class Api:
         ``None`` when it cannot be continued (no token left)."""
         return None
 
+    def token_continuation(self, data: dict[str, Any], token_ids: list[int], tokens: int,
+                           room: int | None) -> dict[str, Any] | None:
+        """The completions request (``POST /v1/completions``, streamed) that continues
+        the answer to request ``data`` after its first ``tokens`` tokens went to the
+        client: ``token_ids`` the prompt's ids then the answer's so far, as the engine
+        tokenized them; the output-token caps reduced by ``tokens`` (unset: ``room``,
+        what the model's context leaves, ``None`` unknown); the request's sampling
+        parameters carried over. Its stream is read and rewritten by :attr:`token_leg`.
+        ``None``: not continued by token ids (the text continuation may still be made)."""
+        return None
+
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
-                tokens: int, echo: str = "") -> dict[str, Any] | None:
+                tokens: int, echo: str = "") -> dict[str, Any] | list[dict[str, Any]] | None:
         """A continuation's stream ``event`` rewritten as an event of the client's
         stream, whose first event's identity fields were ``head`` and which had relayed
         ``tokens`` tokens before; its usage says ``prompt_tokens`` (``None``: the
@@ -221,7 +246,8 @@ class Api:
         an engine may send again at the start of its answer (llama.cpp's Messages does:
         it answers a last assistant message with that message's text first), to be
         left out when the event's text begins with it.
-        ``None``: the event is dropped (a second start of the answer)."""
+        ``None``: the event is dropped (a second start of the answer); a list: the
+        events, typed (their ``type``), that replace it."""
         return event
 
 

@@ -15,7 +15,17 @@ continuation could not be faithful: ``n`` or ``best_of`` above 1, logprobs asked
 ``json_object`` or ``json_schema``, vLLM's ``guided_*`` and ``structured_outputs``: the
 engine would constrain the continuation as a whole new document), a forced tool call
 (``tool_choice`` ``required`` or a named function); and at the failure, an answer that
-had started a tool call or reasoning, or had ended (:meth:`relayed_text`)."""
+had started a tool call or reasoning, or had ended (:meth:`relayed_text`).
+
+With the model's tokenizer configured, both are continued by token ids instead
+(:meth:`ChatCompletions.token_continuation`): a completions request whose prompt is the
+prompt's ids followed by the answer's, which needs no chat template on the engine and
+re-tokenizes nothing; a chat's continuation is read as completions chunks and rewritten
+into chat chunks (:class:`CompletionsAsChat`). Not for a chat whose rendering the
+gateway may not reproduce, or whose answer the engine parses: ``tools`` or ``functions``,
+content other than text, the chat template's options (``chat_template``,
+``chat_template_kwargs``, ``documents``, ``add_generation_prompt``,
+``continue_final_message``); those keep the text continuation."""
 
 from __future__ import annotations
 
@@ -127,12 +137,45 @@ def _spliced(event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | N
     return event
 
 
+# the request fields a token continuation carries over: vLLM's sampling parameters that
+# both APIs share (https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html) and OpenAI's
+_TOKEN_CARRIED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "frequency_penalty",
+                  "presence_penalty", "repetition_penalty", "length_penalty", "ignore_eos", "min_tokens",
+                  "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
+                  "spaces_between_special_tokens", "include_stop_str_in_output", "user", "priority", "cache_salt",
+                  "stream_options", "return_token_ids")
+# chat fields that change how the engine renders the prompt or reads the answer
+_CHAT_RENDERED = ("tools", "functions", "chat_template", "chat_template_kwargs", "documents",
+                  "add_generation_prompt", "continue_final_message", "mm_processor_kwargs")
+
+
+def _token_body(data: dict[str, Any], token_ids: list[int], tokens: int, room: int | None) -> dict[str, Any] | None:
+    """See :meth:`Api.token_continuation` (both APIs)."""
+    out = _rest(data, tokens)
+    if out is None:
+        return None
+    caps = [out[f] for f in ("max_tokens", "max_completion_tokens") if isinstance(data.get(f), int)]
+    left = min(caps) if caps else room
+    if left is None or left < 1:
+        return None
+    body = {k: out[k] for k in _TOKEN_CARRIED if k in out}
+    body.update(model=data["model"], prompt=token_ids, max_tokens=left, stream=True)
+    return body
+
+
+def _text_only(content: Any) -> bool:
+    """Whether chat ``content`` is text: a string, or text parts only."""
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+
+
 class ChatCompletions(Api):
     """``POST /v1/chat/completions``: ``messages`` (a non-empty array of objects with
     a string ``role``), rendered through the model's chat template."""
 
     name, path, operation = "chat", "/v1/chat/completions", "chat"
-    disaggregates = True
+    disaggregates = streams_token_ids = True
     session_field, user_field = "prompt_cache_key", "user"
 
     def read(self, data: dict[str, Any]) -> Fields:
@@ -160,6 +203,13 @@ class ChatCompletions(Api):
         out.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
         return out
 
+    def token_continuation(self, data: dict[str, Any], token_ids: list[int], tokens: int,
+                           room: int | None) -> dict[str, Any] | None:
+        if any(data.get(f) not in (None, [], {}) for f in _CHAT_RENDERED) or \
+                not all(_text_only(m.get("content")) and not m.get("tool_calls") for m in data["messages"]):
+            return None
+        return _token_body(data, token_ids, tokens, room)
+
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
                 tokens: int, echo: str = "") -> dict[str, Any] | None:
         return _spliced(event, head, prompt_tokens, tokens, True)
@@ -171,7 +221,7 @@ class Completions(Api):
 
     name, path, operation = "completions", "/v1/completions", "text_completion"
     prompt_kind, prompt_param = "completions", "prompt"
-    disaggregates = True
+    disaggregates = streams_token_ids = True
     session_field, user_field = "prompt_cache_key", "user"
 
     def read(self, data: dict[str, Any]) -> Fields:
@@ -193,6 +243,43 @@ class Completions(Api):
             out["prompt"] = data["prompt"] + text
         return out
 
+    def token_continuation(self, data: dict[str, Any], token_ids: list[int], tokens: int,
+                           room: int | None) -> dict[str, Any] | None:
+        return _token_body(data, token_ids, tokens, room)
+
+    def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
+                tokens: int, echo: str = "") -> dict[str, Any] | list[dict[str, Any]] | None:
+        return _spliced(event, head, prompt_tokens, tokens, False)
+
+
+class CompletionsAsChat(Completions):
+    """The stream of a chat answer's token continuation, a completions stream, read as
+    completions and rewritten into the client's chat stream: each chunk as a chat chunk
+    (``object`` ``chat.completion.chunk``, choice ``text`` as ``delta.content``, its
+    ``finish_reason``, ``stop_reason`` and ``token_ids`` kept) with the client's
+    ``id``, ``created`` and ``model`` and the whole answer's usage (:func:`_spliced`)."""
+
     def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
                 tokens: int, echo: str = "") -> dict[str, Any] | None:
-        return _spliced(event, head, prompt_tokens, tokens, False)
+        out = _spliced(event, head, prompt_tokens, tokens, False)
+        if out is None:
+            return None
+        out["object"] = "chat.completion.chunk"
+        choices = out.get("choices")
+        if isinstance(choices, list):
+            out["choices"] = [_as_chat_choice(c) if isinstance(c, dict) else c for c in choices]
+        return out
+
+
+def _as_chat_choice(c: dict[str, Any]) -> dict[str, Any]:
+    """A completions stream choice as a chat one."""
+    out: dict[str, Any] = {"index": c.get("index", 0), "delta": {"content": c.get("text") or ""},
+                           "logprobs": None, "finish_reason": c.get("finish_reason")}
+    for f in ("stop_reason", "token_ids"):
+        if f in c:
+            out[f] = c[f]
+    return out
+
+
+ChatCompletions.token_leg = CompletionsAsChat()
+Completions.token_leg = Completions()

@@ -5,7 +5,18 @@ Its stream is a sequence of typed events (``event: response.output_text.delta``.
 that ends with ``response.completed`` (or ``response.incomplete``, ``response.failed``),
 whose ``response.usage`` counts ``input_tokens`` (``input_tokens_details.cached_tokens``)
 and ``output_tokens``. The prompt is routed as the chat conversation the engine renders
-from it: ``instructions`` as the system message, then each input item."""
+from it: ``instructions`` as the system message, then each input item.
+
+A stream may be continued on another backend only by token ids (the Responses API has
+no way to ask an engine to go on with a partial assistant message), so only with the
+model's tokenizer configured: a completions request whose prompt is the conversation
+rendered by the chat template, as routing tokenized it, followed by the ids of the text
+relayed (:meth:`Responses.token_continuation`), its chunks rewritten into the client's
+Responses events (:class:`CompletionsAsResponses`). Not continued: ``tools``, input
+items other than messages of text, structured output (``text.format`` other than
+``text``), ``top_logprobs``, ``include`` asking for logprobs; and at the failure, an
+answer whose first output item is not a message of text (reasoning, a function call)
+or that had ended (:meth:`Responses.relayed_text`)."""
 
 from __future__ import annotations
 
@@ -14,6 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.apis.base import Api, Fields, missing, optional_int, read_model, read_stream
+from gateway.apis.openai_completions import Completions
 
 _GATEWAY_FIELDS = ("previous_response_id", "conversation")  # state the gateway keeps: never sent to an engine
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text"}
@@ -65,6 +77,29 @@ def input_items(data: dict[str, Any]) -> list[Any]:
     return list(inp) if isinstance(inp, list) else []
 
 
+# the request fields a token continuation carries over, as completions fields
+_TOKEN_CARRIED = {"temperature": "temperature", "top_p": "top_p", "user": "user", "seed": "seed",
+                  "top_k": "top_k", "min_p": "min_p", "stop": "stop", "ignore_eos": "ignore_eos",
+                  "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+                  "presence_penalty": "presence_penalty", "priority": "priority", "cache_salt": "cache_salt",
+                  "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias",
+                  "skip_special_tokens": "skip_special_tokens"}
+# the stream events before and at the first output text, which add no text
+_OPENING = frozenset(("response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"))
+
+
+def _text_message(item: Any) -> bool:
+    """Whether an input item is a message whose content is text (a string or text parts)."""
+    if isinstance(item, str):
+        return True
+    if not isinstance(item, dict) or item.get("type", "message") != "message" or not isinstance(item.get("role"), str):
+        return False
+    content = item.get("content")
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in content))
+
+
 class Responses(Api):
     """``POST /v1/responses`` (see the module docstring)."""
 
@@ -102,6 +137,57 @@ class Responses(Api):
 
     def record(self, data: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
         return {"input": input_items(data), "response": answer}
+
+    continues_text = False
+
+    def continuable(self, data: dict[str, Any]) -> bool:
+        fmt = data.get("text")
+        fmt = fmt.get("format") if isinstance(fmt, dict) else None
+        include = data.get("include")
+        return not data.get("tools") and not data.get("top_logprobs") and \
+            not (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) and \
+            not (isinstance(include, list) and any("logprobs" in str(i) for i in include)) and \
+            all(_text_message(item) for item in input_items(data))
+
+    def relayed_text(self, event: dict[str, Any]) -> str | None:
+        kind = event.get("type")
+        if kind in _OPENING:
+            item = event.get("item")
+            part = event.get("part")
+            if event.get("output_index", 0) != 0 or (isinstance(item, dict) and item.get("type") != "message") or \
+                    (isinstance(part, dict) and part.get("type") != "output_text"):
+                return None
+            return ""
+        if kind == "response.output_text.delta" and event.get("output_index") == 0 and \
+                event.get("content_index") == 0 and isinstance(event.get("delta"), str):
+            return event["delta"]
+        return None  # the text's or the answer's end, another item, an error
+
+    def follow(self, event: dict[str, Any], head: dict[str, Any]) -> None:
+        """The response object (its ``response.created`` event's), the message item's id,
+        the next ``sequence_number`` and the text so far: what the continuation's events
+        are written with (:class:`CompletionsAsResponses`)."""
+        kind = event.get("type")
+        if kind == "response.created" and isinstance(event.get("response"), dict):
+            head["response"] = event["response"]
+        elif kind == "response.output_item.added" and isinstance(event.get("item"), dict):
+            head["item_id"] = event["item"].get("id")
+        elif kind == "response.output_text.delta" and isinstance(event.get("delta"), str):
+            head["text"] = head.get("text", "") + event["delta"]
+        seq = event.get("sequence_number")
+        if isinstance(seq, int):
+            head["sequence_number"] = seq + 1
+
+    def token_continuation(self, data: dict[str, Any], token_ids: list[int], tokens: int,
+                           room: int | None) -> dict[str, Any] | None:
+        cap = data.get("max_output_tokens")
+        left = cap - tokens if isinstance(cap, int) and not isinstance(cap, bool) else room
+        if left is None or left < 1:
+            return None
+        body = {to: data[f] for f, to in _TOKEN_CARRIED.items() if data.get(f) is not None}
+        body.update(model=data["model"], prompt=token_ids, max_tokens=left, stream=True,
+                    stream_options={"include_usage": True})
+        return body
 
     def usage_in(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         usage = obj.get("usage")
@@ -143,3 +229,64 @@ class InputTokens(Responses):
 
     def token_count_answer(self, prompt_tokens: int) -> bytes | None:
         return orjson.dumps({"object": "response.input_tokens", "input_tokens": prompt_tokens})
+
+
+class CompletionsAsResponses(Completions):
+    """The stream of a Responses answer's token continuation, a completions stream, read
+    as completions and rewritten into the client's Responses events, numbered on from
+    the last one relayed (``sequence_number``): each text as a
+    ``response.output_text.delta`` of the message item being written; at its
+    ``finish_reason`` the item's end (``response.output_text.done``,
+    ``response.content_part.done``, ``response.output_item.done``, with the whole text);
+    at its usage ``response.completed``, the first leg's response object with that item
+    as its output, ``status`` ``incomplete`` (``incomplete_details.reason``
+    ``max_output_tokens``) when the answer ran out of tokens, else ``completed``, and the
+    whole answer's usage. No ``[DONE]`` (Responses streams have none)."""
+
+    relays_done = False
+
+    def spliced(self, event: dict[str, Any], head: dict[str, Any], prompt_tokens: int | None,
+                tokens: int, echo: str = "") -> list[dict[str, Any]] | None:
+        out: list[dict[str, Any]] = []
+        at = {"item_id": head.get("item_id"), "output_index": 0, "content_index": 0}
+        for c in event.get("choices") or ():
+            if not isinstance(c, dict) or c.get("index", 0) != 0:
+                continue
+            text = c.get("text")
+            if isinstance(text, str) and text:
+                head["text"] = head.get("text", "") + text
+                out.append({"type": "response.output_text.delta", **at, "delta": text, "logprobs": []})
+            if c.get("finish_reason") is not None:
+                status = "incomplete" if c["finish_reason"] == "length" else "completed"
+                whole = head.get("text", "")
+                part = {"type": "output_text", "text": whole, "annotations": [], "logprobs": []}
+                item = head["item"] = {"type": "message", "id": at["item_id"], "role": "assistant",
+                                       "status": status, "content": [part]}
+                out += [{"type": "response.output_text.done", **at, "text": whole, "logprobs": []},
+                        {"type": "response.content_part.done", **at, "part": part},
+                        {"type": "response.output_item.done", "output_index": 0, "item": item}]
+        usage = event.get("usage")
+        ended = head.get("item")
+        if isinstance(usage, dict) and isinstance(ended, dict):
+            pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(pt, int) and isinstance(ct, int):
+                prompt = prompt_tokens if prompt_tokens is not None else max(pt - tokens, 0)
+                details = usage.get("prompt_tokens_details")
+                cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                whole_usage = {"input_tokens": prompt,
+                               "input_tokens_details": {"cached_tokens": min(cached or 0, prompt)},
+                               "output_tokens": ct + tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                               "total_tokens": prompt + ct + tokens}
+                response = dict(head.get("response") or {})
+                incomplete = ended["status"] == "incomplete"
+                response.update(status=ended["status"], output=[ended], usage=whole_usage,
+                                incomplete_details={"reason": "max_output_tokens"} if incomplete else None)
+                out.append({"type": "response.completed", "response": response})
+        for e in out:
+            seq = head.get("sequence_number", 0)
+            e["sequence_number"] = seq
+            head["sequence_number"] = seq + 1
+        return out
+
+
+Responses.token_leg = CompletionsAsResponses()

@@ -9,12 +9,14 @@ from gateway.config.base import Strict
 
 
 class Migration(Strict):
-    """A streamed chat or completions answer whose backend fails after output reached
-    the client (an engine crash, a reset, an idle or total timeout) is continued on
-    another backend of the model: the prompt followed by the text already sent, for the
-    rest of `max_tokens`, relayed into the same stream (docs/failure-contract.md says
-    which requests are continued and what the client and the ledger see). Requests that
-    cannot be continued faithfully end with an error event, as with this off."""
+    """A streamed chat, completions or Messages answer (Responses: with the model's
+    tokenizer) whose backend fails after output reached the client (an engine crash, a
+    reset, an idle or total timeout) is continued on another backend of the model: the
+    prompt followed by the text already sent (with the model's `tokenizer`: their token
+    ids, on `/v1/completions`), for the rest of `max_tokens`, relayed into the same
+    stream (docs/failure-contract.md says which requests are continued and what the
+    client and the ledger see). Requests that cannot be continued faithfully end with an
+    error event, as with this off."""
 
     enabled: bool = Field(
         True, description="Continue eligible streams on another backend. Off: a stream whose backend fails after "

@@ -210,6 +210,14 @@ class Backend(Strict):
         None, description="Subscribe to this backend's KV-cache events (ZMQ, vLLM format) for a precise prefix "
         "index. Unset: its prefix entries stay approximate.")
     lora: BackendLora = Field(BackendLora(), description="LoRA adapters loaded on demand.")
+    return_token_ids: bool = Field(
+        False, description="The engine streams the token ids it generates when a request asks `return_token_ids: "
+        "true` (vLLM's OpenAI server does): a streamed request that may be continued by token ids (its model has a "
+        "`tokenizer`; docs/failure-contract.md, \"When a stream is continued\") asks it of this backend, so a "
+        "continuation after a failure here resends the ids generated instead of re-tokenizing the text. "
+        "The client's chunks then carry the engine's `token_ids` (and its first one `prompt_token_ids`), which "
+        "the gateway does not strip. Off: not asked; leave it off for an engine without the field (it may refuse "
+        "such requests, or ignore the field).")
     simulate: dict[str, Any] | None = Field(
         None, description="Instead of `url`: a demo backend that the gateway starts itself on a free loopback "
         "port (`python -m loadtest.sim`). Takes the simulator's backend spec fields: `profile` (`demo`, "

@@ -25,7 +25,7 @@ from msgspec.structs import replace
 
 from gateway.apis.base import Api
 from gateway.errors import REQUEST_ID_HEADER, ApiNotServed, BackendStatus, Disconnected, UpstreamError
-from gateway.pipeline import engine_errors, migration, relay, settlement
+from gateway.pipeline import engine_errors, migration, relay, settlement, token_continuation
 from gateway.pipeline.context import Failure, RequestContext
 from gateway.pipeline.deadlines import Deadlines
 from gateway.pipeline.downstream import ClientGone
@@ -111,7 +111,9 @@ async def with_retries(state: GatewayState, ctx: RequestContext, retrier: Retrie
             settlement.attempt_failed(state, backend, reservation, err)
             ctx.attempts[-1] = (backend.name, now, err.reason)
             if isinstance(err, ApiNotServed):  # from now on, no request of the API goes there
-                state.api_support.learn(ctx.parsed.endpoint, backend.name)
+                mig = ctx.migration  # a token continuation's API is completions
+                state.api_support.learn(mig.leg.name if mig is not None and mig.leg is not None
+                                        else ctx.parsed.endpoint, backend.name)
                 subset = _served_by(state, ctx)
                 if _api_unserved(ctx, subset):
                     return ApiNotServed("", ctx.parsed.endpoint, ctx.model), None
@@ -215,14 +217,18 @@ async def run(state: GatewayState, ctx: RequestContext, client: BackendClient, r
     body = ctx.body
     if parsed.stream and not parsed.include_usage:  # counted exactly; the relay withholds it from the client
         body = request_usage(body, ctx.data or parsed.data)
+    if client.return_token_ids and parsed.stream:  # its engine streams token ids, for a continuation
+        body = token_continuation.ask_token_ids(state, ctx, body)
+    m = ctx.migration
+    api = m.leg if m is not None and m.leg is not None else parsed.api  # a token continuation: completions
     up: Upstream | None = None
     try:
         headers = _request_headers(client, ctx.request_id, parsed.stream,
                                    ctx.trace.propagation if ctx.trace is not None else b"")
-        up = await client.pool.request(parsed.api.path, headers, body, deadlines.first_byte_at, early,
+        up = await client.pool.request(api.path, headers, body, deadlines.first_byte_at, early,
                                        not parsed.stream, deadlines.first_byte_error)
         if up.status != 200:
-            await _raise_status(client, up, parsed.api)
+            await _raise_status(client, up, api)
         if early is not None and early.opened:
             opened = early.opened[0]
             if isinstance(opened, BaseException):

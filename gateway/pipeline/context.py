@@ -30,6 +30,7 @@ from routing.core import (
 )
 
 if TYPE_CHECKING:
+    from gateway.apis.base import Api
     from gateway.ops.tracing import RequestTrace
     from gateway.runtime import GatewayState
     from gateway.upstream.client import BackendClient
@@ -99,10 +100,16 @@ class Continuation:
     ``id``, ``created``, ``model``) and prompt tokens when its first leg reported them;
     ``charged``: the (prompt, cached prompt, completion) tokens of each leg that ended;
     ``source`` and ``reason``: the backend whose failure is being continued and why;
-    ``continuing``: a continuation is being attempted (its first bytes not yet relayed)."""
+    ``continuing``: a continuation is being attempted (its first bytes not yet relayed);
+    ``resent``: what the last continuation resent of the answer (``"text"``, ``"token
+    ids"`` of the gateway's tokenizer, ``"engine token ids"``), for its log line;
+    a continuation by token ids: ``leg``, the adapter of its stream (its path upstream,
+    :attr:`gateway.apis.base.Api.token_leg`; ``None``: the client's API), ``prompt_ids``
+    and ``ids``, the prompt's token ids and those of the text relayed by the legs that
+    ended."""
 
-    __slots__ = ("charged", "continuing", "head", "limit", "prompt_tokens", "reason", "source", "text", "tokens",
-                 "used")
+    __slots__ = ("charged", "continuing", "head", "ids", "leg", "limit", "prompt_ids", "prompt_tokens", "reason",
+                 "resent", "source", "text", "tokens", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -112,8 +119,11 @@ class Continuation:
         self.head: dict[str, Any] = {}
         self.prompt_tokens: int | None = None
         self.charged: list[tuple[int, int, int]] = []
-        self.source = self.reason = ""
+        self.source = self.reason = self.resent = ""
         self.continuing = False
+        self.leg: Api | None = None
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] = []
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ import orjson
 
 from gateway.errors import ClientError
 from gateway.pipeline.context import RequestContext
+from gateway.pipeline.migration import Splice
 from gateway.pipeline.openai_request import ParsedRequest, dumps_json, parse_request
 from gateway.pipeline.session import of_conversation, started
 from gateway.pipeline.stream_scan import TypedEventScan
@@ -178,7 +179,8 @@ def _answer_object(ctx: RequestContext) -> dict[str, Any] | None:
             return None
         return obj if isinstance(obj, dict) else None
     scan = ctx.scan
-    if isinstance(scan, TypedEventScan) and scan.final is not None and scan.done:
-        response = scan.final.get("response")
+    final = scan.final if isinstance(scan, (TypedEventScan, Splice)) else None  # Splice: a continuation's
+    if final is not None and scan is not None and scan.done:
+        response = final.get("response")
         return response if isinstance(response, dict) else None
     return None

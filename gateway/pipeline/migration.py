@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.errors import UpstreamError
+from gateway.pipeline import token_continuation
 from gateway.pipeline.context import Continuation, RequestContext
 from gateway.pipeline.stream_scan import StreamScan, TypedEventScan
 from gateway.pipeline.stream_scan import scan_for as plain_scan_for
@@ -118,11 +119,13 @@ class Splice:
     pending: bytes
     held: bytes
     drop_blank_line: bool
+    final: dict[str, Any] | None
 
     def _start(self, api: Api, m: Continuation, prefix: bytes) -> None:
         self.api, self.head, self.prompt_tokens, self.tokens = api, m.head, m.prompt_tokens, m.tokens
         self.echo = m.text  # the text relayed before, which the engine may send again (Api.spliced)
         self.prefix = prefix
+        self.final: dict[str, Any] | None = None
         self.pending = self.held = b""
         self.drop_blank_line = False
 
@@ -138,6 +141,17 @@ class Splice:
         super().flush()  # type: ignore[misc]  # a partial last line is dropped: it cannot be rewritten
         self.pending = b""
         return b""
+
+    def _typed(self, events: list[dict[str, Any]]) -> bytes:
+        """``events`` as typed SSE events; the last one that carries a response with its
+        usage is the answer's (``final``, as :class:`TypedEventScan` keeps it)."""
+        out = []
+        for e in events:
+            response = e.get("response")
+            if isinstance(response, dict) and response.get("usage") is not None:
+                self.final = e
+            out.append(b"event: %s\ndata: %s\n\n" % (str(e.get("type", "")).encode(), orjson.dumps(e)))
+        return b"".join(out)
 
     def _rewritten(self, lines: bytes) -> bytes:
         out = []
@@ -158,12 +172,17 @@ class Splice:
                     echo = self.echo
                     if echo and self.api.relayed_text(event):  # the continuation's first text
                         self.echo = ""
-                    event = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens, echo)
-                    if event is None:
+                    spliced = self.api.spliced(event, self.head, self.prompt_tokens, self.tokens, echo)
+                    if spliced is None or isinstance(spliced, list):  # dropped, or typed events instead
                         self.drop_blank_line = True
                         self.held = b""
+                        if spliced:
+                            out.append(self._typed(spliced))
                         continue
-                    line = b"data: " + orjson.dumps(event) + b"\n"
+                    line = b"data: " + orjson.dumps(spliced) + b"\n"
+            elif line.startswith(b"data:") and not self.api.relays_done:  # a client API without [DONE]
+                self.drop_blank_line = True
+                continue
             if self.held:
                 out.append(self.held)
                 self.held = b""
@@ -202,8 +221,10 @@ def scan_for(state: GatewayState, ctx: RequestContext) -> StreamScan:
     if m is not None and m.continuing:
         return _continued(state, ctx, m)
     scan = plain_scan_for(parsed.api, not parsed.include_usage)
-    if state.cfg.migration.limit(ctx.model) and parsed.api.continuable(ctx.data or parsed.data) and \
-            (ctx.request is None or not ctx.request.remote_prefill):
+    api = parsed.api
+    if state.cfg.migration.limit(ctx.model) and api.continuable(ctx.data or parsed.data) and \
+            (ctx.request is None or not ctx.request.remote_prefill) and \
+            (api.continues_text or ctx.model in state.core.tokenizers):
         scan.kept = kept_for(state, ctx)
     return scan
 
@@ -227,19 +248,33 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     if m.used >= m.limit:
         return False
     api = ctx.parsed.api
-    relayed = _relayed(api, scan.kept)
+    relayed = _relayed(m.leg or api, scan.kept)
     if relayed is None:
         return False
-    text, tokens, head, usage = relayed
-    body = api.continuation(ctx.data or ctx.parsed.data, m.text + text, m.tokens + tokens)
-    if body is None:
-        return False
-    prompt, cached, completion = api.counts(usage) if usage is not None else (None, None, None)
+    text, tokens, head, usage, ids, prompt_ids = relayed
+    data = ctx.data or ctx.parsed.data
+    prompt, cached, completion = (m.leg or api).counts(usage) if usage is not None else (None, None, None)
     if completion is not None:  # the engine reported usage on every event: exact counts
         tokens = completion
+    body: dict[str, Any] | None
+    token_path = token_continuation.by_token_ids(state, ctx, m, data, text, tokens, ids, prompt_ids)
+    if token_path is not None:
+        body, gen, tokens, m.resent = token_path
+        if prompt is None and m.prompt_ids is not None:  # this leg's prompt, exactly
+            prompt = len(m.prompt_ids) + len(m.ids)
+        m.ids += gen
+        m.leg = api.token_leg
+    elif m.leg is None:
+        body = api.continuation(data, m.text + text, m.tokens + tokens)
+        m.resent = "text"
+    else:  # continued by token ids before: no text continuation can follow
+        body = None
+    if body is None:
+        return False
     if not m.head:
         m.head = head
-        m.prompt_tokens = prompt
+        if prompt is not None:
+            m.prompt_tokens = prompt
     if prompt is None:
         estimate = ctx.estimate.prompt_tokens if ctx.estimate is not None else 0
         prompt = estimate + m.tokens
@@ -250,6 +285,13 @@ def prepare(state: GatewayState, ctx: RequestContext, err: UpstreamError, backen
     m.source, m.reason, m.continuing = backend, err.reason, True
     ctx.body = orjson.dumps(body)
     return True
+
+
+def leg_api(ctx: RequestContext) -> Api:
+    """The API of the stream ``ctx`` reads now, whose usage it counts: a token
+    continuation's (completions), else the client's."""
+    m = ctx.migration
+    return m.leg if m is not None and m.leg is not None else ctx.parsed.api
 
 
 def settle(ctx: RequestContext) -> None:
@@ -276,28 +318,37 @@ def _continued(state: GatewayState, ctx: RequestContext, m: Continuation) -> Str
     m.continuing = False
     metrics = state.metrics
     metrics.child(metrics.stream_migrations, ctx.model, m.reason).inc()
-    log.info("stream %s migrated from %s to %s after %s (%d tokens relayed)", ctx.request_id, m.source, ctx.backend,
-             m.reason, m.tokens)
+    log.info("stream %s migrated from %s to %s after %s (%d tokens relayed, resent as %s)", ctx.request_id, m.source,
+             ctx.backend, m.reason, m.tokens, m.resent)
     if ctx.attempts:
         name, started, _ = ctx.attempts[-1]
         ctx.attempts[-1] = (name, started, "continuation")
     comment = b": migrated from %s to %s\n\n" % (m.source.encode(), ctx.backend.encode())
-    api = ctx.parsed.api
+    api = m.leg or ctx.parsed.api
     if api.end_events:
         return TypedSpliceScan(api, m, comment, kept_for(state, ctx))
     return SpliceScan(not ctx.parsed.include_usage, api, m, comment, kept_for(state, ctx))
 
 
-def _relayed(api: Api, kept: list[bytes]) -> tuple[str, int, dict[str, Any], dict[str, Any] | None] | None:
+Relayed = tuple[str, int, dict[str, Any], dict[str, Any] | None, list[int] | None, list[int] | None]
+
+
+def _relayed(api: Api, kept: list[bytes]) -> Relayed | None:
     """What one leg relayed, read from its bytes ``kept`` (whole lines only): its text,
     its tokens (one per event that carried text), the identity fields of its first
-    event and the last usage it reported; ``None`` when it cannot be continued as text
+    event, the last usage it reported, and when its engine streamed them
+    (``return_token_ids``: vLLM's choice ``token_ids``, and ``prompt_token_ids`` on its
+    first chunk, top-level for chat, in the choice for completions) the ids it
+    generated (``None`` when an event with text came without them) and the prompt's
+    ids (or ``None``); ``None`` when it cannot be continued as text
     (:meth:`Api.relayed_text`) or it had ended (``[DONE]``)."""
     data = b"".join(kept)
     parts: list[str] = []
     tokens = 0
     head: dict[str, Any] = {}
     usage: dict[str, Any] | None = None
+    ids: list[int] | None = []
+    prompt_ids: list[int] | None = None
     for line in data[: data.rfind(b"\n") + 1].splitlines():
         if not line.startswith(b"data:"):
             continue
@@ -310,14 +361,24 @@ def _relayed(api: Api, kept: list[bytes]) -> tuple[str, int, dict[str, Any], dic
             return None
         if not isinstance(event, dict):
             return None
-        if not head:
-            head = {k: event[k] for k in ("id", "created", "model") if k in event}
+        api.follow(event, head)
         if isinstance(event.get("usage"), dict):
             usage = event["usage"]
         text = api.relayed_text(event)
         if text is None:
             return None
+        choices = event.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        if prompt_ids is None:
+            p = event.get("prompt_token_ids", choice.get("prompt_token_ids"))
+            prompt_ids = p if token_continuation.id_list(p) else None
+        t = choice.get("token_ids")
+        if ids is not None and isinstance(t, list) and token_continuation.id_list(t):
+            ids.extend(t)
+        elif text:
+            ids = None
         if text:
             parts.append(text)
             tokens += 1
-    return "".join(parts), tokens, head, usage
+    return "".join(parts), tokens, head, usage, ids, prompt_ids
+

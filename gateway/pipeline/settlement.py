@@ -105,7 +105,9 @@ def completed(state: GatewayState, ctx: RequestContext, reservation: Reservation
     prompt: int | None = None
     cached = 0
     if isinstance(usage, dict):
-        pt, reported_cached, ct = ctx.parsed.api.counts(usage)
+        m = ctx.migration  # a token continuation's usage is completions': migration.leg_api
+        api = ctx.parsed.api if m is None or m.leg is None else m.leg
+        pt, reported_cached, ct = api.counts(usage)
         if pt is not None:
             prompt = pt
             s.prompt_tokens.inc(pt)
@@ -151,7 +153,7 @@ def _charge_relayed(ctx: RequestContext) -> None:
     scan = ctx.scan
     prompt = cached = completion = None
     if scan is not None and scan.usage is not None:
-        prompt, cached, completion = ctx.parsed.api.counts(scan.usage)
+        prompt, cached, completion = migration.leg_api(ctx).counts(scan.usage)
     if prompt is None:
         prompt = ctx.estimate.prompt_tokens if ctx.estimate is not None else 0
     if completion is None:

@@ -243,7 +243,8 @@ class BackendClient:
     aiohttp ``session`` for the health checks and metric scraping. Made inside the
     running loop."""
 
-    __slots__ = ("state", "base_url", "session", "timeouts", "auth_header", "pool", "auth_line", "endpoint")
+    __slots__ = ("state", "base_url", "session", "timeouts", "auth_header", "pool", "auth_line", "endpoint",
+                 "return_token_ids")
 
     def __init__(self, state, base_url: str, session, timeouts, auth_header: str | None = None) -> None:
         self.state = state
@@ -254,3 +255,4 @@ class BackendClient:
         self.pool = UpstreamPool(base_url, timeouts.connect_s, name=state.name)
         self.auth_line = b"Authorization: %s\r\n" % header_value(auth_header) if auth_header else b""
         self.endpoint = endpoint_of(base_url)  # ip:port, as Envoy names it
+        self.return_token_ids = False  # its engine streams token ids when asked (config `return_token_ids`)

@@ -208,9 +208,10 @@ class Responses(Api):
             raise BadRequest(f"Response with id '{prev}' not found.", "response_id", status=404,
                              etype="invalid_request_error")
         msgs = responses_messages(data)
-        ids = tok.tokenize(render_chat(msgs, data.get("tools")), add_special_tokens=False)
+        text = render_chat(msgs, data.get("tools"))
+        ids = tok.tokenize(text, add_special_tokens=False)
         return Job(data["model"], data, [ids], optional_positive_int(data, "max_output_tokens"),
-                   stream_flag(data))
+                   stream_flag(data), text)
 
     @staticmethod
     def response(job: Job, rid: str, created: int, status: str, output: list, usage: dict | None) -> dict:

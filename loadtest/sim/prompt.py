@@ -128,8 +128,10 @@ def prompt_token_ids(data: dict[str, Any], chat: bool,
 def read_prompt(data: dict[str, Any], chat: bool,
                 tok: tokenizer.Tokenizer = tokenizer.EMULATOR) -> tuple[list[int], str | None]:
     """The request's prompt: its token ids (:func:`prompt_token_ids`) and its text (a
-    chat rendered, a text prompt; ``None`` for token ids), from which the engine's
-    output follows (:meth:`loadtest.sim.engine.Engine.add_request`'s ``context``).
+    chat rendered, a text prompt, token ids decoded with their special tokens), from
+    which the engine's output follows (:meth:`loadtest.sim.engine.Engine.add_request`'s
+    ``context``): a chat's rendered ids followed by the ids it generated, sent as a
+    completions prompt, go on with the same words, as on a real engine.
 
     A chat may ask to continue its last message (``continue_final_message: true`` with
     ``add_generation_prompt: false``; both true is vLLM's 400): the text is rendered
@@ -168,7 +170,8 @@ def read_prompt(data: dict[str, Any], chat: bool,
         raise BadRequest("the simulator serves one prompt per request (batched prompts are not supported)",
                          "prompt")
     if isinstance(p, list) and p and isinstance(p[0], (int, float)):
-        return check_token_ids(p, loc, tok.vocab_size), None
+        ids = check_token_ids(p, loc, tok.vocab_size)
+        return ids, tok.prompt_text(ids)
     raise BadRequest("`prompt` must be a string or a list of token ids", "prompt")
 
 

@@ -15,7 +15,9 @@ Endpoints (shapes follow vLLM's OpenAI server)
   (``continuous_usage_stats`` puts running usage on every chunk). ``max_tokens`` /
   ``max_completion_tokens`` (default: the rest of ``max_model_len``, as vLLM),
   ``ignore_eos``, ``min_tokens``, ``seed``, and for chat ``add_generation_prompt`` and
-  ``continue_final_message`` (continue the last message: :func:`read_prompt`). A chat
+  ``continue_final_message`` (continue the last message: :func:`read_prompt`), and
+  ``return_token_ids`` (vLLM's: the prompt's ids on the first chunk, each chunk's
+  generated ids as its choice's ``token_ids``). A chat
   stream starts with a role-only chunk (``delta: {"role": "assistant", "content": ""}``)
   as vLLM's does; every generated token is one chunk and one whitespace-separated word.
   The output is greedy, a function of the prompt's text
@@ -54,7 +56,8 @@ Endpoints (shapes follow vLLM's OpenAI server)
   backend), plus ``sim:*`` metrics of the emulator itself.
 * Admin: ``GET /admin/faults`` (current faults), ``POST /admin/faults`` (replace them;
   body = :class:`FaultConfig` fields, ``{}`` clears), ``POST /admin/crash``
-  (``{"down_s": T}``), ``GET /admin/stats`` (engine + emulator health as JSON).
+  (``{"down_s": T}``), ``GET /admin/stats`` (engine + emulator health as JSON, the
+  requests admitted by path in ``paths``).
 
 Every API's request goes through the engine model (queueing, prefix cache, prefill
 cost, ``cached_tokens``), the same faults, and vLLM's 404 for a model not served.
@@ -310,6 +313,7 @@ class SimBackend:
         self.faults_injected: dict[str, int] = {}
         self.crashes = 0
         self.http_requests = 0
+        self.paths: dict[str, int] = {}  # requests admitted, by path (GET /admin/stats)
         self._ids = itertools.count()
         self._rng = random.Random(self.faults.seed)
         self.tok: tokenizer.Tokenizer = (tokenizer.HFTokenizer(cfg.tokenizer) if cfg.tokenizer
@@ -667,7 +671,8 @@ class SimBackend:
     def stats(self) -> dict[str, Any]:
         return {"name": self.cfg.name, "profile": self.profile.name, "role": self.role,
                 "speed": self.cfg.speed, "engine_id": self.engine.engine_id, "crashes": self.crashes,
-                "http_requests": self.http_requests, "faults_injected": dict(self.faults_injected),
+                "http_requests": self.http_requests, "paths": dict(self.paths),
+                "faults_injected": dict(self.faults_injected),
                 "engine": self.engine.stats(), "runner": self.runner.stats(),
                 "kv_events": None if self.kv_publisher is None else self.kv_publisher.stats(),
                 "event_loop_lag_s": LOOP_LAG.lag.summary()}
@@ -703,6 +708,7 @@ class SimBackend:
         :class:`BadRequest`: 400 for a body that is no JSON object, vLLM's 404 for a
         model not served, the injected error or 429 (with ``Retry-After``)."""
         self.http_requests += 1
+        self.paths[request.path] = self.paths.get(request.path, 0) + 1
         try:
             data = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
@@ -937,7 +943,7 @@ class SimBackend:
         with rs:
             ctx = _Ctx(rid, int(time.time()), model, chat, len(ids))
             if stream:
-                return await self._stream(request, rs, ctx, so)
+                return await self._stream(request, rs, ctx, so, ids if data.get("return_token_ids") is True else None)
             return await self._complete(request, rs, ctx)
 
     async def _complete(self, request: web.Request, rs: RequestStream, ctx: _Ctx) -> web.StreamResponse:
@@ -959,7 +965,12 @@ class SimBackend:
                 "usage": usage, "prompt_logprobs": None, "kv_transfer_params": kvp}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
-    async def _stream(self, request: web.Request, rs: RequestStream, ctx: _Ctx, so: dict) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rs: RequestStream, ctx: _Ctx, so: dict,
+                      prompt_ids: list[int] | None) -> web.StreamResponse:
+        """A streamed chat or completions answer; ``prompt_ids``: the prompt's ids when
+        the request asked ``return_token_ids`` (vLLM's: the prompt's ids on the first
+        chunk, top-level for chat, in the choice for completions; each chunk's generated
+        ids as its choice's ``token_ids``), else ``None``."""
         include_usage = bool(so.get("include_usage"))
         continuous = include_usage and bool(so.get("continuous_usage_stats"))
         head = ctx.chunk_head()
@@ -971,13 +982,20 @@ class SimBackend:
             nonlocal n_gen, cached, first
             parts = []
             cached = o.num_cached_tokens
+            ids: dict[str, Any] | None = None
             if first and ctx.chat:
                 first = False
-                parts.append(ctx.chunk(head, {"role": "assistant", "content": ""}, None,
+                role = {**head, "prompt_token_ids": prompt_ids} if prompt_ids is not None else head
+                parts.append(ctx.chunk(role, {"role": "assistant", "content": ""}, None,
                                        ctx.usage(0, cached) if continuous else None))
+            if prompt_ids is not None:
+                ids = {"token_ids": list(o.new_token_ids)}
+                if first:
+                    first = False
+                    ids["prompt_token_ids"] = prompt_ids
             n_gen += len(o.new_token_ids)
             parts.append(ctx.chunk(head, self.tok.detokenize(o.new_token_ids), o.finish_reason,
-                                   ctx.usage(n_gen, cached) if continuous else None))
+                                   ctx.usage(n_gen, cached) if continuous else None, ids))
             return parts
 
         def tail() -> list[bytes]:
@@ -1007,7 +1025,8 @@ class _Ctx:
         return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model}
 
-    def chunk(self, head: dict, content: Any, finish: str | None, usage: dict | None) -> bytes:
+    def chunk(self, head: dict, content: Any, finish: str | None, usage: dict | None,
+              ids: dict[str, Any] | None = None) -> bytes:
         if self.chat:
             delta = content if isinstance(content, dict) else {"content": content}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -1016,6 +1035,8 @@ class _Ctx:
                       "stop_reason": None}
         if finish is not None and self.chat:
             choice["stop_reason"] = None
+        if ids is not None:
+            choice.update(ids)
         obj = {**head, "choices": [choice]}
         if usage is not None:
             obj["usage"] = usage

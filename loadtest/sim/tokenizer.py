@@ -166,7 +166,9 @@ class Tokenizer(Protocol):
     prompt is tokenized with ``add_special_tokens=True``, a rendered chat with False,
     as vLLM does). ``detokenize(ids)``: generated ids -> text (EOS and other special
     tokens decode to nothing). ``output_token_id(seed, i)``: the i-th generated token
-    of a request; generated text re-tokenizes to the same ids. ``eos_token_id``;
+    of a request; generated text re-tokenizes to the same ids. ``prompt_text(ids)``: a
+    prompt given as ids -> its text, special tokens kept (a rendered chat's ids give
+    the rendered text back). ``eos_token_id``;
     ``vocab_size``: ids of the vocabulary, added tokens included.
     """
 
@@ -176,6 +178,8 @@ class Tokenizer(Protocol):
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def prompt_text(self, token_ids: list[int]) -> str: ...
 
     def output_token_id(self, seed: int, index: int) -> int: ...
 
@@ -190,6 +194,9 @@ class EmulatorTokenizer:
         return tokenize(text)
 
     def detokenize(self, token_ids: list[int]) -> str:
+        return detokenize(token_ids)
+
+    def prompt_text(self, token_ids: list[int]) -> str:
         return detokenize(token_ids)
 
     def output_token_id(self, seed: int, index: int) -> int:
@@ -264,6 +271,9 @@ class HFTokenizer:
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def prompt_text(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def output_token_id(self, seed: int, index: int) -> int:
         return self._output_ids[_mix(seed, index) % len(self._output_ids)]

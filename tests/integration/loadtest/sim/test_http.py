@@ -156,6 +156,30 @@ async def test_a_generation_continued_from_its_text_goes_on_with_the_same_words(
         assert part + orjson.loads(raw)["choices"][0]["text"] == text
 
 
+async def test_return_token_ids_streams_vllms_ids_and_a_chats_ids_continue_it_as_a_prompt():
+    """``return_token_ids`` (vLLM's chunk shapes: the prompt's ids on the first chunk,
+    top-level for chat and in the choice for completions; each chunk's generated ids as
+    its choice's ``token_ids``); a chat's prompt ids followed by the first k generated
+    ids, sent as a completions prompt, yield the rest of the answer."""
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    async with backends({"name": "a"}, {"name": "b"}) as (s, a, b):
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 12, "stream": True, "return_token_ids": True}
+        async with s.post(a.url + "/v1/chat/completions", json=body) as r:
+            evs = [e for e in await sse_events(r) if e != "[DONE]"]
+        prompt = evs[0]["prompt_token_ids"]
+        assert prompt == tokenizer.tokenize(render_chat(msgs)) and "token_ids" not in evs[0]["choices"][0]
+        ids = [i for e in evs[1:] for i in e["choices"][0]["token_ids"]]
+        text = "".join(e["choices"][0]["delta"]["content"] for e in evs[1:])
+        assert len(ids) == 12 and tokenizer.detokenize(ids) == text
+        async with s.post(b.url + "/v1/completions", json={"model": MODEL, "prompt": prompt + ids[:5], "max_tokens": 7,
+                                                          "stream": True, "return_token_ids": True}) as r:
+            rest = [e for e in await sse_events(r) if e != "[DONE]"]
+        assert rest[0]["choices"][0]["prompt_token_ids"] == prompt + ids[:5]
+        assert [i for e in rest for i in e["choices"][0]["token_ids"]] == ids[5:]
+        assert tokenizer.detokenize(ids[:5]) + "".join(e["choices"][0]["text"] for e in rest) == text
+        assert b.stats()["paths"] == {"/v1/completions": 1}
+
+
 async def test_bad_token_ids_get_vllms_400s():
     """A prompt of token ids is checked as vLLM 0.32 checks it: its request model
     (``list[Annotated[int, Field(ge=0)]]``, pydantic's lax integers) answers a negative
