@@ -85,28 +85,47 @@ def decision_cost(n_backends: int, n_blocks: int, n_requests: int = 2000, store=
     return statistics.median(passes)
 
 
+def _sessions_work(rng: random.Random, n_sessions: int, turns: int) -> list[tuple[str, str]]:
+    """The sessions workload of part 6: (session, prompt) per turn, turn by turn."""
+    contexts = [rng.randbytes(2048).hex() for _ in range(n_sessions)]
+    tails = [rng.randbytes(256).hex() for _ in range(turns)]
+    return [(f"s{k}", contexts[k] + "".join(tails[:t + 1])) for t in range(turns) for k in range(n_sessions)]
+
+
+def _sessions_router(rng: random.Random, n_backends: int, n_blocks: int, policy) -> Router:
+    """A router of ``n_backends`` whose index holds ``n_blocks`` unrelated blocks."""
+    fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(n_backends)])
+    index = PrefixIndex(max_blocks=n_blocks * 2, default_capacity_blocks=n_blocks)
+    router = Router(fleet, policy, index)
+    for j in range(n_blocks // 32):
+        index.record(f"b{j % n_backends}", tuple(rng.getrandbits(64) for _ in range(32)), now=0.0)
+    return router
+
+
+def _route_turns(router: Router, est: TokenEstimator, work: list[tuple[str, str]], n_sessions: int):
+    """Route every turn of ``work`` (a session's turns about a second apart), sized by
+    ``est``: yields (decision, reservation, router clock) per turn, the caller releasing
+    it."""
+    for i, (session, text) in enumerate(work):
+        now = 1.0 + i * (1.0 / n_sessions)
+        e = est.estimate("m", text, 128)
+        d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
+                                           prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
+                                           tokens_per_block=64.0, session=session), now=now)
+        yield d, res, now
+
+
 def sessions_cost(n_backends: int = 10, n_blocks: int = 100_000, n_sessions: int = 200, turns: int = 10) -> float:
     """Microseconds per session turn (estimate + route + release), median of 3 passes
     (see the module docstring, part 6)."""
     rng = random.Random(3)
-    contexts = [rng.randbytes(2048).hex() for _ in range(n_sessions)]
-    tails = [rng.randbytes(256).hex() for _ in range(turns)]
-    work = [(f"s{k}", contexts[k] + "".join(tails[:t + 1])) for t in range(turns) for k in range(n_sessions)]
+    work = _sessions_work(rng, n_sessions, turns)
     est = TokenEstimator()
     passes = []
     for _ in range(3):
-        fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(n_backends)])
-        index = PrefixIndex(max_blocks=n_blocks * 2, default_capacity_blocks=n_blocks)
-        router = Router(fleet, make_policy("estimated_ttft"), index)
-        for j in range(n_blocks // 32):
-            index.record(f"b{j % n_backends}", tuple(rng.getrandbits(64) for _ in range(32)), now=0.0)
+        router = _sessions_router(rng, n_backends, n_blocks, make_policy("estimated_ttft"))
         t0 = time.perf_counter()
-        for i, (session, text) in enumerate(work):
-            now = 1.0 + i * (1.0 / n_sessions)
-            e = est.estimate("m", text, 128)
-            _d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
-                                               prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
-                                               tokens_per_block=64.0, session=session), now=now)
+        for _d, res, now in _route_turns(router, est, work, n_sessions):
             res.release(now)
         passes.append((time.perf_counter() - t0) / len(work) * 1e6)
     return statistics.median(passes)
@@ -123,15 +142,8 @@ def sessions_digest(n_backends: int = 10, n_blocks: int = 100_000, n_sessions: i
     from routing.policies.estimated_ttft import EstimatedTTFT
 
     rng = random.Random(3)
-    contexts = [rng.randbytes(2048).hex() for _ in range(n_sessions)]
-    tails = [rng.randbytes(256).hex() for _ in range(turns)]
-    work = [(f"s{k}", contexts[k] + "".join(tails[:t + 1])) for t in range(turns) for k in range(n_sessions)]
-    est = TokenEstimator()
-    fleet = Fleet([BackendSpec(f"b{i}", frozenset({"m"})) for i in range(n_backends)])
-    index = PrefixIndex(max_blocks=n_blocks * 2, default_capacity_blocks=n_blocks)
-    router = Router(fleet, EstimatedTTFT(rng=random.Random(7)), index)
-    for j in range(n_blocks // 32):
-        index.record(f"b{j % n_backends}", tuple(rng.getrandbits(64) for _ in range(32)), now=0.0)
+    work = _sessions_work(rng, n_sessions, turns)
+    router = _sessions_router(rng, n_backends, n_blocks, EstimatedTTFT(rng=random.Random(7)))
     seen: list[tuple[str, tuple[float, float]]] = []
     turnover = router.kv_turnover
 
@@ -142,12 +154,7 @@ def sessions_digest(n_backends: int = 10, n_blocks: int = 100_000, n_sessions: i
 
     router._kv_turnover = recorded  # what each match hands the policy
     h = hashlib.sha256()
-    for i, (session, text) in enumerate(work):
-        now = 1.0 + i * (1.0 / n_sessions)
-        e = est.estimate("m", text, 128)
-        d, res = router.route(RouteRequest("m", prompt_text=text, prompt_bytes=e.size_bytes, block_hashes=e.hashes,
-                                           prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
-                                           tokens_per_block=64.0, session=session), now=now)
+    for d, res, now in _route_turns(router, TokenEstimator(), work, n_sessions):
         h.update(repr((d.backend.name, d.reason, sorted(d.detail.items()), d.placement, d.evidence, d.held_tokens,
                        d.idle_s, seen)).encode())
         seen.clear()
