@@ -22,6 +22,7 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +64,17 @@ def pair(tmp_path: Path):
             s.stop()
 
 
+async def read_killing(raw: Any, victim: Any, at: int = 20) -> list[Any]:
+    """Every event of the SDK's raw stream ``raw``, the engine ``victim`` killed with
+    SIGKILL (its process group) once ``at`` events arrived, the stream still open."""
+    out = []
+    async for e in raw.parse():
+        out.append(e)
+        if len(out) == at:
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+    return out
+
+
 async def test_a_chat_stream_whose_vllm_is_killed_is_continued_by_token_ids(pair, caplog):
     model_dir = pair[0].model
     cfg = gateway_config([{"name": s.name, "url": s.url, "models": [MODEL], "return_token_ids": True} for s in pair],
@@ -78,11 +90,7 @@ async def test_a_chat_stream_whose_vllm_is_killed_is_continued_by_token_ids(pair
             model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, stream=True,
             stream_options={"include_usage": True}, extra_body=GREEDY)
         victim = next(s for s in pair if s.name == raw.headers["x-turbo-backend"])
-        chunks = []
-        async for c in raw.parse():
-            chunks.append(c)
-            if len(chunks) == 20:
-                os.killpg(victim.proc.pid, signal.SIGKILL)  # the engine dies with the stream open
+        chunks = await read_killing(raw, victim)
         await client.close()
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == reference and len({(c.id, c.created, c.model) for c in chunks}) == 1
@@ -117,11 +125,7 @@ async def test_a_responses_stream_whose_vllm_is_killed_is_continued_by_token_ids
         raw = await client.responses.with_raw_response.create(**request)
         victim = next(s for s in pair if s.name == raw.headers["x-turbo-backend"])
         survivor = next(s for s in pair if s is not victim)
-        events = []
-        async for e in raw.parse():
-            events.append(e)
-            if len(events) == 20:
-                os.killpg(victim.proc.pid, signal.SIGKILL)  # the engine dies with the stream open
+        events = await read_killing(raw, victim)
         await client.close()
         logged = [m for r in caplog.records
                   if (m := re.search(r"\((\d+) tokens relayed, resent as token ids\)", r.getMessage()))]

@@ -74,6 +74,18 @@ async def sdk_chat(url: str, **extra: Any) -> tuple[str, list[Any], Any]:
     return text, chunks, chunks[-1].usage
 
 
+async def uninterrupted(url: str, faults: dict[str, Any]) -> str:
+    """The reference: the chat answer of the backend at ``url`` with its faults lifted,
+    which are then set back to ``faults``."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/admin/faults", json={}) as r:
+            assert r.status == 200
+        expected, _, _ = await sdk_chat(url)
+        async with s.post(url + "/admin/faults", json=faults) as r:
+            assert r.status == 200
+    return expected
+
+
 async def raw(url: str, path: str, body: dict[str, Any]) -> bytes:
     async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
         assert r.status == 200
@@ -197,12 +209,7 @@ async def test_continuations_stop_at_max_per_request():
     continuations finish an answer of ``N`` tokens on three backends, one does not."""
     cut = {n: {"close_after_chunks": 10} for n in ("a", "b", "c")}
     async with fleet(("a", "b", "c"), cut, migration={"max_per_request": 2}) as (gw, urls):
-        async with aiohttp.ClientSession() as s:  # the reference, uninterrupted
-            async with s.post(urls["a"] + "/admin/faults", json={}) as r:
-                assert r.status == 200
-            expected, _, _ = await sdk_chat(urls["a"])
-            async with s.post(urls["a"] + "/admin/faults", json=cut["a"]) as r:
-                assert r.status == 200
+        expected = await uninterrupted(urls["a"], cut["a"])
         text, _, usage = await sdk_chat(gw.url)
         assert text == expected and usage.completion_tokens == N
         assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 2
@@ -341,12 +348,7 @@ async def test_with_the_tokenizer_a_chat_stream_is_continued_twice_by_token_ids(
     cut = {n: {"close_after_chunks": 10} for n in ("a", "b", "c")}
     async with fleet(("a", "b", "c"), cut, tokenizer=str(TINY), backend={"return_token_ids": True},
                      migration={"max_per_request": 2}) as (gw, urls):
-        async with aiohttp.ClientSession() as s:  # the reference, uninterrupted
-            async with s.post(urls["a"] + "/admin/faults", json={}) as r:
-                assert r.status == 200
-            expected, _, _ = await sdk_chat(urls["a"])
-            async with s.post(urls["a"] + "/admin/faults", json=cut["a"]) as r:
-                assert r.status == 200
+        expected = await uninterrupted(urls["a"], cut["a"])
         text, _, usage = await sdk_chat(gw.url)
         assert text == expected and usage.completion_tokens == N
         assert gw.metric("turbo_gateway_stream_migrations_total", model="m", reason="disconnected") == 2
