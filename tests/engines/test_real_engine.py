@@ -29,6 +29,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -585,6 +586,19 @@ def killable_pair(workdir: Path, name: str) -> Iterator[tuple[list[engines.Llama
             s.stop()
 
 
+def read_killing(stream: Any, servers: list[engines.LlamaServer], at: int) -> list[Any]:
+    """Every event of the SDK's ``stream``, the server that serves it (its
+    ``x-turbo-backend``) killed with SIGKILL once ``at`` events arrived, the stream
+    still open."""
+    victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
+    out = []
+    for e in stream:
+        out.append(e)
+        if len(out) == at:
+            victim.proc.kill()
+    return out
+
+
 def test_a_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
     """Two fresh llama-servers (this test kills one) behind a gateway: a greedy stream
     (temperature 0; ASCII only, so that one event is one token) whose engine gets
@@ -603,12 +617,7 @@ def test_a_stream_whose_engine_is_killed_is_continued_on_the_other(workdir):
         stream = client.chat.completions.create(
             model=MODEL, messages=chat("tell me a long story"), max_tokens=max_tokens, stream=True,
             stream_options={"include_usage": True}, extra_body=greedy)
-        victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
-        chunks = []
-        for c in stream:
-            chunks.append(c)
-            if len(chunks) == 10:
-                victim.proc.kill()  # SIGKILL: the engine dies with the stream open
+        chunks = read_killing(stream, servers, 10)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == reference and len({c.id for c in chunks}) == 1
         assert chunks[-1].usage.completion_tokens == max_tokens
@@ -630,12 +639,7 @@ def test_a_messages_stream_whose_engine_is_killed_is_continued_on_the_other(work
         reference = "".join(e.delta.text for e in client.messages.create(stream=True, **request)
                             if e.type == "content_block_delta")
         stream = client.messages.create(stream=True, **request)
-        victim = next(s for s in servers if s.name == stream.response.headers["x-turbo-backend"])
-        events = []
-        for e in stream:
-            events.append(e)
-            if len(events) == 12:
-                victim.proc.kill()  # SIGKILL: the engine dies with the stream open
+        events = read_killing(stream, servers, 12)
         text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
         assert text == reference and len(text) > 0
         kinds = [e.type for e in events]
