@@ -183,7 +183,7 @@ def test_a_session_leaves_its_home_only_for_a_lead_beyond_the_estimates_error(qu
     d2 = route(r, second, 2.0)
     assert d2.placement == placement
     assert (d2.backend is home) == (placement == "home")
-    assert d2.reason == ("session_home" if placement == "home" else d2.reason)
+    assert (d2.reason == "session_home") == (placement == "home")
     held.release(2.0)
 
 
