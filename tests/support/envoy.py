@@ -37,6 +37,7 @@ class EnvoyProcess:
     url: str  # the listener, http://127.0.0.1:port
     admin: str  # the admin interface
     log: Path
+    tmp: tempfile.TemporaryDirectory
 
     async def stats(self, prefix: str) -> dict[str, int]:
         """Envoy's counters and gauges whose names start with ``prefix``."""
@@ -59,35 +60,65 @@ class EnvoyProcess:
                 self.proc.wait()
 
 
+BIND_ATTEMPTS = 5
+
+
 @asynccontextmanager
-async def envoy(bootstrap: dict, listen_port: int, admin_port: int) -> AsyncIterator[EnvoyProcess]:
-    """Start Envoy with ``bootstrap`` and wait until its admin says it is live."""
-    with tempfile.TemporaryDirectory(prefix="tg-envoy-") as tmp:
-        cfg = Path(tmp) / "envoy.yaml"
-        cfg.write_text(yaml.safe_dump(bootstrap))
-        log = Path(tmp) / "envoy.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([envoy_binary(), "-c", str(cfg), "--log-level", "warn", "--disable-hot-restart",
-                                     "--concurrency", "1"], stdout=out, stderr=subprocess.STDOUT)
-        e = EnvoyProcess(proc, f"http://127.0.0.1:{listen_port}", f"http://127.0.0.1:{admin_port}", log)
+async def envoy(bootstrap_for: Callable[[int, int], dict]) -> AsyncIterator[EnvoyProcess]:
+    """Start Envoy with ``bootstrap_for(listen_port, admin_port)`` on two free loopback ports
+    and wait until its admin says it is live. A port found free can be taken by another
+    process before Envoy binds it; Envoy then exits with "Address already in use" and is
+    started again on new ports, at most :data:`BIND_ATTEMPTS` times."""
+    for attempt in range(BIND_ATTEMPTS):
+        listen, admin = free_port(), free_port()
         try:
-            deadline = asyncio.get_running_loop().time() + 30
-            async with aiohttp.ClientSession() as s:
-                while True:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"envoy exited {proc.returncode}: {log.read_text()[-2000:]}")
-                    try:
-                        async with s.get(f"{e.admin}/ready") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    if asyncio.get_running_loop().time() > deadline:
-                        raise RuntimeError(f"envoy not ready within 30 s: {log.read_text()[-2000:]}")
-                    await asyncio.sleep(0.05)
+            e = await _start(bootstrap_for(listen, admin), listen, admin)
+        except _PortTaken:
+            if attempt == BIND_ATTEMPTS - 1:
+                raise
+            continue
+        try:
             yield e
         finally:
             e.stop()
+            e.tmp.cleanup()
+        return
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+async def _start(bootstrap: dict, listen_port: int, admin_port: int) -> EnvoyProcess:
+    tmp = tempfile.TemporaryDirectory(prefix="tg-envoy-")
+    cfg = Path(tmp.name) / "envoy.yaml"
+    cfg.write_text(yaml.safe_dump(bootstrap))
+    log = Path(tmp.name) / "envoy.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([envoy_binary(), "-c", str(cfg), "--log-level", "warn", "--disable-hot-restart",
+                                 "--concurrency", "1"], stdout=out, stderr=subprocess.STDOUT)
+    e = EnvoyProcess(proc, f"http://127.0.0.1:{listen_port}", f"http://127.0.0.1:{admin_port}", log, tmp)
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if proc.poll() is not None:
+                    text = log.read_text()
+                    error = _PortTaken if "Address already in use" in text else RuntimeError
+                    raise error(f"envoy exited {proc.returncode}: {text[-2000:]}")
+                try:
+                    async with s.get(f"{e.admin}/ready") as r:
+                        if r.status == 200:
+                            return e
+                except aiohttp.ClientError:
+                    pass
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"envoy not ready within 30 s: {log.read_text()[-2000:]}")
+                await asyncio.sleep(0.05)
+    except BaseException:
+        e.stop()
+        tmp.cleanup()
+        raise
 
 
 @dataclass
@@ -114,12 +145,14 @@ async def picker_stack(cfg, backend_urls: dict[str, str] | None = None, *, fail_
         picker = EndpointPicker(gw.state)
         port = await picker.start("127.0.0.1", 0)
         try:
-            listen, admin = free_port(), free_port()
-            boot = render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{port}", f"127.0.0.1:{admin}", fail_open,
-                          backend_urls)
-            if bootstrap is not None:
-                bootstrap(boot)
-            async with envoy(boot, listen, admin) as e:
+            def bootstrap_for(listen: int, admin: int) -> dict:
+                boot = render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{port}", f"127.0.0.1:{admin}", fail_open,
+                              backend_urls)
+                if bootstrap is not None:
+                    bootstrap(boot)
+                return boot
+
+            async with envoy(bootstrap_for) as e:
                 yield PickerStack(gw, picker, e)
         finally:
             await picker.stop(0)

@@ -21,7 +21,7 @@ from gateway.apis.registry import BY_PATH
 from gateway.epp.envoy_config import render
 from gateway.epp.grpc_server import EndpointPicker
 from tests.support.envoy import envoy, picker_stack
-from tests.support.servers import ScriptedBackend, free_port, gateway_config, running_gateway
+from tests.support.servers import ScriptedBackend, gateway_config, running_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -135,10 +135,8 @@ async def test_behind_an_envoy_that_routes_every_path_the_picker_is_the_front_do
             picker = EndpointPicker(gw.state)
             port = await picker.start("127.0.0.1", 0)
             try:
-                listen, admin = free_port(), free_port()
-                boot = _route_everything(render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{port}",
-                                                f"127.0.0.1:{admin}"))
-                async with envoy(boot, listen, admin) as e:
+                async with envoy(lambda listen, admin: _route_everything(
+                        render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{port}", f"127.0.0.1:{admin}"))) as e:
                     await _check_front_door(e.url, be, lambda: gw.metric(
                         "turbo_gateway_requests_total", model="m", backend="a", status="200"))
                     # what reached the engine is the path that was matched, not the caller's spelling

@@ -155,10 +155,11 @@ def _with_subset_hint(boot: dict, endpoints: str) -> dict:
 
 
 async def _through_envoy_with_hint(stack, cfg, backend_urls, hint: str, body: dict) -> tuple[int, dict, bytes]:
-    listen, admin = free_port(), free_port()
-    boot = _with_subset_hint(render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{stack.picker.port}",
-                                    f"127.0.0.1:{admin}", backend_urls=backend_urls), hint)
-    async with envoy(boot, listen, admin) as e, aiohttp.ClientSession() as s:
+    def bootstrap_for(listen: int, admin: int) -> dict:
+        return _with_subset_hint(render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{stack.picker.port}",
+                                        f"127.0.0.1:{admin}", backend_urls=backend_urls), hint)
+
+    async with envoy(bootstrap_for) as e, aiohttp.ClientSession() as s:
         async with s.post(e.url + "/v1/chat/completions", json=body) as r:
             return r.status, dict(r.headers), await r.read()
 
@@ -368,11 +369,12 @@ async def test_the_picker_process_killed_envoy_fails_closed_or_open_without_hang
         path.write_text(f"backends:\n- {{name: a, url: '{a.url}', models: [m]}}\nhealth: {{interval_s: 60}}\n")
         from gateway.config import load_config
         cfg = load_config(str(path))
-        listen, admin = free_port(), free_port()
-        boot = render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{admin}", fail_open)
         proc = await _epp_process(str(path), grpc_port)
         try:
-            async with envoy(boot, listen, admin) as e, aiohttp.ClientSession() as s:
+            def bootstrap_for(listen: int, admin: int) -> dict:
+                return render(cfg, f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{admin}", fail_open)
+
+            async with envoy(bootstrap_for) as e, aiohttp.ClientSession() as s:
                 body = {"model": "m", "messages": CHAT}
                 async with s.post(e.url + "/v1/chat/completions", json=body) as r:
                     assert r.status == 200 and r.headers["x-turbo-backend"] == "a"
