@@ -57,7 +57,8 @@ class GapEstimator:
       sessions that come back, about one in a hundred comes back after it was forgotten,
       whatever the shape of the gaps' tail.
     - :meth:`return_values`: per bin of waiting time, the chance that a waiting session
-      comes back while an engine still holds its KV cache.
+      comes back while an engine still holds its KV cache, the sessions still waiting
+      counted as not (yet) back.
     """
 
     def __init__(self) -> None:
@@ -83,12 +84,6 @@ class GapEstimator:
         self.ends = max(self.ends - 1.0, 0.0)
         self.observe(gap_s)
 
-    def continuing(self) -> float:
-        """The share of turns followed by another turn of their session, in [0, 1] (1
-        while no session ended)."""
-        n = self.returns + self.ends
-        return self.returns / n if n else 1.0
-
     def horizon(self, cap: float) -> float:
         """Seconds a waiting session is kept (see the class), at most ``cap``."""
         if self.returns < MIN_GAPS:
@@ -101,33 +96,42 @@ class GapEstimator:
                 return min(cap, upper_edge(i) * HORIZON_MARGIN)
         return cap
 
-    def return_values(self, held: Sequence[float]) -> list[float]:
+    def return_values(self, held: Sequence[float], waiting: Sequence[float] | None = None) -> list[float]:
         """Per bin ``k`` of waiting time, the chance that a session that has waited that
         long comes back while its KV cache is still held, given ``held[j]``: the chance
         that an engine still holds a prefix idle for a time of bin ``j``
-        (:meth:`RetentionFit.fit`). With ``m_j`` the share of gaps in bin ``j``,
-        ``S_k`` the share at bin ``k`` or later, and ``c`` :meth:`continuing`::
+        (:meth:`RetentionFit.fit`), and ``waiting[j]``: how many sessions are waiting
+        now, for a time of bin ``j`` (not yet back, not yet ended: right-censored).
 
-            value_k = c * sum_{j >= k} m_j held[j] / (c S_k + 1 - c)
+        The chance of a return in each bin is the Kaplan-Meier estimate (Kaplan and
+        Meier, "Nonparametric Estimation from Incomplete Observations", JASA 53, 1958)
+        over the bins: of the sessions at risk in bin ``j`` (``n_j``: back with a gap of
+        bin ``j`` or later, ended, or waiting now for a time of bin ``j`` or later),
+        ``d_j`` came back in it, the hazard ``h_j = d_j / n_j``; then, backwards::
 
-        the chance that it comes back (Bayes: it is among the continuing sessions whose
-        gap is that long, not among the ended ones) times the chance that its KV is
-        still there when it does: a session that comes back in seconds is worth its
-        whole context, one whose return is likely only after the engine would have
-        evicted it anyway is worth little. Before :data:`MIN_GAPS` gaps, a waiting
-        session is taken to come back: ``value_k = held[k]``. O(bins)."""
+            value_k = h_k held[k] + (1 - h_k) value_{k+1}
+
+        the chance that it comes back times the chance that its KV is still there when
+        it does: a session that comes back in seconds is worth its whole context, one
+        whose return is likely only after the engine would have evicted it anyway is
+        worth little. Without the sessions waiting now, the sessions that will never
+        come back are counted only once they end (:meth:`ended`, after the horizon),
+        and until then every session looks sure to come back. Before :data:`MIN_GAPS`
+        gaps, a waiting session is taken to come back: ``value_k = held[k]``.
+        O(bins)."""
         if self.returns < MIN_GAPS:
             return list(held)
-        c = self.continuing()
-        total = self.returns
+        counts = self.counts
         out = [0.0] * N_BINS
-        tail_mass = tail_value = 0.0
+        at_risk = self.ends
+        value = 0.0
         for k in range(N_BINS - 1, -1, -1):
-            m = self.counts[k] / total
-            tail_mass += m
-            tail_value += m * held[k]
-            den = c * tail_mass + 1.0 - c
-            out[k] = c * tail_value / den if den > 0 else 0.0
+            d = counts[k]
+            at_risk += d + waiting[k] if waiting is not None else d
+            if at_risk > 0:
+                h = d / at_risk
+                value = h * held[k] + (1.0 - h) * value
+            out[k] = value
         return out
 
 

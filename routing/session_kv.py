@@ -43,12 +43,14 @@ from routing.sessions import CHEAPER, NO_HIT, UNAVAILABLE, SessionTable, Waiting
 HELD_ALWAYS: tuple[float, ...] = (1.0,) * N_BINS  # a retention without observations, or precisely known
 
 
-def bin_factors(gaps: GapEstimator, held_by_bin: Sequence[float]) -> tuple[Sequence[float], list[float]]:
+def bin_factors(gaps: GapEstimator, held_by_bin: Sequence[float],
+                waiting: Sequence[float] | None = None) -> tuple[Sequence[float], list[float]]:
     """Per bin of waiting time, (the chance that the engine still holds a waiting
     session's blocks, the chance that they are asked for again while held) at a backend
     whose engine holds a prefix idle for a time of bin ``j`` with chance
-    ``held_by_bin[j]`` (:meth:`GapEstimator.return_values`). O(bins)."""
-    return held_by_bin, gaps.return_values(held_by_bin)
+    ``held_by_bin[j]``, ``waiting[j]`` sessions waiting now for a time of bin ``j``
+    (:meth:`GapEstimator.return_values`). O(bins)."""
+    return held_by_bin, gaps.return_values(held_by_bin, waiting)
 
 
 def waiting_value(w: Waiting, factors: tuple[Sequence[float], Sequence[float]],
@@ -226,7 +228,8 @@ class SessionRouting:
             fit = self.retention.get(name)
             e = self.index.engines.get(name)
             held_by_bin = HELD_ALWAYS if fit is None or (e is not None and e.live) else fit.fit()
-            held, value = bin_factors(self.sessions.gaps, held_by_bin)
+            sessions = self.sessions
+            held, value = bin_factors(sessions.gaps, held_by_bin, sessions.waiting_sessions)
             bt = self.block_tokens
             factors = self._factors[name] = ([h * bt for h in held], [v * bt for v in value])
         w.factors = factors

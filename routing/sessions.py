@@ -156,6 +156,7 @@ class SessionTable:
         self.hit_tokens: dict[str, list[int]] = {k: [0, 0] for k in PLACEMENTS}  # kind -> [prompt, cached]
         self.gaps = GapEstimator()
         self.waiting: dict[str, Waiting] = {}
+        self.waiting_sessions = [0.0] * N_BINS  # per bin of waiting time, the sessions counted there
         # per bin but the last, the counted sessions in it, oldest first, as (session, its seen then)
         self._fifos: list[deque[tuple[Session, float]]] = [deque() for _ in range(N_BINS - 1)]
         self._tails: dict[str, dict[int, Session]] = {}  # backend -> key_tail -> session
@@ -182,6 +183,7 @@ class SessionTable:
             w = self.waiting[s.home] = Waiting()
         w.add(bucket, s.blocks)
         s.bucket = bucket
+        self.waiting_sessions[bucket] += 1.0
         if bucket < N_BINS - 1:
             self._fifos[bucket].append((s, s.seen))
 
@@ -191,6 +193,7 @@ class SessionTable:
             w = self.waiting.get(s.home)
             if w is not None:
                 w.add(s.bucket, -s.blocks)
+            self.waiting_sessions[s.bucket] -= 1.0
             s.bucket = -1
         if s.key_tail:
             tails = self._tails.get(s.home)
@@ -205,6 +208,7 @@ class SessionTable:
         are taken oldest first, so that each one's entries stay ordered by when they
         were seen (those moved in come from younger bins, after those already there)."""
         fifos = self._fifos
+        counted = self.waiting_sessions
         last = N_BINS - 1
         for k in range(last - 1, -1, -1):
             fifo = fifos[k]
@@ -215,6 +219,8 @@ class SessionTable:
                     continue  # placed again, or no longer counted, since
                 to = bin_of(now - seen)
                 self.waiting[s.home].move(k, s.blocks, to, s.blocks)
+                counted[k] -= 1.0
+                counted[to] += 1.0
                 s.bucket = to
                 if to < last:
                     fifos[to].append((s, seen))
@@ -300,6 +306,9 @@ class SessionTable:
             # first bin (what _uncount then _count do, in one step)
             self.gaps.observe(now - s.seen)
             self.waiting[backend].move(s.bucket, s.blocks, 0, n)
+            counted = self.waiting_sessions
+            counted[s.bucket] -= 1.0
+            counted[0] += 1.0
             kind = HOME
             s.blocks, s.tail, s.seen, s.turns = n, tail, now, s.turns + 1
             s.queued, s.here = queued, True

@@ -67,16 +67,36 @@ def test_ended_sessions_lower_the_chance_of_a_return():
     g = GapEstimator()
     for _ in range(MIN_GAPS):
         g.observe(1.0)
-    assert g.continuing() == 1.0 and g.return_values([1.0] * N_BINS)[bin_of(1.0)] == pytest.approx(1.0)
+    assert g.return_values([1.0] * N_BINS)[bin_of(1.0)] == pytest.approx(1.0)
     for _ in range(MIN_GAPS):
         g.ended()
-    assert g.continuing() == 0.5
     # waited into the gaps' bin: half of such sessions end, the others come back there
     assert g.return_values([1.0] * N_BINS)[bin_of(1.0)] == pytest.approx(0.5)
     # waited longer than any gap seen: not coming back
     assert g.return_values([1.0] * N_BINS)[bin_of(100.0)] == 0.0
     g.came_back(1.0)  # one of the ended ones came back after all
     assert g.ends == MIN_GAPS - 1 and g.returns == MIN_GAPS + 1
+
+
+def test_sessions_still_waiting_longer_than_the_gaps_are_not_taken_to_come_back():
+    """Sessions that have waited past every gap seen, neither back nor ended yet (their
+    horizon is far), are right-censored: counted at risk, they lower the chance of a
+    return as ended ones do (Kaplan-Meier); without them every session looks sure to
+    come back."""
+    g = GapEstimator()
+    for _ in range(MIN_GAPS):
+        g.observe(1.0)
+    held = [1.0] * N_BINS
+    waiting = [0.0] * N_BINS
+    assert g.return_values(held, waiting)[0] == pytest.approx(1.0)
+    waiting[bin_of(100.0)] = 3 * MIN_GAPS  # three times as many, waiting for 100 s
+    v = g.return_values(held, waiting)
+    assert v[bin_of(1.0)] == pytest.approx(0.25) and v[0] == pytest.approx(0.25)
+    assert v[bin_of(100.0)] == 0.0
+    waiting[bin_of(100.0)] = 0.0
+    waiting[bin_of(0.1)] = 3 * MIN_GAPS  # waiting for less than the gaps: they may yet come back
+    v = g.return_values(held, waiting)
+    assert v[bin_of(1.0)] == pytest.approx(1.0) and v[0] == pytest.approx(1.0)
 
 
 def test_return_values_weigh_a_return_by_whether_the_kv_is_still_held_then():
@@ -243,15 +263,20 @@ def test_a_precise_removal_of_a_sessions_last_block_stops_valuing_it():
 def test_the_waiting_blocks_move_to_the_bins_of_their_waiting_time():
     t = SessionTable()
     t.place("s", "a", (1, 2, 3), 0.0)
-    assert t.waiting["a"].blocks[0] == 3
+    t.place("u", "a", (7,), 0.0)
+    assert t.waiting["a"].blocks[0] == 4 and t.waiting_sessions[0] == 2
     t.expire(3.0)
-    assert t.waiting["a"].blocks[bin_of(3.0)] == 3 and sum(t.waiting["a"].blocks) == 3
+    assert t.waiting["a"].blocks[bin_of(3.0)] == 4 and sum(t.waiting["a"].blocks) == 4
+    assert t.waiting_sessions[bin_of(3.0)] == 2 and sum(t.waiting_sessions) == 2
     t.place("s", "b", (1, 2, 3, 4), 3.5)  # it came back, elsewhere
-    assert sum(t.waiting["a"].blocks) == 0 and t.waiting["b"].blocks[0] == 4
+    assert sum(t.waiting["a"].blocks) == 1 and t.waiting["b"].blocks[0] == 4
+    assert t.waiting_sessions[0] == 1 and t.waiting_sessions[bin_of(3.0)] == 1
+    t.place("s", "b", (1, 2, 3, 4, 5), 4.0)  # and again, home
+    assert t.waiting["b"].blocks[0] == 5 and t.waiting_sessions[0] == 1 and sum(t.waiting_sessions) == 2
     t.expire(10.0)
-    assert t.waiting["b"].blocks[bin_of(6.5)] == 4
+    assert t.waiting["b"].blocks[bin_of(6.0)] == 5 and t.waiting_sessions[bin_of(6.0)] == 1
     t.backend_emptied("b")
-    assert "b" not in t.waiting and t.get("s", 10.0).bucket == -1
+    assert "b" not in t.waiting and t.get("s", 10.0).bucket == -1 and sum(t.waiting_sessions) == 1
 
 
 # ---- moves by reason -------------------------------------------------------------------------
