@@ -280,16 +280,19 @@ class Router(SessionRouting):
         if candidates[0].adapter_base(request.model) is not None:
             match.adapter_set = self.fleet.adapter_sets.members(request.model)
         decision = self.policy.choose(request, candidates, match)
-        decision.detail.setdefault("matched_tokens", match.cached_tokens(decision.backend.name))
-        decision.detail["output_tokens"] = request.output_tokens
+        chosen = decision.backend
+        cached = match.cached_tokens(chosen.name)
+        detail = decision.detail
+        detail.setdefault("matched_tokens", cached)
+        detail["output_tokens"] = request.output_tokens
         if match.exact_tokens:
-            decision.evidence = self.evidence(request, match, decision.backend.name)
+            decision.evidence = self.evidence(request, match, chosen.name)
         if request.session is not None:
-            self._place(request, candidates, match, decision, now)
-        reservation = self.reserve(request, decision.backend, now)
+            self._place(request, candidates, match, decision, cached, now)
+        reservation = self._reserve(request, chosen, cached, now)
         load = reservation.request_load
         if load is not None:  # what the estimate is judged by (the backend's EstimateError)
-            load.estimate_s = decision.detail.get("ttft_est_s", 0.0)
+            load.estimate_s = detail.get("ttft_est_s", 0.0)
         self.policy.on_dispatch(request, decision)
         return decision, reservation
 
@@ -299,7 +302,11 @@ class Router(SessionRouting):
         speculatively when ``b`` publishes KV events): what :meth:`route`
         does once it chose, and what a data plane does when a request was served by
         another backend than the one routed to (a proxy's own retry)."""
-        cached = self.match(request, now).cached_tokens(b.name)
+        return self._reserve(request, b, self.match(request, now).cached_tokens(b.name), now)
+
+    def _reserve(self, request: RouteRequest, b: BackendState, cached: float, now: float) -> Reservation:
+        """:meth:`reserve` of ``request`` on ``b``, which holds ``cached`` of its prompt
+        tokens (the match's :meth:`~routing.policies.Match.cached_tokens`)."""
         load = b.load.admit(uncached_tokens=request.prompt_tokens - cached, prompt_tokens=request.prompt_tokens,
                             output_tokens=request.output_tokens, now=now, stream=request.stream)
         self.index.record(b.name, request.block_hashes, now)

@@ -192,17 +192,18 @@ class SessionRouting:
             w.value = None
 
     def _place(self, request: RouteRequest, candidates: list[BackendState], match: Match, decision: Decision,
-               now: float) -> None:
-        """Record where ``request``'s session now lives (``decision``'s backend), why it
-        left its home if it did (not a candidate: ``unavailable``; counted as holding
-        nothing of it: ``no_hit``; else ``cheaper``), its last block's token-exact key
-        where the backend's KV events are live, and what the engine's reported cached
-        tokens will be compared with (:meth:`learn_cached`)."""
+               cached: float, now: float) -> None:
+        """Record where ``request``'s session now lives (``decision``'s backend, which
+        holds ``cached`` of its prompt tokens by ``match``), why it left its home if it
+        did (not a candidate: ``unavailable``; counted as holding nothing of it:
+        ``no_hit``; else ``cheaper``), its last block's token-exact key where the
+        backend's KV events are live, and what the engine's reported cached tokens will
+        be compared with (:meth:`learn_cached`)."""
         session = request.session
         assert session is not None
         decision.session = session
         chosen = decision.backend.name
-        queued = int(request.prompt_tokens - match.cached_tokens(chosen))
+        queued = int(request.prompt_tokens - cached)
         home = match.home
         reason = CHEAPER
         if home is not None and home != chosen:
