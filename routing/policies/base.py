@@ -121,16 +121,20 @@ class Match:
     def cached_tokens(self, backend: str) -> float:
         """Prompt tokens ``backend`` probably holds (all of them for a remote prefill)."""
         r = self.request
+        prompt = r.prompt_tokens
         if r.remote_prefill:
-            return float(r.prompt_tokens)
+            return float(prompt)
         if self.exact_tokens:
             exact = self.exact_tokens.get(backend)
             if exact is not None:
-                return float(min(exact, r.prompt_tokens))
+                return float(prompt if prompt < exact else exact)
         blocks = self.matched_blocks.get(backend)
         if not blocks:
             return 0.0
-        return min(blocks * r.tokens_per_block, float(r.prompt_tokens))
+        # the lesser of the two as min() takes it, without its call: this runs for
+        # every candidate of every decision
+        tokens = blocks * r.tokens_per_block
+        return float(prompt) if prompt < tokens else tokens
 
 
 @dataclass(slots=True)
