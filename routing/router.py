@@ -59,7 +59,6 @@ class Router(SessionRouting):
         # per backend without live KV events, how long its engine keeps an idle prefix (learn_cached)
         self.retention: dict[str, RetentionFit] = {}
         self._factors: dict[str, tuple[list[float], list[float]]] = {}  # (routing.session_kv.bin_factors)
-        self._turnovers = {}  # (routing.session_kv.SessionRouting.kv_turnover)
         self.index.on_gone = self._kv_gone
         self._next_expire = 0.0
         # model -> {engine block size: backends publishing KV events in it}, set by the core

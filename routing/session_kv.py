@@ -73,8 +73,6 @@ class SessionRouting:
     index: PrefixIndex
     block_tokens: int
     _factors: dict[str, tuple[list[float], list[float]]]  # backend -> bin_factors in tokens, until the next tick
-    # backend -> (its index entries, their changes, the valuation, capacity, kv_turnover) when last computed
-    _turnovers: dict[str, tuple[object, int, tuple[float, float], float, tuple[float, float]]]
 
     def kv_turnover(self, b: BackendState) -> tuple[float, float]:
         """(KV tokens ``b``'s cache can take without evicting, share of its evicted
@@ -86,7 +84,7 @@ class SessionRouting:
         (:meth:`value_waiting`): it stays within [0, 1]). O(1), one call per candidate
         of every decision (``Match.kv_turnover``), so the fold is written out here;
         where no backend publishes KV events, a backend's result is kept
-        (``_turnovers``) until its approximate entries change
+        (``Waiting.turnover``) until its approximate entries change
         (``BackendBlocks.changes``), its valuation does (a new ``Waiting.value``) or
         its capacity does: a decision recomputes it for the backend the last one chose
         and the few whose counters that dispatch moved, not for every candidate."""
@@ -99,7 +97,7 @@ class SessionRouting:
         v = w.value or self.value_waiting(name, w)
         entries = None if index.engines else index.backends.get(name)
         if entries is not None:  # kept while neither the index's entries nor the valuation changed
-            kept = self._turnovers.get(name)
+            kept = w.turnover
             if kept is not None and kept[0] is entries and kept[1] == entries.changes and kept[2] is v \
                     and kept[3] == capacity:
                 return kept[4]
@@ -113,7 +111,7 @@ class SessionRouting:
             reuse = (value + reuse * (used - held)) / used
         t = free, reuse
         if entries is not None:
-            self._turnovers[name] = (entries, entries.changes, v, capacity, t)
+            w.turnover = (entries, entries.changes, v, capacity, t)
         return t
 
     def _kv_gone(self, backend: str, keys: list[int]) -> None:

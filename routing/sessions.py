@@ -88,11 +88,13 @@ class Waiting:
     the bins of their blocks times ``factors``, :mod:`routing.session_kv`), kept up to
     date as blocks come and go (:meth:`add`), a new tuple at every change (what is
     derived from it is kept while it is the same object); ``None``: to be computed
-    again."""
+    again. ``turnover``: the router's turnover of the backend derived from ``value``,
+    kept with what it was derived from (:meth:`routing.session_kv.SessionRouting.kv_turnover`)."""
 
     blocks: list[float] = field(default_factory=lambda: [0.0] * N_BINS)
     value: tuple[float, float] | None = None
     factors: tuple[Sequence[float], Sequence[float]] = ((), ())
+    turnover: tuple[object, int, tuple[float, float], float, tuple[float, float]] | None = None
 
     def add(self, k: int, n: float) -> None:
         """``n`` blocks (negative: fewer) in bin ``k``; O(1)."""

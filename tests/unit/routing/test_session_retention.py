@@ -347,7 +347,8 @@ def test_a_kept_turnover_is_the_one_computed_afresh_whatever_changed():
 
     def check() -> None:
         kept = [r.kv_turnover(b) for b in backends]
-        r._turnovers.clear()
+        for w in r.sessions.waiting.values():
+            w.turnover = None
         assert kept == [r.kv_turnover(b) for b in backends]
 
     now = 1.0
