@@ -122,10 +122,8 @@ class SessionRouting:
         """Set ``m.home`` to the home of ``session``, if it has one, and count there the
         blocks the session's last turn placed (:meth:`SessionTable.held_blocks`) when
         the prefix index has fewer (another replica's dispatch not synced yet, or
-        blocks it aged out), unless the first block it lacks was evicted there by the
-        index's LRU (a ghost of the home: the cache took in enough since to evict
-        it), and, when another replica placed its last turn, that turn's uncached
-        tokens (``Match.home_queued``).
+        blocks it aged out), and, when another replica placed its last turn, that
+        turn's uncached tokens (``Match.home_queued``).
 
         Once the home's engine has reported hits after gaps (:meth:`learn_cached`),
         the blocks counted are the expected ones: those placed times the chance that
@@ -141,15 +139,12 @@ class SessionRouting:
         m.home = home
         if not s.here:
             m.home_queued = float(s.queued)
-        hashes = m.request.block_hashes
-        held = self.sessions.held_blocks(s, hashes)
+        held = self.sessions.held_blocks(s, m.request.block_hashes)
         if not held:
             return
-        indexed = m.matched_blocks.get(home, 0)
-        if indexed < held and self.index.ghosts.get(hashes[indexed]) == home:
-            return  # the home's cache took in enough since to evict the context's first block missing there
         idle = now - s.seen
         m.home_held, m.home_idle = held, idle
+        indexed = m.matched_blocks.get(home, 0)
         fit = self.retention.get(home)
         if fit is not None and indexed <= held:
             expected = int(held * fit.held(idle))

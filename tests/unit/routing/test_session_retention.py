@@ -372,18 +372,3 @@ def test_a_kept_turnover_is_the_one_computed_afresh_whatever_changed():
     assert sum(b.evictions.evicted for b in r.index.backends.values()) > 0
     assert sum(b.evictions.refetched for b in r.index.backends.values()) > 0
     assert any(any(w.blocks[1:]) for w in r.sessions.waiting.values())
-
-
-def test_a_home_whose_cache_evicted_the_context_since_is_not_counted_as_holding_it():
-    """The session's own evidence stands in for blocks the approximate index aged out
-    (or another replica's dispatch not synced yet), not for blocks the index's LRU
-    evicted at the home to take in later prompts: the engine's cache did too."""
-    r = router("a", capacity=4096, prefix_ttl_s=100.0)
-    first = turn(context(0), "s0")
-    assert route(r, first, 1.0).backend.name == "a"
-    d = route(r, turn(context(0, 2), "s0"), 2.0)
-    assert d.placement == "home" and d.detail["matched_tokens"] > 0
-    route(r, turn("a one-off long prompt " * 1000), 3.0)  # more than the home's cache holds
-    assert not r.index.match(turn(context(0, 3)).block_hashes, 3.0)
-    d = route(r, turn(context(0, 3), "s0"), 4.0)
-    assert d.placement == "home" and d.detail["matched_tokens"] == 0
