@@ -138,8 +138,10 @@ class SessionTable:
     ``moves`` the moved ones by reason (:data:`MOVE_REASONS`), ``hit_tokens`` per kind
     the prompt tokens and the engines' reported cached tokens of turns whose engine
     reported them. ``gaps`` learns the gaps; ``waiting`` holds, per backend, its
-    waiting sessions' blocks. Raises ``ValueError`` on a ``ttl_s`` or
-    ``max_sessions`` that is not positive.
+    waiting sessions' blocks, and ``waiting_sessions``, over all backends, how many
+    of those sessions wait in each bin (the gaps not yet seen:
+    :meth:`routing.gaps.GapEstimator.return_values`). Raises ``ValueError`` on a
+    ``ttl_s`` or ``max_sessions`` that is not positive.
     """
 
     def __init__(self, ttl_s: float = 1800.0, max_sessions: int = 100_000, share: bool = False) -> None:
