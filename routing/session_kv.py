@@ -44,7 +44,7 @@ HELD_ALWAYS: tuple[float, ...] = (1.0,) * N_BINS  # a retention without observat
 
 
 def bin_factors(gaps: GapEstimator, held_by_bin: Sequence[float],
-                waiting: Sequence[float] | None = None) -> tuple[Sequence[float], list[float]]:
+                waiting: Sequence[float]) -> tuple[Sequence[float], list[float]]:
     """Per bin of waiting time, (the chance that the engine still holds a waiting
     session's blocks, the chance that they are asked for again while held) at a backend
     whose engine holds a prefix idle for a time of bin ``j`` with chance
